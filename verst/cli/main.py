@@ -1,0 +1,41 @@
+"""The `verst` command: dispatches `verst <command> ...` to one module per command.
+
+Command modules import torch lazily, so `--help` and `--dry-run` stay fast and torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "model": ("verst.cli.model", "make a model locally: verst model init --arch qwen3 --size tiny --out DIR"),
+    "data": ("verst.cli.data", "write a procedural task: verst data make addition --n 2000 --out DIR"),
+    "sft": ("verst.cli.sft", "supervised fine-tuning: verst sft RECIPE [--section.field VALUE ...]"),
+    "train": ("verst.cli.train", "RL training: verst train RECIPE [--section.field VALUE ...]"),
+    "serve": ("verst.cli.serve", "run a server standalone: verst serve engine --model DIR --port P"),
+    "report": ("verst.cli.report", "write the HTML report of a run: verst report RUN_DIR"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: verst <command> [args]  (verst <command> --help for details)", "", "commands:"]
+    lines += [f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"verst: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

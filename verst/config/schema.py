@@ -1,0 +1,240 @@
+"""The typed config tree: one pydantic model per concern, a doc line and a range on every field.
+
+Defaults live here and nowhere else. Cross-field checks (batch arithmetic, schedule vs placement)
+run at start-up with the numbers in the message. Importing this module never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are rejected, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field("artifacts/models/tiny-qwen3", description="Hugging Face checkpoint directory (config, weights, tokenizer).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype; float32 on CPU, bfloat16 on GPU."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code shipped inside the checkpoint directory.")
+
+
+class DataConfig(Section):
+    train_path: str = Field("artifacts/data/addition/train.jsonl", description="Training prompts (JSONL or Parquet).")
+    test_path: str | None = Field("artifacts/data/addition/test.jsonl", description="Held-out prompts for evaluation.")
+    format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="File format; auto picks by extension.")
+    prompt_key: str = Field("prompt", description="Column holding the prompt (text or a list of chat messages).")
+    label_key: str | None = Field("label", description="Column holding the reference answer.")
+    metadata_key: str | None = Field("metadata", description="Column holding per-prompt metadata (a dict).")
+    tools_key: str | None = Field("tools", description="Column holding tool schemas for the chat template.")
+    apply_chat_template: bool = Field(True, description="Render prompts with the tokenizer's chat template.")
+    system_prompt: str | None = Field(None, description="System message prepended to text prompts.")
+    shuffle: bool = Field(True, description="Reshuffle prompts every epoch.")
+    seed: int = Field(42, description="Seed of the prompt shuffle.")
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 keeps all.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation.")
+    seed: int | None = Field(None, description="Base sampling seed (per request: seed + sample index); None is random.")
+
+    @model_validator(mode="after")
+    def _top_k_not_zero(self) -> SamplingConfig:
+        if self.top_k == 0:
+            raise ValueError("top_k = 0 keeps no token; use -1 for all or a positive k")
+        return self
+
+
+class RolloutConfig(Section):
+    batch_size: int = Field(32, ge=1, description="Prompts per rollout step.")
+    n_samples_per_prompt: int = Field(8, ge=1, description="Trajectories per prompt (the group size).")
+    over_sampling_batch_size: int | None = Field(
+        None, ge=1, description="Prompts launched per rollout step before filtering; default batch_size."
+    )
+    num_rollouts: int = Field(100, ge=0, description="Rollout steps to run (each feeds one or more train steps).")
+    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are rejected by the data source.")
+    max_response_tokens: int = Field(16, ge=1, description="Maximum new tokens per engine call.")
+    max_context_tokens: int | None = Field(None, ge=2, description="Cap on prompt + response of one trajectory.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
+    dynamic_filter: str | None = Field(
+        None, description="Group filter by name ('zero_std', DAPO) or import path; rejected groups are dropped."
+    )
+    rollout_fn: str | None = Field(None, description="Import path of a rollout fn (owns data, batching, rewards).")
+    generate_fn: str | None = Field(None, description="Import path of a generate fn (owns one sample's generation).")
+    agent_fn: str | None = Field(None, description="Import path of an agent fn (owns the episode loop).")
+    submission_granularity: Literal["sample", "group"] = Field(
+        "sample", description="Fully async: a finished sample (or only a whole group) frees its place."
+    )
+    max_in_flight: int | None = Field(
+        None, ge=1, description="Fully async: trajectories generating at once; default batch_size × n_samples_per_prompt."
+    )
+    return_partial_to_source: bool = Field(
+        False, description="Return prompts of groups aborted at the end of a step to the data source."
+    )
+    concurrency: int = Field(256, ge=1, description="Concurrent requests to the engines.")
+
+
+class RewardConfig(Section):
+    type: str = Field(
+        "numeric_match",
+        description="Built-in reward name (exact_match, numeric_match, math_verify, token_f1), 'remote', or 'custom'.",
+    )
+    path: str | None = Field(None, description="Import path of a custom reward fn (type = 'custom').")
+    url: str | None = Field(None, description="Remote reward endpoint (type = 'remote').")
+    timeout_s: float = Field(30.0, gt=0, description="Remote reward request timeout in seconds.")
+    max_concurrency: int = Field(32, ge=1, description="Remote reward requests in flight at once.")
+    group: bool = Field(False, description="Call the reward once per group with all its samples.")
+    key: str | None = Field(None, description="Key that selects the scalar from a dict reward.")
+
+
+class AlgorithmConfig(Section):
+    advantage_estimator: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+    ] = Field("grpo", description="How rewards become per-token advantages.")
+    grpo_std_normalization: bool = Field(True, description="GRPO: divide by the group std (off = Dr.GRPO style).")
+    policy_loss: Literal["ppo_clip", "gspo"] = Field("ppo_clip", description="Token-level PPO clip or sequence-level GSPO.")
+    eps_clip: float = Field(0.2, gt=0, description="Lower clip range of the importance ratio.")
+    eps_clip_high: float | None = Field(None, gt=0, description="Upper clip range (clip-higher); default eps_clip.")
+    dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip constant for negative advantages; None disables.")
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+        "token_mean", description="How per-token losses reduce to one number."
+    )
+    kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss (needs a reference model).")
+    kl_penalty_coef: float = Field(0.0, ge=0, description="REINFORCE++: token-level KL penalty folded into rewards.")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (REINFORCE++, GAE).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    value_clip: float = Field(0.2, gt=0, description="PPO value-loss clip range.")
+    mismatch_correction: Literal["none", "tis", "mis_token", "mis_sequence", "mis_geometric", "icepop"] = Field(
+        "none", description="Train–inference mismatch correction from rollout logprobs."
+    )
+    tis_clip: float = Field(2.0, gt=0, description="Upper bound of the truncated importance weight / band.")
+    tis_clip_low: float = Field(0.0, ge=0, description="Lower bound of the importance weight / band.")
+    use_rollout_logprobs: bool = Field(False, description="Use rollout logprobs as the old policy (skip recompute).")
+    distill_coef: float = Field(0.0, ge=0, description="Weight of the on-policy distillation (reverse KL) term.")
+
+
+class TrainerConfig(Section):
+    backend: Literal["fsdp2"] = Field("fsdp2", description="Training backend.")
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak (cosine/linear).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Schedule after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global grad norm to this value.")
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Samples per optimizer step; default = rollout.batch_size × n_samples_per_prompt."
+    )
+    max_tokens_per_micro_batch: int = Field(
+        8192, ge=1, description="Token budget of one packed micro-batch per rank (dynamic batch size)."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    seed: int = Field(1234, ge=0, description="Seed of the trainer's RNGs.")
+
+
+class SFTConfig(Section):
+    num_steps: int = Field(200, ge=1, description="Optimizer steps of supervised fine-tuning.")
+    batch_size: int = Field(128, ge=1, description="Examples per optimizer step.")
+    eval_interval: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after).")
+    target_key: str = Field("label", description="Column holding the assistant reply to imitate.")
+
+
+class SyncConfig(Section):
+    transport: Literal["distributed", "tensor", "disk"] = Field(
+        "distributed", description="Weight transport: process-group broadcast, shared memory/IPC, or safetensors."
+    )
+    bucket_bytes: int = Field(512 * 2**20, ge=2**16, description="Bucket size for bucketed weight pushes.")
+    interval: int = Field(1, ge=1, description="Push weights every N train steps.")
+    check_weights: bool = Field(False, description="After the first sync, verify every engine's weights equal the trainer's.")
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "retract", description="How in-flight requests are paused during a weight update."
+    )
+
+
+class BufferConfig(Section):
+    path: str | None = Field(None, description="Import path of a replacement data buffer.")
+    capacity_factor: float = Field(2.0, ge=1.0, description="Capacity = factor × groups per train step.")
+    max_staleness: int | None = Field(None, ge=0, description="Drop groups older than this many versions; None keeps all.")
+    unused: Literal["drop", "return"] = Field("drop", description="Discarded groups are dropped or returned to the source.")
+
+
+class ClusterConfig(Section):
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "disaggregated", description="Trainer and engines share devices (colocated) or not."
+    )
+    num_engines: int = Field(1, ge=1, description="Rollout engines.")
+    trainer_ranks: int = Field(1, ge=1, description="Trainer processes (FSDP2 ranks).")
+    engine: Literal["embedded", "sglang", "vllm"] = Field("embedded", description="Inference engine type.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device; auto picks cuda when available.")
+    ray_address: str | None = Field(None, description="Join an existing Ray cluster; None starts one locally.")
+
+
+class EvalConfig(Section):
+    path: str | None = Field(None, description="Held-out prompts; default data.test_path.")
+    interval: int = Field(0, ge=0, description="Evaluate every N train steps (0: only before and after).")
+    max_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
+    max_response_tokens: int | None = Field(None, ge=1, description="Default rollout.max_response_tokens.")
+    batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(0, ge=0, description="Save every N train steps (0: only at the end).")
+    load: str | None = Field(None, description="Resume from this checkpoint directory.")
+    save: bool = Field(True, description="Save a resumable checkpoint at the end.")
+    export_hf: bool = Field(True, description="Export the final model as a Hugging Face checkpoint.")
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
+    wandb: bool = Field(False, description="Log to Weights & Biases (must be installed).")
+    wandb_project: str = Field("verst", description="Weights & Biases project.")
+    progress: bool = Field(True, description="Show a live progress display.")
+
+
+Schedule = Literal["sync", "one_step_off", "fully_async"]
+
+
+class VerstConfig(Section):
+    name: str = Field("run", min_length=1, description="Run name; the run directory is runs/<name> by default.")
+    run_dir: str | None = Field(None, description="Run directory; default runs/<name>.")
+    schedule: Schedule = Field("sync", description="RL schedule: sync, one_step_off or fully_async.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout volume and sampling.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages and losses.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimizer and batching.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning.")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight synchronisation.")
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="Data buffer.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Placement and process counts.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> VerstConfig:
+        from verst.config.arithmetic import check_batch_arithmetic
+
+        check_batch_arithmetic(self)
+        if self.schedule == "fully_async" and self.cluster.placement == "colocated":
+            raise ValueError(
+                "schedule = 'fully_async' with cluster.placement = 'colocated' is refused: the fully async "
+                "schedule needs trainer and engines running at once; use cluster.placement = 'disaggregated'"
+            )
+        if self.reward.type == "custom" and not self.reward.path:
+            raise ValueError("reward.type = 'custom' needs reward.path (an import path)")
+        if self.reward.type == "remote" and not self.reward.url:
+            raise ValueError("reward.type = 'remote' needs reward.url")
+        return self

@@ -1,0 +1,106 @@
+"""One metrics logger, several sinks: metrics.jsonl (always), TensorBoard, Weights & Biases.
+
+Keys are flat and namespaced (`rollout/`, `buffer/`, `train/`, `sync/`, `eval/`, `perf/`, `time/`).
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from verst.monitor.run_dir import METRICS_FILE
+
+NAMESPACES = ("rollout", "buffer", "train", "sync", "eval", "perf", "time")
+
+
+class MetricsSink(Protocol):
+    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Appends one JSON object per log call: {"step": k, "time": t, ...metrics}."""
+
+    def __init__(self, run_dir: Path):
+        self._file = open(Path(run_dir) / METRICS_FILE, "a", buffering=1)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, "time": time.time(), **metrics}
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard + torch
+
+        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    def __init__(self, run_dir: Path, project: str, name: str, config: dict[str, Any]):
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError("logging.wandb = true but the wandb package is not installed (pip install wandb)") from None
+        self._run = wandb.init(project=project, name=name, dir=str(run_dir), config=config)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MetricsLogger:
+    """Validates keys and values, then fans out to every sink."""
+
+    def __init__(self, sinks: list[MetricsSink]):
+        self._sinks = sinks
+
+    @classmethod
+    def for_run(cls, run_dir: Path, *, tensorboard: bool = True, wandb: bool = False,
+                wandb_project: str = "verst", name: str = "run", config: dict[str, Any] | None = None) -> MetricsLogger:
+        sinks: list[MetricsSink] = [JsonlSink(run_dir)]
+        if tensorboard:
+            sinks.append(TensorBoardSink(run_dir))
+        if wandb:
+            sinks.append(WandbSink(run_dir, wandb_project, name, config or {}))
+        return cls(sinks)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        clean: dict[str, float] = {}
+        for key, value in metrics.items():
+            namespace = key.split("/", 1)[0]
+            if "/" not in key or namespace not in NAMESPACES:
+                raise ValueError(f"metric key {key!r} must start with one of {[n + '/' for n in NAMESPACES]}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"metric {key!r} has non-numeric value {value!r}")
+            clean[key] = float(value)
+        for sink in self._sinks:
+            sink.write(step, clean)
+
+    def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+

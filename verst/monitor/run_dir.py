@@ -1,0 +1,52 @@
+"""The run directory: resolved config, metrics.jsonl and summary.json of one run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from verst.config import VerstConfig
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def run_dir_of(cfg: VerstConfig) -> Path:
+    return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / cfg.name
+
+
+def prepare_run_dir(cfg: VerstConfig) -> Path:
+    """Create the run directory and write the resolved config into it."""
+    path = run_dir_of(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> Path:
+    out = Path(path) / SUMMARY_FILE
+    out.write_text(json.dumps(_json_safe(summary), indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All records of a run's metrics.jsonl, in order."""
+    file = Path(path) / METRICS_FILE
+    if not file.exists():
+        return []
+    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

@@ -1,0 +1,153 @@
+"""The one record that flows from rollout to trainer: a `Sample` is one trajectory of one prompt.
+
+Per-token arrays cover the response only and have documented equal lengths, checked by `validate()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    """Where a trajectory stands; the values are the wire strings."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"  # hit the response or context limit
+    ABORTED = "aborted"  # generation gave up (pause in abort mode, agent error, cancel)
+    FAILED = "failed"  # recoverable failure; may hold partial output
+
+
+class SampleError(ValueError):
+    """A Sample broke one of its invariants; the message carries the offending values."""
+
+
+@dataclasses.dataclass
+class Sample:
+    """One trajectory: prompt ids followed by response ids, plus what the trainer needs about them.
+
+    `tokens` holds prompt + response ids; the last `response_length` of them are the response.
+    `loss_mask` and `rollout_logprobs` are aligned with the response: 1 / the engine's logprob on
+    tokens the policy sampled, 0 / 0.0 on environment and tool tokens inserted between turns.
+    `weight_versions` gets one entry per engine call (the version that served it); staleness is
+    measured from the oldest one. `routed_experts` (MoE) is `[len(tokens) - 1][layers][top_k]`.
+    """
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    response_length: int = 0
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
+    reward: float | dict[str, float] | None = None
+    status: Status = Status.PENDING
+    weight_versions: list[str] = dataclasses.field(default_factory=list)
+    routed_experts: list[list[list[int]]] | None = None
+    group_index: int = 0
+    index: int = 0
+    label: Any = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Text at the edges: the prompt as given by the data source (str or chat messages) and the
+    # decoded response, for rewards and logs. The trainer never reads these.
+    prompt: str | list[dict[str, Any]] = ""
+    response: str = ""
+
+    # ---- derived views -------------------------------------------------------------------
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.tokens[: self.prompt_length]
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    @property
+    def effective_response_length(self) -> int:
+        """Number of response tokens the policy sampled (loss_mask == 1)."""
+        return sum(self.loss_mask)
+
+    def oldest_weight_version(self) -> int | None:
+        """The oldest numeric weight version that produced any token of this sample, if any."""
+        if not self.weight_versions:
+            return None
+        return min(_version_number(v, self.index) for v in self.weight_versions)
+
+    def reward_value(self, key: str | None = None) -> float:
+        """The scalar reward: the float itself, or `reward[key]` for dict rewards."""
+        if self.reward is None:
+            raise SampleError(f"sample {self.index}: reward is not set")
+        if isinstance(self.reward, dict):
+            if key is None or key not in self.reward:
+                raise SampleError(
+                    f"sample {self.index}: reward is a dict with keys {sorted(self.reward)}; "
+                    f"reward key {key!r} does not select one"
+                )
+            return float(self.reward[key])
+        return float(self.reward)
+
+    # ---- invariants ----------------------------------------------------------------------
+    def validate(self) -> Sample:
+        """Check the length and value invariants; raise SampleError naming the offending values."""
+        where = f"sample {self.index} (group {self.group_index})"
+        n_tok, n_resp = len(self.tokens), self.response_length
+        if not isinstance(self.status, Status):
+            raise SampleError(f"{where}: status {self.status!r} is not a Status")
+        if n_resp < 0 or n_resp > n_tok:
+            raise SampleError(f"{where}: response_length {n_resp} outside [0, len(tokens)={n_tok}]")
+        if n_resp and n_resp == n_tok:
+            raise SampleError(f"{where}: no prompt tokens (len(tokens)={n_tok}, response_length={n_resp})")
+        if len(self.loss_mask) != n_resp:
+            raise SampleError(f"{where}: len(loss_mask)={len(self.loss_mask)} != response_length={n_resp}")
+        if len(self.rollout_logprobs) != n_resp:
+            raise SampleError(
+                f"{where}: len(rollout_logprobs)={len(self.rollout_logprobs)} != response_length={n_resp}"
+            )
+        bad_mask = [m for m in self.loss_mask if m not in (0, 1)]
+        if bad_mask:
+            raise SampleError(f"{where}: loss_mask values must be 0 or 1, found {sorted(set(bad_mask))}")
+        env_logprobs = [lp for m, lp in zip(self.loss_mask, self.rollout_logprobs) if m == 0 and lp != 0.0]
+        if env_logprobs:
+            raise SampleError(f"{where}: rollout_logprobs must be 0.0 on loss_mask==0 tokens, found {env_logprobs[:3]}")
+        if self.routed_experts is not None and len(self.routed_experts) != max(n_tok - 1, 0):
+            raise SampleError(
+                f"{where}: len(routed_experts)={len(self.routed_experts)} != len(tokens) - 1 = {n_tok - 1}"
+            )
+        for v in self.weight_versions:
+            _version_number(v, self.index)
+        return self
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (status as its string)."""
+        d = dataclasses.asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
+        unknown = set(d) - _FIELD_NAMES
+        if unknown:
+            raise SampleError(f"Sample.from_dict: unknown keys {sorted(unknown)}")
+        kwargs = dict(d)
+        if "status" in kwargs:
+            try:
+                kwargs["status"] = Status(kwargs["status"])
+            except ValueError:
+                raise SampleError(
+                    f"Sample.from_dict: status {kwargs['status']!r} is not one of {[s.value for s in Status]}"
+                ) from None
+        return cls(**kwargs)
+
+
+_FIELD_NAMES = {f.name for f in dataclasses.fields(Sample)}
+
+
+def _version_number(version: str, index: int) -> int:
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        raise SampleError(f"sample {index}: weight version {version!r} is not an integer string") from None
