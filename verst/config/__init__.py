@@ -1,6 +1,7 @@
 """Layer 0: the typed config tree, recipe loading with dotted overrides, and batch arithmetic."""
 
 from verst.config.arithmetic import BatchPlan, batch_plan
+from verst.config.imports import ImportPathError, load_object
 from verst.config.load import ConfigError, iter_fields, load_config, parse_overrides, read_recipe
 from verst.config.schema import (
     AlgorithmConfig,
@@ -27,6 +28,7 @@ __all__ = [
     "CheckpointConfig",
     "ClusterConfig",
     "ConfigError",
+    "ImportPathError",
     "DataConfig",
     "EvalConfig",
     "LoggingConfig",
@@ -41,6 +43,7 @@ __all__ = [
     "batch_plan",
     "iter_fields",
     "load_config",
+    "load_object",
     "parse_overrides",
     "read_recipe",
 ]

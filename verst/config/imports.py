@@ -1,0 +1,31 @@
+"""Extension points are import paths: `package.module:attr` or `package.module.attr`."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+class ImportPathError(ValueError):
+    """An import path named in the config does not resolve; the message names the field and path."""
+
+
+def load_object(path: str, field: str = "import path") -> Any:
+    """Import and return the object at `path`; `field` names the config field in errors."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ImportPathError(f"{field} = {path!r} is not of the form 'package.module:name' or 'package.module.name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportPathError(f"{field} = {path!r}: cannot import module {module_name!r} ({e})") from None
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportPathError(f"{field} = {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+    return obj
