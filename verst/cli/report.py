@@ -1,10 +1,21 @@
-"""`verst report`: filled in by a later issue; until then it says so and exits non-zero."""
+"""`verst report RUN_DIR`: write the run's HTML report with PNG plots and print its path."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print("usage: verst report ...  (not built yet)")
-        return 0
-    raise SystemExit("verst report: not built yet")
+    parser = argparse.ArgumentParser(prog="verst report", description="Write RUN_DIR/report.html with plots.")
+    parser.add_argument("run_dir", help="run directory (holds metrics.jsonl, summary.json, config.yaml)")
+    args = parser.parse_args(argv)
+    from verst.monitor.report import write_report
+
+    try:
+        path = write_report(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"verst report: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0

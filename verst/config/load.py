@@ -97,9 +97,12 @@ def _parse_value(raw: str) -> Any:
 
 
 def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    """Deep-merge `src` into `dst`; keys may be spelled with dashes (recipe files, CLI)."""
     for k, v in src.items():
         k = k.replace("-", "_")
-        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+        if isinstance(v, dict):
+            if not isinstance(dst.get(k), dict):
+                dst[k] = {}
             _merge(dst[k], v)
         else:
             dst[k] = v

@@ -1,0 +1,132 @@
+import subprocess
+import sys
+
+import pytest
+
+from verst.config import ConfigError, VerstConfig, batch_plan, iter_fields, load_config, load_object, parse_overrides
+from verst.config.imports import ImportPathError
+
+
+def test_defaults_validate_and_plan():
+    cfg = load_config()
+    plan = batch_plan(cfg)
+    assert plan.samples_per_rollout == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    assert plan.global_batch_size == plan.samples_per_rollout
+    assert plan.train_steps_per_rollout == 1
+
+
+def test_every_field_has_a_doc_line():
+    fields = list(iter_fields())
+    assert len(fields) > 60
+    missing = [name for name, _, _, doc in fields if not doc.strip()]
+    assert missing == []
+
+
+def test_recipe_files_and_overrides_precedence(tmp_path):
+    toml = tmp_path / "r.toml"
+    toml.write_text('name = "t"\n[rollout]\nbatch_size = 4\nn_samples_per_prompt = 2\n[trainer]\nlr = 0.001\n')
+    yml = tmp_path / "r.yaml"
+    yml.write_text("name: y\nrollout:\n  batch-size: 8\n  n_samples_per_prompt: 4\n")
+    cfg = load_config(toml, ["--rollout.batch-size", "6", "--trainer.lr=2e-4", "--logging.progress", "false"])
+    assert (cfg.name, cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt) == ("t", 6, 2)
+    assert cfg.trainer.lr == pytest.approx(2e-4)
+    assert cfg.logging.progress is False
+    cfg = load_config(yml, ["--rollout.sampling.stop", "[a, b]", "--logging.tensorboard"])
+    assert (cfg.name, cfg.rollout.batch_size, cfg.rollout.sampling.stop) == ("y", 8, ["a", "b"])
+    assert cfg.logging.tensorboard is True
+
+
+def test_parse_overrides():
+    assert parse_overrides(["--a.b-c", "16", "--x=[1, 2]", "--flag"]) == [("a.b_c", 16), ("x", [1, 2]), ("flag", True)]
+    with pytest.raises(ConfigError, match="expected an override like --section.field VALUE, got 'oops'"):
+        parse_overrides(["oops"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # unknown keys, top level and nested, with a suggestion
+        (["--rollout.batchsize", "3"], "unknown config field 'rollout.batchsize' (value 3); did you mean 'rollout.batch_size'?"),
+        (["--colour", "red"], "unknown config field 'colour' (value 'red')"),
+        (["--rollout.sampling.temp", "1"], "unknown config field 'rollout.sampling.temp'"),
+        (["--rollout", "3"], "rollout: is a section, expected a table of fields, got 3"),
+        # wrong types
+        (["--algorithm.eps-clip", "abc"], "algorithm.eps_clip: Input should be a valid number"),
+        (["--rollout.batch-size", "2.5"], "rollout.batch_size: Input should be a valid integer"),
+        (["--schedule", "async"], "schedule: Input should be 'sync', 'one_step_off' or 'fully_async' (got 'async')"),
+        # out of range
+        (["--rollout.batch-size", "0"], "rollout.batch_size: Input should be greater than or equal to 1 (got 0)"),
+        (["--rollout.sampling.top-p", "1.5"], "rollout.sampling.top_p: Input should be less than or equal to 1 (got 1.5)"),
+        (["--rollout.sampling.top-k", "0"], "top_k = 0 keeps no token"),
+        (["--trainer.lr", "-1"], "trainer.lr: Input should be greater than 0 (got -1)"),
+    ],
+)
+def test_bad_config_names_field_and_value(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--rollout.batch-size", "3", "--trainer.global-batch-size", "16"],
+            "3 × 8 = 24 samples per rollout is not divisible by trainer.global_batch_size = 16",
+        ),
+        (
+            ["--rollout.batch-size", "4", "--rollout.n-samples-per-prompt", "3", "--trainer.global-batch-size", "4"],
+            "trainer.global_batch_size = 4 is not a multiple of rollout.n_samples_per_prompt = 3",
+        ),
+        (["--rollout.batch-size", "3", "--cluster.trainer-ranks", "5"], "global_batch_size = 24 is not divisible by cluster.trainer_ranks = 5"),
+        (["--rollout.over-sampling-batch-size", "4"], "over_sampling_batch_size = 4 is smaller than rollout.batch_size = 32"),
+        (["--rollout.max-in-flight", "4"], "rollout.max_in_flight = 4 cannot hold one group"),
+        (["--rollout.max-context-tokens", "16"], "max_context_tokens = 16 leaves no room"),
+        (["--schedule", "fully_async", "--cluster.placement", "colocated"], "'fully_async' with cluster.placement = 'colocated' is refused"),
+        (["--reward.type", "custom"], "reward.type = 'custom' needs reward.path"),
+        (["--reward.type", "remote"], "reward.type = 'remote' needs reward.url"),
+    ],
+)
+def test_inconsistent_config_fails_with_numbers(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_recipe_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout\n")
+    with pytest.raises(ConfigError, match="does not parse"):
+        load_config(bad)
+    ext = tmp_path / "r.json"
+    ext.write_text("{}")
+    with pytest.raises(ConfigError, match="extension '.json' is not .toml, .yaml or .yml"):
+        load_config(ext)
+
+
+def test_config_model_rejects_unknown_and_assignment():
+    with pytest.raises(Exception, match="Extra inputs are not permitted"):
+        VerstConfig.model_validate({"rollout": {"nope": 1}})
+    cfg = VerstConfig()
+    with pytest.raises(Exception, match="greater than or equal to 1"):
+        cfg.rollout.batch_size = 0
+
+
+def test_load_object():
+    import os.path
+
+    assert load_object("os.path:join") is os.path.join
+    assert load_object("os.path.join") is os.path.join
+    with pytest.raises(ImportPathError, match="reward.path = 'nope_mod:x': cannot import module 'nope_mod'"):
+        load_object("nope_mod:x", "reward.path")
+    with pytest.raises(ImportPathError, match="has no attribute 'nope'"):
+        load_object("os.path:nope", "reward.path")
+    with pytest.raises(ImportPathError, match="is not of the form"):
+        load_object("justaname", "reward.path")
+
+
+def test_config_import_does_not_import_torch():
+    code = "import sys, verst.config, verst.types, verst.cli.main; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
