@@ -1,0 +1,127 @@
+"""The one model and tokenizer loader every component uses, for tiny local and downloaded HF models.
+
+Also the edge where chat text becomes token ids (`chat_prompt_ids`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+_WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+)
+
+
+def _checkpoint_dir(path: str | Path) -> Path:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"model path {str(directory)!r} is not a directory; expected a Hugging Face checkpoint "
+            "(make one with `verst model init --arch qwen3 --size tiny --out DIR`)"
+        )
+    return directory
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of a checkpoint directory, with pad_token_id set.
+
+    A folder whose tokenizer_config.json names PreTrainedTokenizerFast (ours) is loaded as exactly
+    that from tokenizer.json: transformers 5.x AutoTokenizer may otherwise substitute the model
+    family's own tokenizer class (e.g. Qwen2Tokenizer) and silently change the ids.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    directory = _checkpoint_dir(path)
+    config_file = directory / "tokenizer_config.json"
+    if not (directory / "tokenizer.json").exists() and not config_file.exists():
+        raise FileNotFoundError(f"model path {str(directory)!r} has no tokenizer.json or tokenizer_config.json")
+    tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
+    if tokenizer_class == "PreTrainedTokenizerFast":
+        if not (directory / "tokenizer.json").exists():
+            raise FileNotFoundError(
+                f"{config_file} names PreTrainedTokenizerFast but {directory / 'tokenizer.json'} is missing"
+            )
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        # Checkpoints without a pad token (Llama) pad with eos: padded positions are masked out by the
+        # attention mask and the loss mask, so the id only has to exist.
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer of {str(directory)!r} has neither pad_token nor eos_token; cannot pad batches")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> Any:
+    """A transformers causal LM from a checkpoint directory, in eval mode on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choices: {', '.join(DTYPES)}")
+    directory = _checkpoint_dir(path)
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(f"model path {str(directory)!r} has no config.json; not a Hugging Face checkpoint")
+    has_weights = any((directory / name).exists() for name in _WEIGHT_FILES) or any(directory.glob("*.safetensors"))
+    if not has_weights:
+        raise FileNotFoundError(
+            f"model path {str(directory)!r} has no weights (looked for {', '.join(_WEIGHT_FILES)}, *.safetensors)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+    )
+    return model.to(device).eval()
+
+
+def check_vocab(tokenizer: Any, model: Any) -> None:
+    """Every token id must have an embedding row; more rows than tokens (padding) is allowed."""
+    n_tokens = len(tokenizer)
+    n_rows = model.get_input_embeddings().num_embeddings
+    if n_tokens > n_rows:
+        raise ValueError(
+            f"tokenizer has {n_tokens} tokens but the model's embedding has only {n_rows} rows "
+            f"(vocab_size); ids {n_rows}..{n_tokens - 1} would index past it"
+        )
+
+
+def load_model_and_tokenizer(
+    path: str | Path, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
+) -> tuple[Any, Any]:
+    """(model, tokenizer) of one checkpoint, checked to agree on the vocabulary."""
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    model = load_model(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    check_vocab(tokenizer, model)
+    return model, tokenizer
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
+    """The chat template's text for `messages` (and tool schemas).
+
+    template_kwargs reach the template as variables (e.g. enable_thinking=False for Qwen3's own).
+    """
+    if not tokenizer.chat_template:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; cannot render chat messages")
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+    )
+
+
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None, **template_kwargs: Any
+) -> list[int]:
+    """Prompt token ids: the chat template with the generation prompt, encoded once.
+
+    add_special_tokens=False because templates that want a BOS (Llama 3) write it into the text.
+    """
+    text = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=True, **template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
