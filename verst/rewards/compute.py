@@ -1,0 +1,140 @@
+"""Resolve the configured reward fn and score samples with it, recording every failure on its sample.
+
+`reward.type` is a built-in name, 'remote' (an HTTP service) or 'custom' (an import path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Sequence
+
+from verst.config import ConfigError, RewardConfig, load_object
+from verst.rewards.builtin import BUILTIN_REWARDS
+from verst.rewards.remote import RemoteReward
+from verst.rewards.values import GroupRewardFn, RewardError, RewardFn, RewardValue, check_reward_value
+from verst.types import Sample, Status
+
+REWARD_ERROR_KEY = "reward_error"  # sample.metadata key holding why a sample could not be scored
+OTHER_TYPES = ("remote", "custom")
+
+
+def build_reward_fn(cfg: RewardConfig) -> RewardFn | GroupRewardFn:
+    """The async reward fn named by `cfg` (a group fn when `cfg.group`); a RemoteReward for 'remote'."""
+    known = sorted(BUILTIN_REWARDS) + list(OTHER_TYPES)
+    if cfg.type not in known:
+        raise ConfigError(f"reward.type = {cfg.type!r} is unknown; known: {known}")
+    if cfg.path is not None and cfg.type != "custom":
+        raise ConfigError(f"reward.path = {cfg.path!r} is set but reward.type = {cfg.type!r}; use type 'custom'")
+    if cfg.url is not None and cfg.type != "remote":
+        raise ConfigError(f"reward.url = {cfg.url!r} is set but reward.type = {cfg.type!r}; use type 'remote'")
+    if cfg.type == "custom":
+        if cfg.path is None:
+            raise ConfigError("reward.type = 'custom' needs reward.path (an import path to an async fn)")
+        fn = load_object(cfg.path, "reward.path")
+        if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
+            raise ConfigError(f"reward.path = {cfg.path!r} is not an async function ({fn!r}); use 'async def'")
+        return fn
+    if cfg.group:
+        raise ConfigError(f"reward.group = true needs a custom group fn; reward.type = {cfg.type!r} scores one sample")
+    if cfg.type == "remote":
+        if cfg.url is None:
+            raise ConfigError("reward.type = 'remote' needs reward.url")
+        return RemoteReward(cfg.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency)
+    return BUILTIN_REWARDS[cfg.type]
+
+
+async def compute_rewards(
+    samples: Sequence[Sample],
+    reward: RewardConfig | RewardFn | GroupRewardFn,
+    *,
+    group: bool | None = None,
+    key: str | None = None,
+) -> dict[str, float]:
+    """Set `sample.reward` on every sample; return `rollout/` and `time/` metrics.
+
+    `reward` is a config (its `group` and `key` apply, and a client built here is closed here) or a
+    fn (then `group` says whether it takes whole groups, and `key` selects from dict rewards).
+    A RewardError marks its sample FAILED with the reason in `metadata['reward_error']`.
+    """
+    owned = isinstance(reward, RewardConfig)
+    if owned:
+        if group is not None or key is not None:
+            raise TypeError("compute_rewards: pass group/key through the RewardConfig, not as arguments")
+        fn, group, key = build_reward_fn(reward), reward.group, reward.key
+    else:
+        fn = reward
+    start = time.perf_counter()
+    try:
+        if group:
+            await asyncio.gather(*(_score_group(fn, g, key) for g in _split_groups(samples)))
+        else:
+            await asyncio.gather(*(_score_sample(fn, s, key) for s in samples))
+    finally:
+        if owned and isinstance(fn, RemoteReward):
+            await fn.aclose()
+    return reward_metrics(samples, key) | {"time/reward_s": time.perf_counter() - start}
+
+
+async def _score_sample(fn: RewardFn, sample: Sample, key: str | None) -> None:
+    try:
+        _set_reward(sample, await fn(sample), key)
+    except RewardError as e:
+        _fail(sample, str(e))
+
+
+async def _score_group(fn: GroupRewardFn, samples: list[Sample], key: str | None) -> None:
+    try:
+        values = await fn(samples)
+        if not isinstance(values, list) or len(values) != len(samples):
+            raise RewardError(
+                f"group reward fn returned {type(values).__name__} of length "
+                f"{len(values) if isinstance(values, list) else '-'} for a group of {len(samples)} samples"
+            )
+    except RewardError as e:
+        for s in samples:
+            _fail(s, f"group {s.group_index}: {e}")
+        return
+    for s, value in zip(samples, values):
+        try:
+            _set_reward(s, value, key)
+        except RewardError as e:
+            _fail(s, str(e))
+
+
+def _set_reward(sample: Sample, value: RewardValue, key: str | None) -> None:
+    value = check_reward_value(value, f"sample {sample.index}")
+    if isinstance(value, dict) and key not in value:
+        raise RewardError(f"sample {sample.index}: dict reward with keys {sorted(value)}; reward.key = {key!r} selects none")
+    sample.reward = value
+
+
+def _fail(sample: Sample, reason: str) -> None:
+    sample.reward = None
+    sample.status = Status.FAILED
+    sample.metadata[REWARD_ERROR_KEY] = reason
+
+
+def _split_groups(samples: Sequence[Sample]) -> list[list[Sample]]:
+    """Samples grouped by `group_index`, groups in order of first appearance."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    return list(groups.values())
+
+
+def reward_metrics(samples: Sequence[Sample], key: str | None = None) -> dict[str, float]:
+    """Failure count, mean scalar reward and, for dict rewards, the mean of each component."""
+    scored = [s for s in samples if s.reward is not None]
+    metrics = {"rollout/reward_failures": float(len(samples) - len(scored))}
+    if scored:
+        metrics["rollout/reward_mean"] = sum(s.reward_value(key) for s in scored) / len(scored)
+    components: dict[str, list[float]] = {}
+    for s in scored:
+        if isinstance(s.reward, dict):
+            for name, v in s.reward.items():
+                components.setdefault(name, []).append(v)
+    for name, values in components.items():
+        metrics[f"rollout/reward/{name}"] = sum(values) / len(values)
+    return metrics
