@@ -1,0 +1,54 @@
+"""Pure RL math over tensors: advantage estimators and losses returning `(loss, metrics)`.
+
+Layer 1: imports only torch and `verst.config`. Tensor and micro-batching conventions: `aggregation`.
+"""
+
+from verst.algo.advantages import (
+    batch_whiten,
+    broadcast_to_tokens,
+    compute_advantages,
+    discounted_returns,
+    gae,
+    group_relative_rewards,
+    reinforce_plus_plus,
+    rloo_rewards,
+)
+from verst.algo.aggregation import (
+    AGGREGATIONS,
+    aggregate,
+    aggregation_normalizer,
+    metric_aggregation,
+    to_global_share,
+)
+from verst.algo.kl import KL_ESTIMATORS, kl_estimate
+from verst.algo.losses import distill_token_loss, rl_loss, sft_loss
+from verst.algo.mismatch import CORRECTIONS, mismatch_metrics, mismatch_weights
+from verst.algo.policy_loss import clipped_surrogate, gspo_log_ratio, policy_loss, value_loss
+
+__all__ = [
+    "AGGREGATIONS",
+    "CORRECTIONS",
+    "KL_ESTIMATORS",
+    "aggregate",
+    "aggregation_normalizer",
+    "batch_whiten",
+    "broadcast_to_tokens",
+    "clipped_surrogate",
+    "compute_advantages",
+    "discounted_returns",
+    "distill_token_loss",
+    "gae",
+    "group_relative_rewards",
+    "gspo_log_ratio",
+    "kl_estimate",
+    "metric_aggregation",
+    "mismatch_metrics",
+    "mismatch_weights",
+    "policy_loss",
+    "reinforce_plus_plus",
+    "rl_loss",
+    "rloo_rewards",
+    "sft_loss",
+    "to_global_share",
+    "value_loss",
+]

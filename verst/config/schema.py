@@ -26,6 +26,7 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
+    source: str | None = Field(None, description="Import path of a replacement data source (the DataSource protocol).")
     train_path: str = Field("artifacts/data/addition/train.jsonl", description="Training prompts (JSONL or Parquet).")
     test_path: str | None = Field("artifacts/data/addition/test.jsonl", description="Held-out prompts for evaluation.")
     format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="File format; auto picks by extension.")
@@ -61,7 +62,7 @@ class RolloutConfig(Section):
         None, ge=1, description="Prompts launched per rollout step before filtering; default batch_size."
     )
     num_rollouts: int = Field(100, ge=0, description="Rollout steps to run (each feeds one or more train steps).")
-    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are rejected by the data source.")
+    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this (in tokens, after the chat template) are rejected.")
     max_response_tokens: int = Field(16, ge=1, description="Maximum new tokens per engine call.")
     max_context_tokens: int | None = Field(None, ge=2, description="Cap on prompt + response of one trajectory.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")

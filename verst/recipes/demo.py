@@ -17,7 +17,7 @@ SFT_RECIPE = Path("recipes/sft_addition.toml")
 
 
 def main() -> int:
-    from verst.data.tasks import make_task
+    from verst.data import make_splits, write_jsonl
     from verst.models.factory import init_model
     from verst.monitor.report import write_report
     from verst.recipes.sft import run_sft
@@ -27,7 +27,9 @@ def main() -> int:
         init_model("qwen3", "tiny", MODEL_DIR, seed=0)
         print(f"[demo] model: {MODEL_DIR}")
     if not (DATA_DIR / "train.jsonl").exists():
-        make_task("addition", n_train=4000, n_test=200, seed=0, out=DATA_DIR)
+        train, test = make_splits("addition", n_train=4000, n_test=200, seed=0)
+        write_jsonl(train, DATA_DIR / "train.jsonl")
+        write_jsonl(test, DATA_DIR / "test.jsonl")
         print(f"[demo] data: {DATA_DIR}")
     cfg = load_config(SFT_RECIPE)
     summary, run_dir = run_sft(cfg)
