@@ -124,6 +124,23 @@ class AlgorithmConfig(Section):
     use_rollout_logprobs: bool = Field(False, description="Use rollout logprobs as the old policy (skip recompute).")
     distill_coef: float = Field(0.0, ge=0, description="Weight of the on-policy distillation (reverse KL) term.")
 
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmConfig:
+        if self.mismatch_correction != "none" and self.use_rollout_logprobs:
+            raise ValueError(
+                f"algorithm.mismatch_correction = {self.mismatch_correction!r} corrects rollout vs trainer "
+                "logprobs; it cannot be combined with algorithm.use_rollout_logprobs = true"
+            )
+        token_kl = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+        if self.kl_penalty_coef > 0 and self.advantage_estimator not in token_kl:
+            raise ValueError(
+                f"algorithm.kl_penalty_coef = {self.kl_penalty_coef} needs a token-level estimator {token_kl}, "
+                f"got algorithm.advantage_estimator = {self.advantage_estimator!r}"
+            )
+        if self.tis_clip_low >= self.tis_clip:
+            raise ValueError(f"algorithm.tis_clip_low = {self.tis_clip_low} must be < algorithm.tis_clip = {self.tis_clip}")
+        return self
+
 
 class TrainerConfig(Section):
     backend: Literal["fsdp2"] = Field("fsdp2", description="Training backend.")

@@ -1,0 +1,170 @@
+"""The combined RL loss composed per `AlgorithmConfig`, plus SFT and on-policy distillation terms.
+
+Everything returns `(loss, metrics)`; metrics are python floats, local means (see `aggregation`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verst.algo.aggregation import aggregate, check_token_shapes, clamped_exp, metric_aggregation, to_global_share
+from verst.algo.kl import kl_estimate
+from verst.algo.mismatch import correction_metrics, mismatch_metrics, mismatch_weights
+from verst.algo.policy_loss import policy_loss, value_loss
+from verst.config.schema import AlgorithmConfig
+
+
+def sft_loss(
+    logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    aggregation: str = "token_mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Masked negative log-likelihood of the target tokens -> (loss, `train/sft_loss`, `train/loss`)."""
+    check_token_shapes(loss_mask, logprobs=logprobs)
+    local = aggregate(-logprobs, loss_mask, aggregation)
+    metrics = {"train/sft_loss": local.item(), "train/loss": local.item()}
+    return to_global_share(local, loss_mask, aggregation, normalizer), metrics
+
+
+def distill_token_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation by reverse KL to a teacher -> (surrogate [batch, resp_len], kl [batch, resp_len]).
+
+    kl_t = log π(y_t) − log π_teacher(y_t) on the sampled tokens (the k1 estimate of KL(π ‖ π_teacher);
+    Agarwal et al. 2024, arXiv:2306.13649, on-policy GKD with reverse KL). Minimising its mean directly
+    would give only E[∇log π] = 0 in expectation; the score-function surrogate sg[kl_t]·ρ_t with
+    ρ_t = π(y_t)/π_old(y_t) has gradient kl_t·∇log π(y_t) at π = π_old, the per-token reverse-KL policy
+    gradient (a per-token advantage −kl_t with no credit to later tokens, as in Miles' OPD), and its
+    value equals kl_t on-policy.
+    """
+    kl = (logprobs - teacher_logprobs).detach()
+    ratio = clamped_exp(logprobs - old_logprobs.detach())
+    return kl * ratio, kl
+
+
+def _check_needed(cfg: AlgorithmConfig, **given: torch.Tensor | None) -> None:
+    needs = {
+        "ref_logprobs": ("kl_loss_coef", cfg.kl_loss_coef),
+        "entropy": ("entropy_coef", cfg.entropy_coef),
+        "teacher_logprobs": ("distill_coef", cfg.distill_coef),
+    }
+    for name, (field, coef) in needs.items():
+        if coef > 0 and given[name] is None:
+            raise ValueError(f"algorithm.{field} = {coef} needs {name}, which was not given")
+    if cfg.mismatch_correction != "none":
+        if given["rollout_logprobs"] is None:
+            raise ValueError(f"mismatch_correction = {cfg.mismatch_correction!r} needs rollout_logprobs")
+        if cfg.use_rollout_logprobs:
+            raise ValueError(
+                f"mismatch_correction = {cfg.mismatch_correction!r} with use_rollout_logprobs = true: the old policy "
+                "is then the rollout policy and there is no mismatch to correct; turn one off"
+            )
+    value_inputs = [given["values"], given["old_values"], given["returns"]]
+    if any(v is not None for v in value_inputs) and any(v is None for v in value_inputs):
+        raise ValueError("the value loss needs values, old_values and returns together; some were None")
+
+
+def _policy_term(
+    cfg: AlgorithmConfig,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The local-mean policy-gradient loss with its mismatch weights, and their metrics."""
+    mode = cfg.loss_aggregation
+    metrics: dict[str, float] = {}
+    weights = None
+    if rollout_logprobs is not None:
+        metrics |= mismatch_metrics(old_logprobs, rollout_logprobs, loss_mask, aggregation=mode)
+    if cfg.mismatch_correction != "none":
+        weights, flags = mismatch_weights(
+            cfg.mismatch_correction, old_logprobs, rollout_logprobs, loss_mask,
+            clip_low=cfg.tis_clip_low, clip_high=cfg.tis_clip,
+        )  # fmt: skip
+        metrics |= correction_metrics(cfg.mismatch_correction, weights, flags, loss_mask, aggregation=mode)
+    loss, pg_metrics = policy_loss(
+        logprobs, old_logprobs, advantages, loss_mask,
+        kind=cfg.policy_loss, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, dual_clip_c=cfg.dual_clip_c,
+        aggregation=mode, weights=weights,
+    )  # fmt: skip
+    return loss, metrics | pg_metrics
+
+
+def rl_loss(
+    cfg: AlgorithmConfig,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    old_values: torch.Tensor | None = None,
+    returns: torch.Tensor | None = None,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training loss of one (micro-)batch -> (loss, metrics); all per-token tensors [batch, resp_len].
+
+    loss = pg + kl_loss_coef·KL(π ‖ π_ref) − entropy_coef·H + distill_coef·distill [+ value loss]
+    - pg: `cfg.policy_loss` (PPO clip or GSPO, see `policy_loss`), each token's loss multiplied by the
+      train–inference mismatch weight of `cfg.mismatch_correction` (see `mismatch`), which changes the
+      numerator only: rejected tokens still count in the normaliser.
+    - KL: `cfg.kl_estimator` of π vs `ref_logprobs`; H: the given per-token `entropy`.
+    - distill: reverse KL to `teacher_logprobs` (see `distill_token_loss`).
+    - value loss: added with weight 1 when `values`, `old_values`, `returns` are given (a shared value
+      head); a separate critic calls `value_loss` itself.
+    Every term is reduced by `cfg.loss_aggregation`. With `normalizer` (the global token or sequence
+    count: `aggregation_normalizer` summed over all micro-batches and ranks) the loss is this
+    micro-batch's share, so the micro-batch losses add up to the global-batch loss. Metrics are local
+    means (per-token ones reduced by `metric_aggregation`; weight them by `aggregation_normalizer` to
+    combine micro-batches). Metrics present only when their inputs are: `train/pg_loss`,
+    `train/pg_clipfrac`, `train/ppo_kl`, `train/loss`, `train/kl`, `train/entropy`, `train/distill_kl`,
+    `train/value_loss`, `train/value_clipfrac`, and with rollout logprobs
+    `train/train_rollout_logprob_abs_diff`, `train/train_rollout_kl`, `train/tis_mean`,
+    `train/tis_clipfrac` or `train/mis_reject_frac`.
+    """
+    check_token_shapes(
+        loss_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+        teacher_logprobs=teacher_logprobs, values=values, old_values=old_values, returns=returns,
+    )  # fmt: skip
+    _check_needed(
+        cfg, rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+        teacher_logprobs=teacher_logprobs, values=values, old_values=old_values, returns=returns,
+    )  # fmt: skip
+    mode, per_token = cfg.loss_aggregation, metric_aggregation(cfg.loss_aggregation)
+
+    def reduce(token_values: torch.Tensor, how: str = mode) -> torch.Tensor:
+        return aggregate(token_values, loss_mask, how)
+
+    loss, metrics = _policy_term(cfg, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs)
+    if ref_logprobs is not None:
+        kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator)
+        metrics["train/kl"] = reduce(kl.detach(), per_token).item()
+        if cfg.kl_loss_coef > 0:
+            loss = loss + cfg.kl_loss_coef * reduce(kl)
+    if entropy is not None:
+        metrics["train/entropy"] = reduce(entropy.detach(), per_token).item()
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * reduce(entropy)
+    if teacher_logprobs is not None:
+        surrogate, distill_kl = distill_token_loss(logprobs, old_logprobs, teacher_logprobs)
+        metrics["train/distill_kl"] = reduce(distill_kl, per_token).item()
+        if cfg.distill_coef > 0:
+            loss = loss + cfg.distill_coef * reduce(surrogate)
+    if values is not None:
+        v_loss, v_metrics = value_loss(
+            values, old_values, returns, loss_mask, value_clip=cfg.value_clip, aggregation=mode
+        )
+        loss = loss + v_loss
+        metrics |= v_metrics
+    metrics["train/loss"] = loss.item()
+    return to_global_share(loss, loss_mask, mode, normalizer), metrics

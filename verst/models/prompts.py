@@ -1,0 +1,78 @@
+"""The text edge: a data prompt (text or chat messages) becomes prompt ids, and an SFT example
+becomes prompt + response ids with the response ending at the end-of-turn token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verst.models.loader import render_chat
+
+Prompt = str | list[dict[str, Any]]
+
+
+def prompt_messages(prompt: Prompt, system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """Chat messages for a prompt: text becomes one user message; a system prompt goes first."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        messages = list(prompt)
+    else:
+        raise TypeError(f"prompt must be text or a list of chat messages, got {type(prompt).__name__}: {prompt!r:.80}")
+    if system_prompt is not None and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def encode_prompt(
+    tokenizer: Any,
+    prompt: Prompt,
+    *,
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Prompt ids: the chat template with the generation prompt, or the raw text when disabled."""
+    if apply_chat_template:
+        text = render_chat(tokenizer, prompt_messages(prompt, system_prompt), tools=tools, add_generation_prompt=True)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise TypeError("data.apply_chat_template = false needs text prompts, got chat messages")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_sft_example(
+    tokenizer: Any,
+    prompt: Prompt,
+    target: str,
+    *,
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], int]:
+    """(prompt + response ids, response_length) for imitating `target` as the assistant reply.
+
+    The response is the assistant turn as the chat template renders it, cut right after the
+    end-of-turn (eos) token: that is where generation stops, so the model learns to emit it and
+    nothing the template adds after it.
+    """
+    prompt_ids = encode_prompt(
+        tokenizer, prompt, apply_chat_template=apply_chat_template, system_prompt=system_prompt, tools=tools
+    )
+    eos = tokenizer.eos_token
+    if apply_chat_template:
+        messages = prompt_messages(prompt, system_prompt) + [{"role": "assistant", "content": target}]
+        full = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=False)
+        head = render_chat(tokenizer, messages[:-1], tools=tools, add_generation_prompt=True)
+        if not full.startswith(head):
+            raise ValueError("the chat template is not append-only for an assistant reply; cannot cut the response")
+        reply = full[len(head) :]
+        cut = reply.rfind(eos)
+        if cut < 0:
+            raise ValueError(f"the chat template's assistant turn {reply!r} does not contain the eos token {eos!r}")
+        reply = reply[: cut + len(eos)]
+    else:
+        reply = target + eos
+    response_ids = tokenizer.encode(reply, add_special_tokens=False)
+    return prompt_ids + response_ids, len(response_ids)
