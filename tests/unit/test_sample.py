@@ -111,6 +111,8 @@ def test_groups_and_staleness():
     for s, versions in zip(group, (["4"], ["3", "5"], ["5"], ["6"])):
         s.weight_versions, s.status = versions, Status.COMPLETED
     assert not group_is_aborted(group)
+    group[2].status = Status.FAILED
+    assert group_is_aborted(group)
     # pessimistic: the oldest token of any sample decides
     assert group_staleness(group, current_version=7) == 4
     with pytest.raises(SampleError, match="n_samples_per_prompt must be >= 1, got 0"):

@@ -36,7 +36,8 @@ def group_staleness(group: Group, current_version: int) -> int:
 
 
 def group_is_aborted(group: Group) -> bool:
-    return any(s.status in (Status.ABORTED, Status.PENDING) for s in group)
+    """Generation gave up on the group: a sample is aborted, failed (e.g. reward error) or still pending."""
+    return any(s.status in (Status.ABORTED, Status.FAILED, Status.PENDING) for s in group)
 
 
 def group_rewards(group: Group, key: str | None = None) -> list[float]:
