@@ -176,7 +176,7 @@ def test_value_loss_matches_reference():
     old = values.detach() + 0.3 * torch.randn(MASK.shape, generator=gen, dtype=torch.float64)
     returns = torch.randn(MASK.shape, generator=gen, dtype=torch.float64)
     loss, metrics = value_loss(values, old, returns, MASK, value_clip=0.2)
-    rows, flags, grads = [], [], []
+    rows, flags = [], []
     for i in range(5):
         r_row, f_row = [], []
         for t in range(6):

@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 
 from verst.config import BufferConfig, ConfigError, load_object
 from verst.rollout.filters import GroupFilter, apply_filter
-from verst.types import Group, Sample, Status, group_is_aborted, group_oldest_version, group_staleness
+from verst.types import Group, Sample, group_is_aborted, group_oldest_version, group_staleness
 
 DiscardReason = Literal["aborted", "filtered", "stale"]
 OnDiscard = Callable[[Group, DiscardReason], None]
