@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(PY) -m verst.recipes.demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check verst tests bench
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)
