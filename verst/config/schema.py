@@ -162,10 +162,11 @@ class TrainerConfig(Section):
 
 
 class SFTConfig(Section):
+    """SFT imitates each prompt's label (data.label_key) as the assistant reply."""
+
     num_steps: int = Field(200, ge=1, description="Optimizer steps of supervised fine-tuning.")
     batch_size: int = Field(128, ge=1, description="Examples per optimizer step.")
     eval_interval: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after).")
-    target_key: str = Field("label", description="Column holding the assistant reply to imitate.")
 
 
 class SyncConfig(Section):

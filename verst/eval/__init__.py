@@ -1,0 +1,5 @@
+"""Layer 2: evaluation — greedy held-out accuracy over any generation backend."""
+
+from verst.eval.greedy import GenerateFn, evaluate_greedy, hf_greedy_generate
+
+__all__ = ["GenerateFn", "evaluate_greedy", "hf_greedy_generate"]

@@ -32,14 +32,25 @@ def encode_prompt(
     system_prompt: str | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Prompt ids: the chat template with the generation prompt, or the raw text when disabled."""
+    """Prompt ids: the chat template with the generation prompt, or, with the template disabled,
+    the verbatim text of a text prompt or of a conversation that is a single user message.
+    """
     if apply_chat_template:
         text = render_chat(tokenizer, prompt_messages(prompt, system_prompt), tools=tools, add_generation_prompt=True)
-    elif isinstance(prompt, str):
-        text = prompt
     else:
-        raise TypeError("data.apply_chat_template = false needs text prompts, got chat messages")
+        text = _raw_text(prompt, system_prompt)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _raw_text(prompt: Prompt, system_prompt: str | None) -> str:
+    if system_prompt is not None:
+        raise ValueError("data.system_prompt needs data.apply_chat_template = true")
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and prompt[0].get("role") == "user" and isinstance(prompt[0].get("content"), str):
+        return prompt[0]["content"]
+    roles = [m.get("role") for m in prompt]
+    raise TypeError(f"data.apply_chat_template = false needs a text prompt or one user message, got roles {roles}")
 
 
 def encode_sft_example(

@@ -1,0 +1,28 @@
+"""Shared fixtures: a tiny model and the addition task, made once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from verst.models import init_model
+
+    return init_model("qwen3", "tiny", tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def addition_data_dir(tmp_path_factory):
+    from verst.data import make_splits, write_jsonl
+
+    out = tmp_path_factory.mktemp("data") / "addition"
+    train, test = make_splits("addition", n_train=2000, n_test=100, seed=0)
+    write_jsonl(train, out / "train.jsonl")
+    write_jsonl(test, out / "test.jsonl")
+    return out

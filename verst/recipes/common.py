@@ -1,0 +1,34 @@
+"""Steps every recipe shares: start the trainer ranks, copy trainer weights into a local model."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+from verst.config import VerstConfig
+from verst.trainer import FSDP2Backend, TrainBackend, TrainerGroup, WeightBucket
+
+
+@contextlib.contextmanager
+def open_trainer(cfg: VerstConfig, total_steps: int) -> Iterator[TrainBackend]:
+    """One rank in this process, or `cluster.trainer_ranks` rank processes behind a TrainerGroup."""
+    factory = functools.partial(FSDP2Backend, cfg.model, cfg.trainer, total_steps=total_steps, device=cfg.cluster.device)
+    if cfg.cluster.trainer_ranks == 1:
+        yield factory()
+        return
+    with TrainerGroup(factory, cfg.cluster.trainer_ranks, device=cfg.cluster.device) as group:
+        yield group
+
+
+def load_weights_into(model: Any, buckets: Iterator[WeightBucket]) -> None:
+    """Copy full trainer weights into a plain HF model; only tied weights may be absent."""
+    state = {name: tensor for bucket in buckets for name, tensor in bucket}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {name for name in missing if name.endswith("lm_head.weight") and model.config.tie_word_embeddings}
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"trainer weights do not fit the model: missing {sorted(set(missing) - tied)}, "
+                           f"unexpected {sorted(unexpected)}")
+    if tied:
+        model.tie_weights()

@@ -1,0 +1,91 @@
+"""SFT: imitate each prompt's label as the assistant reply (loss on assistant tokens only),
+evaluate held-out greedy accuracy before, during and after, save, export, summarise.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from verst.config import VerstConfig
+from verst.data import PromptSource, load_prompts_from_config
+from verst.eval import evaluate_greedy, hf_greedy_generate
+from verst.models import load_model, load_tokenizer
+from verst.models.prompts import encode_sft_example
+from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
+from verst.recipes.common import load_weights_into, open_trainer
+from verst.rewards import build_reward_fn
+from verst.trainer import sft_loss_fn
+from verst.types import Sample, Status
+
+
+def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
+    run_dir = prepare_run_dir(cfg)
+    tokenizer = load_tokenizer(cfg.model.path)
+    source = PromptSource.from_config(cfg.data, "train")
+    test_prompts = load_prompts_from_config(cfg.data, "test")[: cfg.eval.max_prompts]
+    reward = build_reward_fn(cfg.reward)
+    eval_model = load_model(cfg.model.path)
+    max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
+
+    def evaluate(trainer=None) -> dict[str, float]:
+        if trainer is not None:
+            load_weights_into(eval_model, trainer.named_weights(cfg.sync.bucket_bytes))
+        generate = hf_greedy_generate(eval_model, tokenizer, max_new, cfg.eval.batch_size)
+        return evaluate_greedy(test_prompts, generate, tokenizer, reward, cfg.data, max_new)
+
+    start = time.perf_counter()
+    logger = MetricsLogger.for_run(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                   wandb_project=cfg.logging.wandb_project, name=cfg.name)
+    with logger, open_trainer(cfg, total_steps=cfg.sft.num_steps) as trainer:
+        before = evaluate()
+        logger.log(before, step=0)
+        print(f"[sft] step 0: held-out accuracy {before['eval/accuracy']:.1%}", flush=True)
+        encoded: dict[int, Sample] = {}  # data_index -> training sample; each prompt is rendered once
+        for step in range(1, cfg.sft.num_steps + 1):
+            batch = [_cached(encoded, p, lambda p=p: sft_sample(tokenizer, p, cfg))
+                     for p in source.next_prompts(cfg.sft.batch_size)]
+            metrics = trainer.train_step(batch, sft_loss_fn)
+            if cfg.sft.eval_interval and step % cfg.sft.eval_interval == 0 and step != cfg.sft.num_steps:
+                metrics.update(evaluate(trainer))
+                print(f"[sft] step {step}: loss {metrics['train/loss']:.3f}, "
+                      f"held-out accuracy {metrics['eval/accuracy']:.1%}", flush=True)
+            logger.log(metrics, step=step)
+        after = evaluate(trainer)
+        logger.log(after, step=cfg.sft.num_steps)
+        if cfg.checkpoint.save:
+            trainer.save(run_dir / "checkpoint")
+        if cfg.checkpoint.export_hf:
+            trainer.export_hf(run_dir / "hf")
+    summary = {
+        "eval/accuracy_before": before["eval/accuracy"],
+        "eval/accuracy_after": after["eval/accuracy"],
+        "train/loss": metrics["train/loss"],
+        "train/steps": cfg.sft.num_steps,
+        "time/total_s": time.perf_counter() - start,
+    }
+    write_summary(run_dir, summary)
+    print(f"[sft] held-out greedy accuracy {before['eval/accuracy']:.1%} -> {after['eval/accuracy']:.1%} "
+          f"in {summary['time/total_s']:.0f} s; run directory {run_dir}", flush=True)
+    return summary, run_dir
+
+
+def _cached(cache: dict[int, Sample], prompt: Sample, make) -> Sample:
+    key = prompt.metadata["data_index"]
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def sft_sample(tokenizer: Any, prompt: Sample, cfg: VerstConfig) -> Sample:
+    """A training Sample imitating the prompt's label; every response token is a policy token."""
+    if not isinstance(prompt.label, str):
+        raise ValueError(f"SFT needs a text label to imitate; prompt {prompt.index} has label {prompt.label!r}")
+    ids, n = encode_sft_example(
+        tokenizer, prompt.prompt, prompt.label, apply_chat_template=cfg.data.apply_chat_template,
+        system_prompt=cfg.data.system_prompt, tools=prompt.metadata.get("tools"),
+    )
+    return Sample(tokens=ids, response_length=n, loss_mask=[1] * n, rollout_logprobs=[0.0] * n,
+                  status=Status.COMPLETED, index=prompt.index, group_index=prompt.group_index,
+                  prompt=prompt.prompt, label=prompt.label).validate()
