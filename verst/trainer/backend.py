@@ -1,0 +1,62 @@
+"""The TrainBackend contract: the handful of methods every training backend (FSDP2 now, Megatron
+later) offers to recipes, the driver-side `TrainerGroup` and weight transports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from verst.trainer.items import TrainItem
+from verst.trainer.losses import LossFn, Normalizer
+from verst.types import Sample
+
+Batch = Sequence[TrainItem | Sample]
+# One bucket of full (unsharded), Hugging Face-named tensors for weight sync.
+WeightBucket = list[tuple[str, torch.Tensor]]
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    """Every method is collective: in a multi-rank group, every rank calls it with the same global
+    batch (each rank picks its token-balanced share) and gets the same result.
+    """
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by `load`)."""
+        ...
+
+    def logprobs(
+        self, batch: Batch, *, reference: bool = False, with_entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Forward-only log π(response token) per item, `[response_length]` each, in batch order.
+
+        `reference=True` uses the frozen reference model. With `with_entropy`, returns
+        `(logprobs, entropies)`, both lists of `[response_length]` tensors.
+        """
+        ...
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer = ..., with_entropy: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step over the global batch; returns `train/loss`, `train/grad_norm`,
+        `train/lr`, `perf/train_tokens_per_s` and the loss fn's metrics under `train/`."""
+        ...
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Full, HF-named weights in buckets of about `bucket_bytes` (a bigger tensor goes alone)."""
+        ...
+
+    def save(self, directory: str | Path) -> None:
+        """Model, optimizer, lr schedule, RNG state and step: everything `load` needs to resume."""
+        ...
+
+    def load(self, directory: str | Path) -> None: ...
+
+    def export_hf(self, directory: str | Path) -> None:
+        """A checkpoint `transformers` loads, with the source model's tokenizer files copied."""
+        ...

@@ -1,0 +1,114 @@
+"""Checkpoints of a sharded trainer: resumable state (DCP shards of model and optimizer, lr schedule,
+step, per-rank RNG) and Hugging Face exports gathered on rank 0.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+SHARDS_DIR = "dcp"
+STATE_FILE = "trainer_state.pt"
+COMPLETE_MARKER = "COMPLETE"
+# Files of a Hugging Face checkpoint that export_hf writes itself; everything else (tokenizer,
+# chat template, generation config, remote code) is copied from the source model directory.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (tied ones once, under their first name) and persistent buffers, in HF names."""
+    yield from model.named_parameters()
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """Collective. `directory/COMPLETE` is written last, so a half-written checkpoint is never loaded."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    directory.mkdir(parents=True, exist_ok=True)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory / SHARDS_DIR)
+    torch.save(_rng_state(), directory / f"rng_rank{rank}.pt")
+    if rank == 0:
+        state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size}
+        torch.save(state, directory / STATE_FILE)
+    dist.barrier()
+    if rank == 0:
+        (directory / COMPLETE_MARKER).write_text(f"step {step}\n")
+
+
+def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
+    """Collective. Restores everything `save` wrote and returns the step."""
+    if not (directory / COMPLETE_MARKER).exists():
+        raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint (no {COMPLETE_MARKER} file)")
+    state = torch.load(directory / STATE_FILE, weights_only=False)
+    world_size = dist.get_world_size()
+    if state["world_size"] != world_size:
+        raise ValueError(
+            f"checkpoint {directory} was saved by {state['world_size']} ranks, this trainer has {world_size}; "
+            "per-rank RNG state cannot be restored exactly"
+        )
+    model_state, optim_state = get_state_dict(model, optimizer)
+    shards = {"model": model_state, "optimizer": optim_state}
+    dcp.load(shards, checkpoint_id=directory / SHARDS_DIR)
+    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(torch.load(directory / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    dist.barrier()
+    return int(state["step"])
+
+
+def export_hf(directory: Path, model: torch.nn.Module, source_path: str, dtype: str) -> None:
+    """Collective. Rank 0 writes `save_pretrained` output in `dtype` plus the source's other files."""
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        # A fresh model of the same config: the sharded one's class is an FSDP subclass, whose name
+        # would end up in config.json's "architectures".
+        with torch.device("meta"):
+            clean = AutoModelForCausalLM.from_config(model.config)
+        clean.load_state_dict(full, assign=True, strict=False)
+        missing = [n for n, p in clean.named_parameters() if p.is_meta]
+        if missing:
+            raise RuntimeError(f"export_hf: parameters missing from the gathered state: {missing[:5]}")
+        clean.to(getattr(torch, dtype)).save_pretrained(directory)
+        _copy_side_files(Path(source_path), directory)
+    dist.barrier()
+
+
+def _copy_side_files(source: Path, target: Path) -> None:
+    for path in sorted(source.iterdir()):
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, target / path.name)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])

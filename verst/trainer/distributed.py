@@ -1,0 +1,55 @@
+"""Process-group set-up for trainer ranks: gloo on CPU, NCCL (plus gloo for CPU objects) on GPU.
+
+Used by the built-in launcher and by any other host of a rank (a Ray actor, torchrun).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when available; a GPU rank takes cuda:LOCAL_RANK."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"trainer device {device!r} is not one of 'auto', 'cpu', 'cuda'")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("trainer device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_process_group(
+    rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
+    timeout_s: float = 600.0, host_store: bool = False,
+) -> None:
+    """Join the trainer's process group at the rendezvous store `master_addr:master_port`.
+
+    The store is hosted elsewhere (the `TrainerGroup` driver) unless `host_store`, when rank 0
+    serves it itself (the torchrun / Ray actor arrangement).
+    """
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already initialised in this process")
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=host_store and rank == 0,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def ensure_single_process_group(device: torch.device) -> None:
+    """For in-process use with one rank: a world of one over an in-memory store."""
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -1,0 +1,254 @@
+"""The FSDP2 train backend: a Hugging Face causal LM sharded with `fully_shard` over all ranks of
+the default process group; dynamic micro-batches, AdamW, clipping, an optional frozen reference.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from verst.config.schema import ModelConfig, TrainerConfig
+from verst.models.loader import load_model
+from verst.trainer import checkpoint
+from verst.trainer.backend import Batch, WeightBucket
+from verst.trainer.batching import (
+    ForwardOutputs,
+    MicroBatch,
+    balance_across_ranks,
+    collate,
+    dummy_micro_batch,
+    pack_micro_batches,
+    pad_right,
+    split_to_count,
+)
+from verst.trainer.distributed import ensure_single_process_group, resolve_device
+from verst.trainer.items import TrainItem, as_items
+from verst.trainer.losses import LossFn, Normalizer, count_policy_tokens
+from verst.trainer.schedule import build_optimizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FSDP2Backend:
+    """A `TrainBackend` over every rank of the default process group (one rank works in-process).
+
+    Parameters stay float32 (master weights); `model.dtype` other than float32 becomes the FSDP2
+    compute dtype, with gradients reduced in float32. `temperature` divides the logits before
+    log-softmax, so recomputed logprobs match what the engine sampled from. `packing` puts a whole
+    micro-batch in one row (see `batching`); by default only under flash-attention, whose cost does
+    not grow with the square of the row.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        trainer: TrainerConfig,
+        *,
+        total_steps: int | None = None,
+        ref_model_path: str | None = None,
+        temperature: float = 1.0,
+        packing: bool | None = None,
+        device: str = "auto",
+    ):
+        if temperature <= 0:
+            raise ValueError(f"logprob temperature must be positive, got {temperature}")
+        self.model_config, self.config, self.temperature = model, trainer, temperature
+        self.device = resolve_device(device)
+        ensure_single_process_group(self.device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.device.type == "cpu":
+            torch.set_num_threads(1)  # one thread per rank process; see PLATFORM.md
+        torch.manual_seed(trainer.seed + self.rank)
+        self._step = 0
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # Python objects (metrics, logprob dicts) travel over gloo even when tensors use NCCL.
+        self._object_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
+        self.model = self._build(model.path, trainable=True)
+        self.ref_model = self._build(ref_model_path, trainable=False) if ref_model_path else None
+        self.optimizer, self.scheduler = build_optimizer(self.model, trainer, total_steps)
+        if packing is None:
+            packing = self.model.config._attn_implementation.startswith("flash_attention")
+        self.packed = packing
+
+    # ---- model construction ------------------------------------------------------------
+    def _build(self, path: str, trainable: bool) -> torch.nn.Module:
+        # Every rank reads the checkpoint and keeps only its shard after fully_shard. Parameters are
+        # float32 master weights whatever the compute dtype.
+        model = load_model(path, dtype="float32", device="cpu", trust_remote_code=self.model_config.trust_remote_code)
+        if trainable and self.config.gradient_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        compute = _DTYPES[self.model_config.dtype]
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        block_names = set(getattr(model, "_no_split_modules", None) or [])
+        if not block_names:
+            raise ValueError(f"model at {path} names no transformer block class (_no_split_modules); cannot shard")
+        for module in model.modules():
+            if type(module).__name__ in block_names:
+                fully_shard(module, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)  # also moves the shards to the mesh device
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        return model
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    # ---- batching ------------------------------------------------------------------------
+    def _my_micro_batches(self, items: list[TrainItem]) -> list[list[int]]:
+        """This rank's share in micro-batches; every rank ends with the same number of them."""
+        lengths = [it.length for it in items]
+        share = balance_across_ranks(lengths, self.world_size)[self.rank]
+        bins = pack_micro_batches(share, lengths, self.config.max_tokens_per_micro_batch, self.packed)
+        count = torch.tensor([len(bins)], dtype=torch.long)
+        if self.world_size > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._object_group)
+        return split_to_count(bins, int(count.item()))
+
+    def _micro_batch(self, items: list[TrainItem], indices: list[int]) -> MicroBatch:
+        batch = collate(items, indices, self.packed) if indices else dummy_micro_batch(items[0])
+        return batch.to(self.device)
+
+    def _forward(self, model: torch.nn.Module, batch: MicroBatch, with_entropy: bool) -> ForwardOutputs:
+        out = model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            logits_to_keep=batch.logits_to_keep,
+            use_cache=False,
+        )
+        logits = out.logits.float()  # [n_resp_tokens, vocab]
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        log_probs = torch.log_softmax(logits, dim=-1)  # [n_resp_tokens, vocab]
+        token_logprobs = log_probs.gather(-1, batch.targets[:, None])[:, 0]  # [n_resp_tokens]
+        entropy = None
+        if with_entropy:
+            entropy = batch.pad_responses(-(log_probs.exp() * log_probs).sum(-1))
+        return ForwardOutputs(logprobs=batch.pad_responses(token_logprobs), entropy=entropy)
+
+    # ---- forward-only logprobs -----------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(
+        self, batch: Batch, *, reference: bool = False, with_entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if reference and self.ref_model is None:
+            raise ValueError("logprobs(reference=True) but the backend was built without ref_model_path")
+        model = self.ref_model if reference else self.model
+        items = as_items(batch)
+        model.eval()
+        mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for indices in self._my_micro_batches(items):
+            micro = self._micro_batch(items, indices)
+            outputs = self._forward(model, micro, with_entropy)
+            for row, index in enumerate(micro.indices):
+                n = items[index].response_length
+                ent = outputs.entropy[row, :n].cpu() if with_entropy else None
+                mine[index] = (outputs.logprobs[row, :n].cpu(), ent)
+        merged = {k: v for part in self._gather_objects(mine) for k, v in part.items()}
+        logprobs = [merged[i][0] for i in range(len(items))]
+        if with_entropy:
+            return logprobs, [merged[i][1] for i in range(len(items))]
+        return logprobs
+
+    # ---- training ------------------------------------------------------------------------
+    def train_step(
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        *,
+        normalizer: Normalizer = count_policy_tokens,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        start = time.perf_counter()
+        items = as_items(batch)
+        total = float(normalizer(pad_right([it.loss_mask for it in items])))
+        if not total > 0:
+            raise ValueError(f"the global batch's normaliser is {total}: no policy tokens (loss_mask all 0)")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        metric_sums: dict[str, float] = defaultdict(float)
+        for indices in self._my_micro_batches(items):
+            micro = self._micro_batch(items, indices)
+            outputs = self._forward(self.model, micro, with_entropy)
+            if not indices:  # a dummy keeps this rank in step with the collectives
+                (outputs.logprobs.sum() * 0.0).backward()
+                continue
+            loss, metrics = loss_fn(outputs, micro, total)
+            # FSDP averages gradients over ranks; the losses are already global sums, so undo it.
+            (loss * self.world_size).backward()
+            loss_sum += loss.detach()
+            weight = float(normalizer(micro.loss_mask)) / total
+            for key, value in metrics.items():
+                metric_sums[key] += float(value) * weight
+        grad_norm = self._clip_gradients()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self._step += 1
+        # The summed micro-batch losses are the global loss, whatever a loss fn reports as its own.
+        local = {**_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
+        parts = self._gather_objects((local, time.perf_counter() - start))
+        metrics: dict[str, float] = defaultdict(float)
+        for part, _ in parts:
+            for key, value in part.items():
+                metrics[key] += value
+        tokens_per_s = sum(it.length for it in items) / max(elapsed for _, elapsed in parts)
+        return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr, "perf/train_tokens_per_s": tokens_per_s}
+
+    def _clip_gradients(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        value = float(norm.item())
+        if not math.isfinite(value):
+            raise FloatingPointError(f"gradient norm is {value} at train step {self._step}; the step is refused")
+        return value
+
+    # ---- weights and checkpoints -----------------------------------------------------------
+    def named_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Collective: every rank gathers every tensor in the same order (tied weights appear once)."""
+        bucket: WeightBucket = []
+        size = 0
+        for name, tensor in checkpoint.named_tensors(self.model):
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            nbytes = full.numel() * full.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, full.detach()))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def save(self, directory: str | Path) -> None:
+        checkpoint.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step)
+
+    def load(self, directory: str | Path) -> None:
+        self._step = checkpoint.load(Path(directory), self.model, self.optimizer, self.scheduler)
+
+    def export_hf(self, directory: str | Path) -> None:
+        checkpoint.export_hf(Path(directory), self.model, self.model_config.path, self.model_config.dtype)
+
+    # ---- cross-rank exchange of Python objects ------------------------------------------------
+    def _gather_objects(self, value: object) -> list:
+        """Every rank's `value`, by rank (collective)."""
+        if self.world_size == 1:
+            return [value]
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, value, group=self._object_group)
+        return parts
+
+
+def _namespaced(metrics: dict[str, float]) -> dict[str, float]:
+    return {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}

@@ -1,0 +1,49 @@
+"""The loss-fn contract of the train backends, the built-in SFT loss, and global normalisers.
+
+A loss fn is algorithm code; the backend only calls it once per micro-batch and sums the results.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+
+from verst.algo.aggregation import aggregation_normalizer
+from verst.algo.losses import sft_loss
+from verst.trainer.batching import ForwardOutputs, MicroBatch
+
+
+class LossFn(Protocol):
+    """`loss_fn(outputs, batch, normalizer) -> (loss, metrics)`, called once per micro-batch.
+
+    `normalizer` is the global count (tokens or sequences of the whole global batch, all ranks and
+    micro-batches, as computed by the step's `Normalizer`); dividing this micro-batch's loss sum by
+    it makes the micro-batch losses add up to the global-batch loss. `metrics` are plain means over
+    this micro-batch (floats or 0-d tensors); the backend averages them over the global batch,
+    weighting each micro-batch by its share of the normaliser. Must be picklable (a module-level
+    function or a functools.partial of one) to cross into rank processes.
+    """
+
+    def __call__(
+        self, outputs: ForwardOutputs, batch: MicroBatch, normalizer: float
+    ) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]: ...
+
+
+class Normalizer(Protocol):
+    """`normalizer(loss_mask [batch, resp_len]) -> count`: this batch's share of the global count."""
+
+    def __call__(self, loss_mask: torch.Tensor) -> float: ...
+
+
+# The two global counts, as `Normalizer`s (picklable partials of the algo package's definition).
+count_policy_tokens = functools.partial(aggregation_normalizer, "token_mean")  # policy tokens
+count_policy_sequences = functools.partial(aggregation_normalizer, "seq_mean_token_mean")  # sequences with a policy token
+
+
+def sft_loss_fn(
+    outputs: ForwardOutputs, batch: MicroBatch, normalizer: float
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+    """Masked negative log-likelihood, token-mean over the global batch (use `count_policy_tokens`)."""
+    return sft_loss(outputs.logprobs, batch.loss_mask, aggregation="token_mean", normalizer=normalizer)
