@@ -12,9 +12,14 @@ from verst.trainer import FSDP2Backend, TrainBackend, TrainerGroup, WeightBucket
 
 
 @contextlib.contextmanager
-def open_trainer(cfg: VerstConfig, total_steps: int) -> Iterator[TrainBackend]:
-    """One rank in this process, or `cluster.trainer_ranks` rank processes behind a TrainerGroup."""
-    factory = functools.partial(FSDP2Backend, cfg.model, cfg.trainer, total_steps=total_steps, device=cfg.cluster.device)
+def open_trainer(cfg: VerstConfig, total_steps: int, temperature: float = 1.0,
+                 ref_model_path: str | None = None) -> Iterator[TrainBackend]:
+    """One rank in this process, or `cluster.trainer_ranks` rank processes behind a TrainerGroup.
+
+    `temperature` must be the sampling temperature in RL, so recomputed logprobs match the engine's.
+    """
+    factory = functools.partial(FSDP2Backend, cfg.model, cfg.trainer, total_steps=total_steps,
+                                temperature=temperature, ref_model_path=ref_model_path, device=cfg.cluster.device)
     if cfg.cluster.trainer_ranks == 1:
         yield factory()
         return
