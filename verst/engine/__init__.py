@@ -1,0 +1,33 @@
+"""The embedded inference engine (continuous batching over any HF causal LM, SGLang's HTTP dialect) and
+the async engine client. Importing this package imports no torch; names resolve lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineClient": "verst.engine.client",
+    "EngineError": "verst.engine.client",
+    "GenerateResult": "verst.engine.client",
+    "RoutingKeyError": "verst.engine.client",
+    "Timeouts": "verst.engine.client",
+    "ROUTING_KEY_HEADER": "verst.engine.client",
+    "EngineConfig": "verst.engine.core",
+    "EngineCore": "verst.engine.core",
+    "EngineRunner": "verst.engine.runner",
+    "EngineProcess": "verst.engine.process",
+    "free_port": "verst.engine.process",
+    "write_shm_bucket": "verst.engine.weights",
+    "open_weight_update_group": "verst.engine.weights",
+    "broadcast_tensors": "verst.engine.weights",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'verst.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

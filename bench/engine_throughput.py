@@ -1,0 +1,148 @@
+"""Generation throughput: the embedded engine (continuous batching) against Hugging Face `generate` in
+static batches of the same size, on the same requests, in one run. Target: engine >= 2x HF generate.
+
+256 requests with prompts of 16-48 tokens and long-tailed output lengths (4-128 tokens, log-normal).
+Every request generates exactly its length (EOS ignored), so both sides produce the same useful tokens;
+a static batch runs until its longest request is done, as `generate` does. Temperature 1 sampling.
+The engine is measured in-process (`EngineCore.step`) and served over HTTP (`verst serve engine` in a
+child process, 256 concurrent requests through the async client); RSS is the served engine's.
+
+    .venv/bin/python bench/engine_throughput.py [--sizes tiny,small] [--requests 256] [--batch 64] [--no-http]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from verst.engine.client import EngineClient  # noqa: E402
+from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
+from verst.engine.process import EngineProcess  # noqa: E402
+from verst.engine.request import Request, Sampling  # noqa: E402
+from verst.models.factory import init_model  # noqa: E402
+from verst.models.loader import load_model_and_tokenizer  # noqa: E402
+
+
+def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs: prompts 16-48 bytes, outputs log-normal (median 16) in [4, 128]."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(16, 48))]
+        length = min(128, max(4, round(math.exp(rng.gauss(math.log(16), 0.9)))))
+        out.append((prompt, length))
+    return out
+
+
+def run_hf(model, work, batch: int, seed: int) -> tuple[float, int]:
+    """Static batches of `batch` requests, left-padded; each batch generates its longest length."""
+    torch.manual_seed(seed)
+    useful, start = 0, time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        longest = max(n for _, n in chunk)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
+                                 pad_token_id=0)
+        assert out.shape[1] == width + longest
+        useful += sum(n for _, n in chunk)  # tokens past a request's own length are padding work
+    return time.perf_counter() - start, useful
+
+
+def run_engine(model, tokenizer, work, batch: int, seed: int) -> tuple[float, int, int]:
+    core = EngineCore(model, tokenizer, EngineConfig(max_running_requests=batch, seed=seed))
+    reqs = [Request(rid=str(i), prompt_ids=p, return_logprob=True,
+                    sampling=Sampling(temperature=1.0, max_new_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(work)]
+    start = time.perf_counter()
+    for r in reqs:
+        core.add_request(r)
+    while core.has_work():
+        core.step()
+    elapsed = time.perf_counter() - start
+    produced = sum(len(r.output_ids) for r in reqs)
+    assert produced == sum(n for _, n in work), "engine produced a different number of tokens"
+    return elapsed, produced, core.counters["steps"]
+
+
+async def _http_requests(url: str, work) -> int:
+    async with EngineClient(url) as client:
+        results = await asyncio.gather(*(client.generate(p, {"max_new_tokens": n, "ignore_eos": True})
+                                         for p, n in work))
+    return sum(len(r.output_ids) for r in results)
+
+
+def run_http(path: Path, work, batch: int) -> tuple[float, int, float]:
+    with EngineProcess(path, args=["--max-running-requests", str(batch)]) as engine:
+        asyncio.run(_http_requests(engine.url, work[:8]))  # warm-up
+        start = time.perf_counter()
+        produced = asyncio.run(_http_requests(engine.url, work))
+        elapsed = time.perf_counter() - start
+        rss = _rss_mib(engine.proc.pid)
+    return elapsed, produced, rss
+
+
+def _rss_mib(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def bench_size(size: str, args, root: Path) -> None:
+    path = init_model("qwen3", size, root / f"qwen3-{size}", seed=0)
+    model, tokenizer = load_model_and_tokenizer(path)
+    work = workload(args.requests, args.seed)
+    total = sum(n for _, n in work)
+    warm = workload(args.batch, args.seed + 1)
+    run_hf(model, warm[: args.batch // 4], args.batch // 4, args.seed)
+    run_engine(model, tokenizer, warm[: args.batch // 4], args.batch // 4, args.seed)
+    hf_s, hf_tokens = run_hf(model, work, args.batch, args.seed)
+    eng_s, eng_tokens, steps = run_engine(model, tokenizer, work, args.batch, args.seed)
+    hf_tps, eng_tps = hf_tokens / hf_s, eng_tokens / eng_s
+    print(f"\n== qwen3-{size}: {args.requests} requests, {total} output tokens "
+          f"(lengths 4-128, mean {total / len(work):.1f}), batch {args.batch}")
+    print(f"HF generate (static batches)   {hf_tps:8.1f} tok/s   {hf_s:6.2f} s")
+    print(f"engine, in-process             {eng_tps:8.1f} tok/s   {eng_s:6.2f} s   {steps} steps")
+    print(f"ratio engine / HF              {eng_tps / hf_tps:8.2f}x   (target >= 2x)")
+    print(f"bench process RSS              {_rss_mib():8.1f} MiB")
+    if not args.no_http:
+        http_s, http_tokens, rss = run_http(path, work, args.batch)
+        print(f"engine over HTTP (child)       {http_tokens / http_s:8.1f} tok/s   {http_s:6.2f} s   "
+              f"ratio {http_tokens / http_s / hf_tps:.2f}x   engine RSS {rss:.1f} MiB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="tiny,small")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64, help="engine max running requests = HF static batch size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-http", action="store_true", help="skip the served (child process) measurement")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="verst-bench-") as tmp:
+        for size in args.sizes.split(","):
+            bench_size(size.strip(), args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()

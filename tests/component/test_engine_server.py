@@ -1,0 +1,189 @@
+"""One engine served by `verst serve engine` in a child process, driven over loopback by the async client:
+weight updates from disk, shared memory and a gloo broadcast; pause in each mode with requests in
+flight; abort one and all; a client that goes away."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from verst.engine.client import EngineClient
+from verst.engine.process import EngineProcess, free_port
+from verst.engine.weights import broadcast_tensors, dtype_name, open_weight_update_group, write_shm_bucket
+from verst.models.factory import init_model
+from verst.models.loader import load_model
+
+torch.set_num_threads(1)
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-server")
+    return {seed: init_model("qwen3", "tiny", root / f"seed{seed}", seed=seed) for seed in (0, 7, 8, 9)}
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    # started through the CLI entry point, as `verst serve engine --model DIR --port 0` would be
+    proc = EngineProcess(models[0], entry=["-m", "verst.cli.main", "serve", "engine"],
+                         args=["--max-running-requests", "16"])
+    with proc:
+        yield proc
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def greedy_of(model_dir, n=8):
+    model = load_model(model_dir)
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+async def greedy(client, n=8):
+    result = await client.generate(PROMPT, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    return result.output_ids, result.weight_version
+
+
+def test_weight_update_from_disk(engine, models):
+    async def main():
+        async with EngineClient(engine.url) as client:
+            await client.update_weights_from_disk(str(models[7]), "disk-7")
+            assert await client.get_weight_version() == "disk-7"
+            return await greedy(client)
+
+    ids, version = run(main())
+    assert ids == greedy_of(models[7]) and version == "disk-7"
+
+
+def test_weight_update_from_shared_memory(engine, models):
+    named = list(load_model(models[8]).state_dict().items())
+
+    async def main():
+        async with EngineClient(engine.url) as client:
+            with write_shm_bucket(named) as bucket:
+                await client.update_weights_from_tensor(bucket.manifest, "shm-8")
+            return await greedy(client)
+
+    ids, version = run(main())
+    assert ids == greedy_of(models[8]) and version == "shm-8"
+
+
+def test_weight_update_from_a_gloo_broadcast(engine, models):
+    named = list(load_model(models[9]).state_dict().items())
+    port = free_port()
+
+    async def main():
+        async with EngineClient(engine.url) as client:
+            # the trainer is rank 0: it joins while the engine joins through HTTP, then broadcasts while
+            # the engine receives
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(open_weight_update_group, "127.0.0.1", port, 0, 2, "wug-test", "gloo", 60.0),
+                client.init_weights_update_group("127.0.0.1", port, 1, 2, "wug-test", "gloo"),
+            )
+            names, tensors = [n for n, _ in named], [t for _, t in named]
+            await asyncio.gather(
+                asyncio.to_thread(broadcast_tensors, group, tensors),
+                client.update_weights_from_distributed(names, [dtype_name(t.dtype) for t in tensors],
+                                                       [list(t.shape) for t in tensors], "dist-9", "wug-test"),
+            )
+            return await greedy(client)
+
+    ids, version = run(main())
+    assert ids == greedy_of(models[9]) and version == "dist-9"
+
+
+LONG = 160
+
+
+async def launch(client, n, prefix, max_new=LONG):
+    params = lambda i: {"max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": 1000 + i}  # noqa: E731
+    return [asyncio.ensure_future(client.generate(PROMPT + [i], params(i), rid=f"{prefix}-{i}")) for i in range(n)]
+
+
+async def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def generated(client):
+    return (await client.get_server_info())["internal_states"][0].get("total_generated_tokens", 0)
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_pause_with_requests_in_flight_then_continue(engine, mode):
+    async def main():
+        async with EngineClient(engine.url) as client:
+            reference = await asyncio.gather(*await launch(client, 4, f"ref-{mode}"))
+            start = await generated(client)
+            tasks = await launch(client, 4, f"live-{mode}")
+            await wait_until(lambda: _progressed(client, start, 8))
+            await client.pause(mode)
+            load = (await client.get_load())[0]
+            frozen = await generated(client)
+            await asyncio.sleep(0.3)
+            assert await generated(client) == frozen, "tokens were generated while paused"
+            if mode == "abort":
+                assert load["num_reqs"] == 0
+            elif mode == "retract":
+                assert load["num_waiting_reqs"] == 4 and load["num_tokens"] == 0
+            else:
+                assert load["num_reqs"] == 4 and load["num_waiting_reqs"] == 0 and load["num_tokens"] > 0
+            await client.continue_generation()
+            return reference, await asyncio.gather(*tasks)
+
+    reference, results = run(main())
+    for ref, got in zip(reference, results):
+        if mode == "abort":
+            assert got.finish_reason == "abort" and got.output_ids == ref.output_ids[: len(got.output_ids)]
+            assert len(got.output_ids) < LONG
+        else:
+            assert got.finish_reason == "length" and got.output_ids == ref.output_ids
+            assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) < 1e-4
+
+
+async def _progressed(client, start, n):
+    return await generated(client) - start >= n
+
+
+def test_abort_one_then_all_over_http(engine):
+    async def main():
+        async with EngineClient(engine.url) as client:
+            start = await generated(client)
+            tasks = await launch(client, 3, "abort", max_new=5000)
+            await wait_until(lambda: _progressed(client, start, 6))
+            await client.abort("abort-1")
+            first = await tasks[1]
+            assert not tasks[0].done() and not tasks[2].done()
+            await client.abort_all()
+            rest = await asyncio.gather(tasks[0], tasks[2])
+            return first, rest, await client.get_load()
+
+    first, rest, load = run(main())
+    assert first.finish_reason == "abort" and first.rid == "abort-1"
+    assert all(r.finish_reason == "abort" and 0 < len(r.output_ids) < 5000 for r in rest)
+    assert load[0]["num_reqs"] == 0
+
+
+def test_a_client_that_goes_away_frees_its_request(engine):
+    import httpx
+
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True}}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{engine.url}/generate", json=body, timeout=0.5)
+
+    async def main():
+        async with EngineClient(engine.url) as client:
+            await wait_until(lambda: _idle(client), timeout=10.0)
+            return await client.health_generate()
+
+    assert run(main()) is True
+
+
+async def _idle(client):
+    return (await client.get_load())[0]["num_reqs"] == 0

@@ -1,0 +1,146 @@
+"""Contract of the engine HTTP API (SGLang's native dialect): every endpoint answers with SGLang's field
+names and shapes, and bad input gets a 4xx naming the field while the engine keeps serving.
+
+Runs the real server over loopback, in this process (`BackgroundServer`), on a tiny MoE model.
+"""
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from verst.engine.core import EngineConfig, EngineCore
+from verst.engine.process import BackgroundServer
+from verst.models.factory import init_model
+from verst.models.loader import load_model_and_tokenizer
+
+torch.set_num_threads(1)
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = init_model("qwen3-moe", "tiny", tmp_path_factory.mktemp("contract") / "moe", seed=0)
+    model, tokenizer = load_model_and_tokenizer(path)
+    core = EngineCore(model, tokenizer, EngineConfig(max_running_requests=8, context_length=CONTEXT))
+    with BackgroundServer(core, served_model_name="tiny-moe", model_path=str(path)) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def test_generate_reply_has_sglang_fields(http):
+    body = {"input_ids": [72, 101, 108, 108, 111], "rid": "contract-1", "return_logprob": True,
+            "return_routed_experts": True, "sampling_params": {"max_new_tokens": 6, "temperature": 0.7,
+                                                               "sampling_seed": 3, "ignore_eos": True}}
+    reply = http.post("/generate", json=body).json()
+    meta = reply["meta_info"]
+    assert set(reply) == {"text", "output_ids", "meta_info"} and isinstance(reply["text"], str)
+    assert meta["id"] == "contract-1" and meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (5, 6, 0)
+    assert meta["weight_version"] == "0" and len(reply["output_ids"]) == 6
+    triples = meta["output_token_logprobs"]
+    assert [t[1] for t in triples] == reply["output_ids"] and all(t[2] is None and t[0] <= 0 for t in triples)
+    experts = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+    info = http.get("/get_model_info").json()
+    assert experts.reshape(5 + 6 - 1, info["moe_layers"], info["moe_top_k"]).max() < 4
+    again = http.post("/generate", json={**body, "rid": "contract-2"}).json()
+    assert again["output_ids"] == reply["output_ids"]  # same sampling_seed, same tokens
+    text = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}}).json()
+    assert text["meta_info"]["prompt_tokens"] == 5
+
+
+def test_stream_sends_cumulative_chunks_then_done(http):
+    body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    with http.stream("POST", "/generate", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_control_and_info_endpoints(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"] and info["weight_version"] == "0"
+    server_info = http.get("/get_server_info").json()
+    assert server_info["internal_states"][0]["num_running_reqs"] == 0 and server_info["dp_size"] == 1
+    load = http.get("/get_load").json()
+    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    assert http.post("/flush_cache").status_code == 200
+    assert http.post("/abort_request", json={"rid": "unknown"}).json()["aborted"] == 0
+    assert http.post("/pause_generation", json={"mode": "in_place"}).json()["success"] is True
+    assert http.post("/continue_generation", json={}).json()["success"] is True
+    assert http.post("/update_weight_version", json={"new_version": "0"}).json()["weight_version"] == "0"
+    assert http.get("/get_weight_version").json() == {"weight_version": "0"}
+
+
+def test_openai_compatible_routes_carry_logprobs_and_token_ids(http):
+    assert http.get("/v1/models").json()["data"][0]["id"] == "tiny-moe"
+    completion = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 1,
+                                                    "return_token_ids": True, "ignore_eos": True}).json()
+    choice = completion["choices"][0]
+    assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"] == [5, 6, 7]
+    assert len(choice["logprobs"]["token_logprobs"]) == 3 and choice["finish_reason"] == "length"
+    assert completion["usage"]["total_tokens"] == 6 and completion["metadata"]["weight_version"] == "0"
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+        "return_token_ids": True, "seed": 1}).json()
+    choice = chat["choices"][0]
+    assert choice["message"]["role"] == "assistant" and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+    assert all(len(item["top_logprobs"]) == 2 for item in choice["logprobs"]["content"])
+
+
+BAD_INPUTS = [
+    ("/generate", b'{"input_ids": [1, 2', 422, "body"),
+    ("/generate", {"input_ids": "abc"}, 422, "input_ids"),
+    ("/generate", {"input_ids": [1, "x"]}, 422, "input_ids.1"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, 422, "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"temperature": "hot"}}, 422, "sampling_params.temperature"),
+    ("/generate", {"input_ids": []}, 400, "input_ids"),
+    ("/generate", {"text": ""}, 400, "input_ids"),
+    ("/generate", {}, 422, "body"),
+    ("/generate", {"input_ids": [1], "text": "a"}, 422, "body"),
+    ("/generate", {"input_ids": [1, 265]}, 400, "input_ids"),
+    ("/generate", {"input_ids": [-3]}, 400, "input_ids"),
+    ("/generate", {"input_ids": list(range(CONTEXT))}, 400, "input_ids"),
+    ("/generate", {"input_ids": [1], "unknown_field": 1}, 422, "unknown_field"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"unknown": 1}}, 422, "sampling_params.unknown"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"n": 2}}, 422, "sampling_params"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, 422, "sampling_params"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [999]}}, 400,
+     "sampling_params.stop_token_ids"),
+    ("/pause_generation", {"mode": "sideways"}, 422, "mode"),
+    ("/abort_request", {"rid": 5}, 422, "rid"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, 400, "model_path"),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["{}"], "load_format": "direct"}, 422, "load_format"),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["not json"], "load_format": "shm"}, 400,
+     "serialized_named_tensors"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}, 400, "group_name"),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, 422, "body"),
+    ("/v1/chat/completions", {"messages": []}, 422, "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "field"), BAD_INPUTS,
+                         ids=[f"{p}-{i}" for i, (p, *_) in enumerate(BAD_INPUTS)])
+def test_bad_input_gets_4xx_naming_the_field_and_the_engine_keeps_serving(http, path, body, status, field):
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["field"] == field and error["message"], error
+    ok = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] >= 1

@@ -1,0 +1,291 @@
+"""Async client of one engine, or of sglang-router in front of engines, in SGLang's native HTTP dialect.
+
+All rollout code reaches inference through this class. Timeouts are bounded; only idempotent GETs are
+retried; a request that needs session affinity must carry a routing key (sent as `X-SMG-Routing-Key`),
+never silently falling back to load-based placement. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import itertools
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+# httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
+# concurrent generations (seconds of client CPU for 256); generations are therefore spread over several
+# pools of at most this many connections each.
+CONNECTIONS_PER_POOL = 32
+
+
+class EngineError(RuntimeError):
+    """A non-2xx reply or a transport failure; carries the URL, status and the server's message."""
+
+    def __init__(self, url: str, status: int | None, message: str):
+        super().__init__(f"{url}: {status if status is not None else 'no reply'}: {message}")
+        self.url, self.status, self.message = url, status, message
+
+
+class RoutingKeyError(ValueError):
+    """A request that needs session affinity was sent without a routing key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Seconds. `generate` bounds one whole generation; `weights` one weight update."""
+
+    connect: float = 5.0
+    generate: float = 600.0
+    control: float = 60.0
+    weights: float = 600.0
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """One `/generate` reply: token ids, their logprobs, why it ended, and which weights produced it."""
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # stop | length | abort
+    matched: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    weight_version: str
+    text: str
+    routed_experts_flat: np.ndarray | None  # int32, [prompt + output - 1, moe_layers * top_k] when asked for
+    meta_info: dict[str, Any]
+
+    def routed_experts(self, top_k: int) -> np.ndarray | None:
+        """`[prompt + output - 1, moe_layers, top_k]` (SGLang's layout), or None when not returned."""
+        if self.routed_experts_flat is None:
+            return None
+        return self.routed_experts_flat.reshape(self.routed_experts_flat.shape[0], -1, top_k)
+
+    @classmethod
+    def from_reply(cls, reply: dict[str, Any]) -> GenerateResult:
+        meta = reply["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        logprobs = meta.get("output_token_logprobs")
+        experts = None
+        if meta.get("routed_experts"):
+            rows = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1
+            flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+            experts = flat.reshape(rows, -1) if rows > 0 else flat.reshape(0, 0)
+        return cls(
+            rid=str(meta.get("id", "")), output_ids=list(reply["output_ids"]),
+            logprobs=[float(item[0]) for item in logprobs] if logprobs is not None else None,
+            finish_reason=finish.get("type", "abort"), matched=finish.get("matched"),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)), completion_tokens=int(meta.get("completion_tokens", 0)),
+            cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", "")),
+            text=reply.get("text", ""), routed_experts_flat=experts, meta_info=meta,
+        )
+
+
+class EngineClient:
+    """Talks to one base URL (an engine or a router). Use as `async with EngineClient(url) as c: ...`.
+
+    `affinity=True` marks every generate as needing session affinity (multi-turn work behind a router
+    in manual policy): a call without `routing_key` then raises `RoutingKeyError`.
+    """
+
+    def __init__(
+        self, base_url: str, *, timeouts: Timeouts | None = None, affinity: bool = False,
+        max_connections: int = 1024, get_retries: int = 3, transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.timeouts = timeouts or Timeouts()
+        self.affinity = affinity
+        self.get_retries = get_retries
+        self._transport = transport
+        self._per_pool = min(max_connections, CONNECTIONS_PER_POOL)
+        self._pools: list[httpx.AsyncClient | None] = [None] * max(1, -(-max_connections // CONNECTIONS_PER_POOL))
+        # one TLS context for all pools (loading the CA bundle costs ~0.1 s); none needed for plain http
+        self._ssl = httpx.create_ssl_context() if self.base_url.startswith("https") else False
+        self._next_pool = itertools.cycle(range(len(self._pools)))
+        self._http = self._pool(0)  # control calls and GETs
+
+    def _pool(self, index: int) -> httpx.AsyncClient:
+        pool = self._pools[index]
+        if pool is None:
+            pool = self._pools[index] = httpx.AsyncClient(
+                base_url=self.base_url, transport=self._transport, verify=self._ssl,
+                timeout=httpx.Timeout(self.timeouts.control, connect=self.timeouts.connect),
+                limits=httpx.Limits(max_connections=self._per_pool, max_keepalive_connections=self._per_pool),
+            )
+        return pool
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(pool.aclose() for pool in self._pools if pool is not None))
+
+    # ---- generation ----------------------------------------------------------------------------------
+    async def generate(
+        self, input_ids: list[int] | None = None, sampling_params: dict[str, Any] | None = None, *,
+        text: str | None = None, rid: str | None = None, return_logprob: bool = True,
+        routing_key: str | None = None, needs_affinity: bool | None = None, return_routed_experts: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> GenerateResult:
+        """One generation. Aborted requests return normally with `finish_reason == "abort"`."""
+        if (needs_affinity if needs_affinity is not None else self.affinity) and not routing_key:
+            raise RoutingKeyError(
+                "this generate needs session affinity (the router pins a session to the engine holding its "
+                f"prefix through the {ROUTING_KEY_HEADER} header) but routing_key is {routing_key!r}; "
+                "pass routing_key=<session id>"
+            )
+        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if input_ids is not None:
+            body["input_ids"] = list(input_ids)
+        if text is not None:
+            body["text"] = text
+        if rid is not None:
+            body["rid"] = rid
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        pool = self._pool(next(self._next_pool))
+        reply = await self._post("/generate", body, self.timeouts.generate, headers=headers, pool=pool)
+        return GenerateResult.from_reply(reply)
+
+    async def abort(self, rid: str) -> None:
+        await self._post("/abort_request", {"rid": rid}, self.timeouts.control)
+
+    async def abort_all(self) -> None:
+        await self._post("/abort_request", {"abort_all": True}, self.timeouts.control)
+
+    async def pause(self, mode: str = "retract") -> dict[str, Any]:
+        return await self._post("/pause_generation", {"mode": mode}, self.timeouts.control)
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self._post("/continue_generation", {}, self.timeouts.control)
+
+    async def flush_cache(self) -> dict[str, Any]:
+        return await self._post("/flush_cache", {}, self.timeouts.control)
+
+    # ---- weights --------------------------------------------------------------------------------------
+    async def update_weights_from_disk(self, model_path: str, weight_version: str, **extra: Any) -> dict[str, Any]:
+        body = {"model_path": model_path, "weight_version": weight_version, **extra}
+        return await self._post("/update_weights_from_disk", body, self.timeouts.weights)
+
+    async def update_weights_from_tensor(self, manifest: str, weight_version: str, flush_cache: bool = True) -> dict:
+        """`manifest` from `verst.engine.weights.write_shm_bucket` (the sender keeps the file until this returns)."""
+        body = {"serialized_named_tensors": [manifest], "load_format": "shm", "flush_cache": flush_cache,
+                "weight_version": weight_version}
+        return await self._post("/update_weights_from_tensor", body, self.timeouts.weights)
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "gloo",
+    ) -> dict[str, Any]:
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}
+        return await self._post("/init_weights_update_group", body, self.timeouts.weights)
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: str,
+        group_name: str = "weight_update_group", flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "flush_cache": flush_cache, "weight_version": weight_version}
+        return await self._post("/update_weights_from_distributed", body, self.timeouts.weights)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return await self._post("/update_weight_version", body, self.timeouts.control)
+
+    # ---- state (idempotent GETs, retried) ---------------------------------------------------------------
+    async def get_weight_version(self) -> str:
+        return str((await self._get("/get_weight_version"))["weight_version"])
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._get("/get_model_info")
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self._get("/get_server_info")
+
+    async def get_load(self) -> list[dict[str, Any]]:
+        return await self._get("/get_load")
+
+    async def health(self) -> bool:
+        return await self._probe("/health")
+
+    async def health_generate(self) -> bool:
+        return await self._probe("/health_generate")
+
+    # ---- transport ---------------------------------------------------------------------------------------
+    async def _post(
+        self, path: str, body: dict[str, Any], timeout: float, headers: dict | None = None,
+        pool: httpx.AsyncClient | None = None,
+    ) -> Any:
+        """POSTs are never retried: generation and control calls are not idempotent in general."""
+        try:
+            response = await (pool or self._http).post(path, json=body, headers=headers, timeout=timeout)
+        except httpx.TimeoutException as exc:
+            message = f"timed out after {timeout:g}s ({type(exc).__name__})"
+            raise EngineError(self.base_url + path, None, message) from exc
+        except httpx.TransportError as exc:
+            raise EngineError(self.base_url + path, None, f"{type(exc).__name__}: {exc}") from exc
+        return _json_or_raise(response, self.base_url + path)
+
+    async def _get(self, path: str) -> Any:
+        delay, last = 0.2, None
+        for attempt in range(self.get_retries + 1):
+            try:
+                response = await self._http.get(path, timeout=self.timeouts.control)
+            except httpx.TransportError as exc:
+                last = EngineError(self.base_url + path, None, f"{type(exc).__name__}: {exc}")
+            else:
+                if response.status_code not in (502, 503, 504):
+                    return _json_or_raise(response, self.base_url + path)
+                last = EngineError(self.base_url + path, response.status_code, _message(response))
+            if attempt < self.get_retries:
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise last  # type: ignore[misc]
+
+    async def _probe(self, path: str) -> bool:
+        try:
+            response = await self._http.get(path, timeout=self.timeouts.control)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in body:
+            return str(body["message"])
+        if "detail" in body:
+            return str(body["detail"])[:500]
+    return str(body)[:500]
+
+
+def _json_or_raise(response: httpx.Response, url: str) -> Any:
+    if response.status_code >= 400:
+        raise EngineError(url, response.status_code, _message(response))
+    if not response.content:
+        return {}
+    try:
+        return response.json()
+    except ValueError:
+        return {"text": response.text}

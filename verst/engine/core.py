@@ -1,0 +1,421 @@
+"""The engine core: a continuous-batching scheduler over one model, driven one `step()` at a time.
+
+Requests join between decode steps and leave as soon as they finish; a prefix cache lets a prompt that
+extends an earlier sequence reuse its KV. Also abort, pause (abort / retract / in place), weight loading
+with a version string, and cache flushing. Single-threaded and socket-free: `runner.py` drives it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from verst.engine.model_runner import ModelRunner
+from verst.engine.prefix_cache import PrefixCache
+from verst.engine.request import FinishReason, InvalidRequest, Phase, Request
+from verst.engine.sampling import RowSampling, sample
+
+log = logging.getLogger(__name__)
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Scheduler limits. The defaults suit tiny and small models on a CPU."""
+
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192  # rows x longest pending prompt in one prefill forward
+    # While requests are running, admit new ones only once this many slots are free (or the whole queue
+    # fits): a prefill forward costs about as much as a decode step, so admitting one request per step
+    # nearly doubles the forwards. None: max_running_requests // 8.
+    min_prefill_batch: int | None = None
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    prefix_cache_tokens: int = 32768  # 0 disables prefix caching
+    return_routed_experts: bool = False  # MoE: return routed experts on every reply (the router drops the field)
+    seed: int = 0  # seed of the sampling generator used by requests without sampling_seed
+
+    def __post_init__(self) -> None:
+        if self.min_prefill_batch is None:
+            self.min_prefill_batch = max(1, self.max_running_requests // 8)
+        for name in ("max_running_requests", "max_prefill_tokens", "min_prefill_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"EngineConfig.context_length must be >= 2, got {self.context_length}")
+
+
+class EngineCore:
+    """Owns the model, the KV slots, the prefix cache and the request queues. Not thread-safe: one caller.
+
+    Life of a request: `add_request` queues it; a `step()` admits it into a slot (prefix KV copied in),
+    prefills what is not cached and samples its first token; later steps decode one token each until a
+    stop condition; then its KV is offered to the prefix cache and `on_finish` is called.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None, weight_version: str = "0"):
+        self.config = config or EngineConfig()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.context_length = self.config.context_length or getattr(self.runner.config, "max_position_embeddings", None)
+        if not self.context_length:
+            raise ValueError("the model config has no max_position_embeddings; set EngineConfig.context_length")
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # running[i].slot == i
+        self.requests: dict[str, Request] = {}
+        self.paused = False
+        self.weight_version = weight_version
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+        self.counters = collections.Counter()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def validate(self, req: Request) -> None:
+        """Refuse a request the engine cannot serve, naming the field and value (no engine state used)."""
+        if not req.prompt_ids:
+            raise InvalidRequest("input_ids", req.prompt_ids, "the prompt is empty")
+        bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest("input_ids", bad, f"token id outside the vocabulary [0, {self.vocab_size})")
+        if len(req.prompt_ids) >= self.context_length:
+            raise InvalidRequest(
+                "input_ids", f"{len(req.prompt_ids)} tokens",
+                f"the prompt must be shorter than the context length ({self.context_length} tokens)",
+            )
+        bad = next((t for t in req.sampling.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                "sampling_params.stop_token_ids", bad, f"outside the vocabulary [0, {self.vocab_size})"
+            )
+        if req.sampling.stop and self.tokenizer is None:
+            raise InvalidRequest("sampling_params.stop", req.sampling.stop, "stop strings need a tokenizer")
+
+    def add_request(self, req: Request) -> None:
+        self.validate(req)
+        if req.rid in self.requests:
+            raise InvalidRequest("rid", req.rid, "a request with this rid is still in flight")
+        if req.sampling.max_new_tokens == 0:
+            req.cached_tokens = 0
+            self._finish(req, FinishReason("length", length=0))
+            self._complete(req)
+            return
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return not self.paused and bool(self.waiting or self.running)
+
+    def step(self) -> int:
+        """One scheduling round: decode every running request, then admit and prefill waiting ones.
+
+        Returns the number of tokens generated.
+        """
+        if self.paused:
+            return 0
+        produced = 0
+        with torch.no_grad():
+            if self.running:
+                produced += self._decode()
+            self._release_finished()
+            batch = self._admit()
+            if batch:
+                produced += self._prefill(batch)
+            self._release_finished()
+        self.counters["steps"] += 1
+        self.counters["generated_tokens"] += produced
+        return produced
+
+    def abort(self, rid: str, message: str = "aborted by request") -> bool:
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        self._abort([req], message)
+        return True
+
+    def abort_all(self, message: str = "aborted by request") -> int:
+        reqs = list(self.waiting) + list(self.running)
+        self._abort(reqs, message)
+        return len(reqs)
+
+    def reset(self, message: str) -> None:
+        """Last resort after a failure: end every request as aborted without touching the KV storage."""
+        stuck = list(self.waiting) + list(self.running)
+        self.waiting, self.running = collections.deque(), []
+        self.runner.cache.clear()
+        self.prefix_cache.flush()
+        for req in stuck:
+            req.finish = FinishReason("abort", message=message)
+            self._complete(req)
+
+    def pause(self, mode: str) -> int:
+        """Stop scheduling. abort: in-flight requests end as aborted; retract: they go back to the queue
+        (their KV kept only in the prefix cache) and are recomputed; in_place: they keep their KV."""
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest("mode", mode, f"choices: {', '.join(PAUSE_MODES)}")
+        affected = len(self.running) + len(self.waiting)
+        with torch.no_grad():
+            if mode == "abort":
+                self.abort_all(message="aborted by pause_generation(mode='abort')")
+            elif mode == "retract":
+                self._retract_all()
+        self.paused = True
+        return affected
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def flush_cache(self) -> None:
+        self.prefix_cache.flush()
+        if not self.running:
+            self.runner.cache.clear()
+
+    def check_weights(self, named_shapes: list[tuple[str, Any]]) -> dict[str, torch.Tensor]:
+        """Every name must be a weight of the model with the same shape; returns the model's tensors."""
+        table = self.model.state_dict(keep_vars=True)
+        for name, shape in named_shapes:
+            if name not in table:
+                known = ", ".join(list(table)[:3])
+                raise InvalidRequest("names", name, f"not a weight of the model (e.g. {known}, ...)")
+            if tuple(shape) != tuple(table[name].shape):
+                raise InvalidRequest("shapes", list(shape), f"{name} has shape {list(table[name].shape)} in the model")
+        return table
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: str | None, flush: bool = True) -> int:
+        """Copy tensors into the model by name, all validated first; set the version; flush the cache."""
+        items = list(named)
+        table = self.check_weights([(name, tensor.shape) for name, tensor in items])
+        with torch.no_grad():
+            for name, tensor in items:
+                table[name].copy_(tensor)
+        if version is not None:
+            self.weight_version = version
+        if flush:
+            self.prefix_cache.flush()
+        self.counters["weight_updates"] += 1
+        return len(items)
+
+    def probe(self) -> bool:
+        with torch.no_grad():
+            return self.runner.probe()
+
+    def load(self) -> dict[str, int]:
+        """SGLang's `/get_load` numbers for this (single data-parallel rank) engine."""
+        return {
+            "dp_rank": 0,
+            "num_reqs": len(self.running) + len(self.waiting),
+            "num_waiting_reqs": len(self.waiting),
+            "num_tokens": sum(r.kv_len for r in self.running),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.load(),
+            "num_running_reqs": len(self.running),
+            "paused": self.paused,
+            "weight_version": self.weight_version,
+            "prefix_cache_tokens": self.prefix_cache.num_tokens,
+            "prefix_cache_sequences": len(self.prefix_cache),
+            "kv_cache_bytes": self.runner.cache.nbytes(),
+            **{f"total_{k}": v for k, v in self.counters.items()},
+        }
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def _admit(self) -> list[tuple[Request, list[int]]]:
+        """Move waiting requests into free slots (prefix-cache KV copied in) within the prefill budget."""
+        batch: list[tuple[Request, list[int]]] = []
+        free = self.config.max_running_requests - len(self.running)
+        if self.running and free < min(len(self.waiting), self.config.min_prefill_batch):
+            return batch
+        longest = 0
+        while self.waiting and len(self.running) + len(batch) < self.config.max_running_requests:
+            req = self.waiting[0]
+            tokens = req.tokens()
+            entry, hit = self.prefix_cache.match(tokens)
+            hit = min(hit, len(tokens) - 1)  # the last token is always fed: its logits pick the next one
+            pending = tokens[hit:]
+            longest_if_added = max(longest, len(pending))
+            if batch and (len(batch) + 1) * longest_if_added > self.config.max_prefill_tokens:
+                break
+            self.waiting.popleft()
+            slot = len(self.running) + len(batch)
+            req.routed_experts = []
+            if entry is not None and hit > 0:
+                self.runner.cache.write_row(slot, entry.kv, hit)
+                if entry.experts is not None:
+                    req.routed_experts.append(entry.experts[:hit])
+            req.kv_len, req.slot, req.phase = hit, slot, Phase.RUNNING
+            if req.cached_tokens < 0:
+                req.cached_tokens = hit
+            self.counters["cached_tokens"] += hit
+            longest = longest_if_added
+            batch.append((req, pending))
+        return batch
+
+    def _prefill(self, batch: list[tuple[Request, list[int]]]) -> int:
+        reqs = [req for req, _ in batch]
+        first = len(self.running)
+        self.running.extend(reqs)
+        pending = [p for _, p in batch]
+        logits, experts = self.runner.forward(first, pending, [r.kv_len for r in reqs])
+        for i, req in enumerate(reqs):
+            req.kv_len += len(pending[i])
+            if experts is not None:
+                req.routed_experts.append(experts[i])
+            # the prompt's KV, so that later requests with this prefix (a group's samples) reuse it
+            self._remember(req)
+        self.counters["prefill_tokens"] += sum(len(p) for p in pending)
+        return self._sample_and_append(reqs, logits)
+
+    def _decode(self) -> int:
+        rows = self.running
+        logits, experts = self.runner.forward(0, [[r.output_ids[-1]] for r in rows], [r.kv_len for r in rows])
+        for i, req in enumerate(rows):
+            req.kv_len += 1
+            if experts is not None:
+                req.routed_experts.append(experts[i])
+        return self._sample_and_append(rows, logits)
+
+    def _sample_and_append(self, rows: list[Request], logits: torch.Tensor) -> int:
+        settings = [self._row_sampling(r) for r in rows]
+        out = sample(logits, settings, self.generator)
+        for req, token, logprob, top in zip(rows, out.tokens, out.logprobs, out.top):
+            req.output_ids.append(token)
+            req.output_logprobs.append(logprob)
+            req.weight_version = self.weight_version
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(top)
+            self._check_finish(req)
+            if req.finish is None:
+                self._notify(req.on_token, req)
+        return len(rows)
+
+    def _row_sampling(self, req: Request) -> RowSampling:
+        s = req.sampling
+        banned: tuple[int, ...] = ()
+        if len(req.output_ids) < s.min_new_tokens:
+            banned = tuple(s.stop_token_ids) + (() if s.ignore_eos else tuple(self.eos_ids))
+        return RowSampling(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.sampling_seed,
+            position=len(req.output_ids), banned=banned, top_logprobs=req.top_logprobs_num,
+        )
+
+    def _check_finish(self, req: Request) -> None:
+        """SGLang's order: the length limit, then stop/eos tokens, then stop strings, then the context."""
+        s, token, n = req.sampling, req.output_ids[-1], len(req.output_ids)
+        if s.max_new_tokens is not None and n >= s.max_new_tokens:
+            self._finish(req, FinishReason("length", length=n))
+        elif token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_ids):
+            self._finish(req, FinishReason("stop", matched=token))
+        elif s.stop and (matched := self._matched_stop_string(req)) is not None:
+            self._finish(req, FinishReason("stop", matched=matched))
+        elif req.num_tokens >= self.context_length:
+            self._finish(req, FinishReason("length", length=n))
+
+    def _matched_stop_string(self, req: Request) -> str | None:
+        longest = max(len(s) for s in req.sampling.stop)
+        # a token decodes to at least a fraction of a character (byte-level: 1/4), so this tail is enough
+        tail = self.tokenizer.decode(req.output_ids[-(4 * longest + 8) :], skip_special_tokens=False)
+        return next((s for s in req.sampling.stop if s in tail), None)
+
+    # ---- finishing -------------------------------------------------------------------------------
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish = reason
+
+    def _release_finished(self) -> None:
+        """Free the slots of finished requests; fill the holes with rows from the end (one copy each)."""
+        done = [r for r in self.running if r.finish is not None]
+        if not done:
+            return
+        for req in done:
+            if req.kv_len:
+                self._remember(req)
+        keep = [r for r in self.running if r.finish is None]
+        holes = sorted(r.slot for r in done if r.slot < len(keep))
+        movers = [r for r in keep if r.slot >= len(keep)]
+        for hole, req in zip(holes, movers):
+            self.runner.cache.move_row(req.slot, hole, req.kv_len)
+            req.slot = hole
+        self.running = sorted(keep, key=lambda r: r.slot)
+        for req in done:
+            self._complete(req)
+
+    def _complete(self, req: Request) -> None:
+        req.phase, req.slot = Phase.FINISHED, None
+        req.weight_version = self.weight_version
+        req.finished_at = time.monotonic()
+        req.text = self._final_text(req)
+        self.requests.pop(req.rid, None)
+        self.counters[f"finished_{req.finish.type}"] += 1
+        self._notify(req.on_finish, req)
+
+    def _notify(self, callback: Any, req: Request) -> None:
+        """A listener that fails (its HTTP client is gone) must not stop the batch; counted, then dropped."""
+        if callback is None:
+            return
+        try:
+            callback(req)
+        except Exception:
+            self.counters["callback_errors"] += 1
+            log.exception("listener of request %s failed", req.rid)
+
+    def _final_text(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+        if isinstance(req.finish.matched, str) and not req.sampling.no_stop_trim:
+            cut = [i for i in (text.find(s) for s in req.sampling.stop) if i >= 0]
+            if cut:
+                text = text[: min(cut)]
+        return text
+
+    def _abort(self, reqs: list[Request], message: str) -> None:
+        for req in reqs:
+            req.finish = FinishReason("abort", message=message)
+        waiting = [r for r in reqs if r.phase is Phase.WAITING]
+        if waiting:
+            gone = set(map(id, waiting))
+            self.waiting = collections.deque(r for r in self.waiting if id(r) not in gone)
+            for req in waiting:
+                self._complete(req)
+        with torch.no_grad():
+            self._release_finished()
+
+    def _retract_all(self) -> None:
+        for req in self.running:
+            self._remember(req)
+            req.slot, req.kv_len, req.phase, req.routed_experts = None, 0, Phase.WAITING, []
+        self.waiting.extendleft(reversed(self.running))
+        self.counters["retracted"] += len(self.running)
+        self.running = []
+
+    def _remember(self, req: Request) -> None:
+        """Offer the request's computed KV (tokens[:kv_len]) to the prefix cache."""
+        if self.prefix_cache.max_tokens == 0 or req.kv_len < 1:
+            return
+        slot, length = req.slot, req.kv_len
+        self.prefix_cache.insert(
+            req.tokens()[:length], lambda: self.runner.cache.read_row(slot, length), req.experts_array()
+        )
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """EOS ids from the generation config, the model config and the tokenizer, as SGLang collects them."""
+    ids: set[int] = set()
+    sources = [getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+               getattr(model.config, "eos_token_id", None),
+               getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None]
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+

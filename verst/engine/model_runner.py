@@ -1,0 +1,141 @@
+"""One forward of any Hugging Face causal LM over a set of KV slots: ragged rows, left-padded, one step.
+
+Builds the inputs (ids, per-row positions, a 4-D additive mask) so that each row attends only to its own
+history in the slot cache, and returns the last position's logits per row, plus the routed experts of
+every fed token for MoE models (top-k of the router logits, as the model itself picks them).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
+
+from verst.engine.kv_cache import SlotKVCache
+
+
+class ModelRunner:
+    """Owns the model's forward and the slot KV cache; knows nothing about requests."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = config
+        self.num_layers = int(config.num_hidden_layers)
+        self.cache = SlotKVCache(self.num_layers)
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.x renamed past_key_values to cache; older model code still takes the old name
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._keep_last = "logits_to_keep" in params
+        self._router_outputs: list[torch.Tensor] = []
+        self.moe_layers = _hook_routers(model, self._router_outputs)
+        self.moe_top_k: int | None = None
+        if self.moe_layers:
+            if not getattr(config, "num_experts_per_tok", None):
+                raise ValueError("MoE model without config.num_experts_per_tok; cannot report routed experts")
+            self.moe_top_k = int(config.num_experts_per_tok)
+        layer_types = getattr(config, "layer_types", None) or []
+        self._sliding_window = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device
+
+    def forward(
+        self, first_slot: int, pending: list[list[int]], starts: list[int]
+    ) -> tuple[torch.Tensor, list[np.ndarray] | None]:
+        """Feed `pending[i]` to slot `first_slot + i`, whose first `starts[i]` positions already hold KV.
+
+        Returns logits of each row's last fed token [batch, vocab] (float32) and, for MoE models, each
+        row's routed experts `[len(pending[i]), moe_layers, top_k]` (int32).
+        """
+        batch = len(pending)
+        width_q = max(len(p) for p in pending)
+        ids, positions = _left_pad(pending, starts, width_q)  # [batch, seq] each; pads at position -1
+        width_kv = max(s + len(p) for s, p in zip(starts, pending))
+        self.cache.plan(first_slot, positions, width_kv)
+        kwargs: dict[str, Any] = {self._cache_kwarg: self.cache, "use_cache": True}
+        if self._keep_last:
+            kwargs["logits_to_keep"] = 1
+        self._router_outputs.clear()
+        out = self.model(
+            input_ids=ids.to(self.device),
+            position_ids=positions.clamp(min=0).to(self.device),
+            attention_mask=self._mask(positions, width_kv),
+            **kwargs,
+        )
+        logits = out.logits[:, -1, :].float().cpu()  # sampling runs on the CPU with CPU generators
+        experts = None
+        if self.moe_top_k:
+            experts = self._routed_experts(self._router_outputs, batch, width_q, [len(p) for p in pending])
+            self._router_outputs.clear()
+        return logits, experts
+
+    def probe(self) -> bool:
+        """A one-token forward without the cache: does the model still produce finite logits?"""
+        out = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
+        self._router_outputs.clear()
+        return bool(torch.isfinite(out.logits).all())
+
+    def _mask(self, positions: torch.Tensor, width: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive mask [batch, 1, seq, width]: query at position p sees kv positions 0..p of its row.
+
+        A large negative value rather than -inf keeps padding queries (which see nothing) free of NaNs.
+        """
+        kv = torch.arange(width)[None, None, None, :]
+        q = positions[:, None, :, None]
+        blocked = torch.finfo(self.dtype).min
+        full = torch.where(kv <= q, 0.0, blocked).to(device=self.device, dtype=self.dtype)
+        if self._sliding_window is None:
+            return full
+        inside = (kv <= q) & (kv > q - self._sliding_window)
+        sliding = torch.where(inside, 0.0, blocked).to(device=self.device, dtype=self.dtype)
+        return {"full_attention": full, "sliding_attention": sliding}
+
+    def _routed_experts(
+        self, router_logits: list[torch.Tensor], batch: int, width: int, lengths: list[int]
+    ) -> list[np.ndarray]:
+        if len(router_logits) != self.moe_layers:
+            raise RuntimeError(f"captured {len(router_logits)} router outputs, expected {self.moe_layers} MoE layers")
+        stacked = torch.stack([r.reshape(batch, width, -1) for r in router_logits], dim=2)  # [b, seq, layers, E]
+        chosen = stacked.topk(self.moe_top_k, dim=-1).indices.to(torch.int32).cpu().numpy()
+        return [chosen[i, width - n :] for i, n in enumerate(lengths)]
+
+
+def _left_pad(pending: list[list[int]], starts: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and absolute positions [batch, width]; each row right-aligned, padding at position -1.
+
+    Left padding puts every row's last token in the last column, so the model computes logits for one
+    column only (`logits_to_keep=1`).
+    """
+    if width == 1:
+        ids = torch.tensor([p[0] for p in pending])[:, None]
+        return ids, torch.tensor(starts)[:, None]
+    ids_rows, pos_rows = [], []
+    for tokens, start in zip(pending, starts):
+        pad = width - len(tokens)
+        ids_rows.append([0] * pad + tokens)
+        pos_rows.append([-1] * pad + list(range(start, start + len(tokens))))
+    return torch.tensor(ids_rows), torch.tensor(pos_rows)
+
+
+def _hook_routers(model: Any, sink: list[torch.Tensor]) -> int:
+    """Record every MoE router's logits into `sink` during forwards; returns the number of routers.
+
+    transformers declares where router logits come from (`_can_record_outputs["router_logits"]`); hooking
+    those modules directly avoids `output_router_logits=True`, whose auxiliary loss cannot take a 4-D mask.
+    Routed experts are then the top-k of these logits: exact for softmax top-k routers (Qwen3-MoE, Mixtral).
+    """
+    spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if spec is None:
+        return 0
+    target = getattr(spec, "target_class", spec)
+    index = getattr(spec, "index", 0)
+    routers = [m for m in model.modules() if isinstance(target, type) and isinstance(m, target)]
+
+    def record(module: Any, inputs: Any, output: Any) -> None:
+        sink.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+    for module in routers:
+        module.register_forward_hook(record)
+    return len(routers)

@@ -1,0 +1,161 @@
+"""OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/models` over the same engine.
+
+Non-streaming. Logprobs come in OpenAI's shapes; `return_token_ids: true` (vLLM's extension) adds the
+prompt and completion token ids to each choice, and `metadata.weight_version` names the weights used.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, model_validator
+
+from verst.engine.protocol import WireModel, check_default_only
+from verst.engine.request import Request as EngineRequest
+from verst.engine.request import Sampling
+from verst.engine.service import ServerState, build_request, run_to_completion
+
+# OpenAI fields accepted only at their "off" value; anything else is refused by name.
+_OFF_VALUES = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "stream": (False, None),
+               "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "logit_bias": (None,),
+               "suffix": (None,), "response_format": (None,), "tool_choice": (None, "none", "auto"),
+               "parallel_tool_calls": (None, True, False), "stream_options": (None,)}
+
+
+class _OpenAIBase(WireModel):
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _off_only(cls, data: Any) -> Any:
+        return check_default_only(data, _OFF_VALUES, "")
+
+    @model_validator(mode="after")
+    def _top_k(self) -> _OpenAIBase:
+        if self.top_k == 0:
+            raise ValueError("top_k = 0 keeps no token; use -1 for all or a positive k")
+        return self
+
+    def sampling(self, max_tokens: int | None) -> Sampling:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return Sampling(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, stop=stops,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens, sampling_seed=self.seed,
+        )
+
+
+class CompletionRequest(_OpenAIBase):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+
+
+def add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.served_model_name, "object": "model", "owned_by": "verst"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        ids = body.prompt if isinstance(body.prompt, list) else state.encode(body.prompt, "prompt")
+        want = body.logprobs is not None
+        req = build_request(state, ids, body.sampling(body.max_tokens), return_logprob=want,
+                            top_logprobs_num=body.logprobs or 0)
+        done = await run_to_completion(state, req, request.is_disconnected)
+        if done is None:
+            return Response(status_code=499)
+        choice: dict[str, Any] = {"index": 0, "text": done.text or "", **_finish(done),
+                                  "logprobs": _completion_logprobs(state, done) if want else None}
+        if body.return_token_ids:
+            choice.update(prompt_token_ids=done.prompt_ids, token_ids=done.output_ids)
+        return JSONResponse(_envelope(state, done, "cmpl", "text_completion", choice))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        from verst.models.loader import chat_prompt_ids
+
+        try:
+            ids = chat_prompt_ids(state.tokenizer, body.messages, tools=body.tools)
+        except (ValueError, KeyError, TypeError) as exc:
+            return JSONResponse({"error": {"message": f"messages: cannot apply the chat template ({exc})",
+                                           "field": "messages", "code": 400}}, status_code=400)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        req = build_request(state, ids, body.sampling(max_tokens), return_logprob=body.logprobs,
+                            top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0)
+        done = await run_to_completion(state, req, request.is_disconnected)
+        if done is None:
+            return Response(status_code=499)
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": done.text or ""},
+                                  **_finish(done), "logprobs": _chat_logprobs(state, done) if body.logprobs else None}
+        if body.return_token_ids:
+            choice.update(prompt_token_ids=done.prompt_ids, token_ids=done.output_ids)
+        return JSONResponse(_envelope(state, done, "chatcmpl", "chat.completion", choice))
+
+
+def _finish(req: EngineRequest) -> dict[str, Any]:
+    reason: Literal["stop", "length", "abort"] = req.finish.type if req.finish else "abort"
+    return {"finish_reason": reason, "matched_stop": req.finish.matched if req.finish else None}
+
+
+def _envelope(state: ServerState, req: EngineRequest, prefix: str, kind: str, choice: dict) -> dict[str, Any]:
+    return {
+        "id": f"{prefix}-{req.rid}", "object": kind, "created": int(time.time()), "model": state.served_model_name,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+            "total_tokens": req.num_tokens, "prompt_tokens_details": {"cached_tokens": max(req.cached_tokens, 0)},
+        },
+        "metadata": {"weight_version": req.weight_version},
+    }
+
+
+def _completion_logprobs(state: ServerState, req: EngineRequest) -> dict[str, Any]:
+    tokens = [state.token_text(t) for t in req.output_ids]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    top = None
+    if req.top_logprobs_num:
+        top = [{state.token_text(t): lp for lp, t in row} for row in req.output_top_logprobs]
+    return {"tokens": tokens, "token_logprobs": list(req.output_logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(state: ServerState, req: EngineRequest) -> dict[str, Any]:
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = state.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for i, (token, logprob) in enumerate(zip(req.output_ids, req.output_logprobs)):
+        item = entry(token, logprob)
+        tops = req.output_top_logprobs[i] if req.top_logprobs_num else []
+        item["top_logprobs"] = [entry(t, lp) for lp, t in tops]
+        content.append(item)
+    return {"content": content}

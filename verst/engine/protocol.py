@@ -1,0 +1,216 @@
+"""SGLang's native HTTP dialect as pydantic models: field names, defaults and ranges of each request body.
+
+Unknown fields are rejected; SGLang fields the embedded engine does not implement are accepted only at
+their default value (sglang-router re-serialises requests with those defaults filled in).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# SGLang fields the embedded engine accepts only at these values. sglang-router adds several of them to
+# every forwarded /generate body, so they cannot simply be unknown fields; any other value is refused
+# by name rather than silently ignored.
+_GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "return_hidden_states": (False, None),
+    "background": (False, None),
+    "return_bytes": (False, None),
+    "return_entropy": (False, None),
+    "token_ids_logprob": (None,),
+    "session_params": (None,),
+    "lora_path": (None,),
+    "lora_id": (None,),
+    "custom_logit_processor": (None,),
+    "input_embeds": (None,),
+    "image_data": (None,),
+    "video_data": (None,),
+    "audio_data": (None,),
+    "extra_key": (None,),
+    "priority": (None,),
+    "data_parallel_rank": (None, 0),
+    "routed_dp_rank": (None, 0),
+    "routed_experts_start_len": (0,),
+    "return_prompt_token_ids": (False, None),
+}
+# Accepted and deliberately without effect: bookkeeping hints that change no output.
+_GENERATE_IGNORED = ("model", "log_metrics", "no_logs", "routing_key", "conversation_id", "session_id")
+
+_SAMPLING_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "n": (1, None),
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "logit_bias": (None,),
+    "spaces_between_special_tokens": (True, None),
+    "custom_params": (None,),
+    "stream_interval": (None,),
+}
+
+
+def check_default_only(data: Any, allowed: dict[str, tuple[Any, ...]], where: str) -> Any:
+    """Pop `allowed` fields from a raw body, refusing any value other than the listed ones."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for name, values in allowed.items():
+        if name in data:
+            value = data.pop(name)
+            if not any(value == v and type(value) is type(v) or value is v for v in values):
+                raise ValueError(
+                    f"{where}{name} = {value!r} is not supported by the embedded engine "
+                    f"(accepted: {', '.join(repr(v) for v in values)})"
+                )
+    return data
+
+
+class WireModel(BaseModel):
+    """Base of every request body: unknown fields are an error, never dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(WireModel):
+    """SGLang `sampling_params` of one /generate request."""
+
+    temperature: float = Field(1.0, ge=0.0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 keeps every token; 0 is refused.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_new_tokens: int | None = Field(128, ge=0, description="None: up to the context length.")
+    min_new_tokens: int = Field(0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = Field(None, ge=0, description="Per-request seed; same seed, same tokens.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_only(cls, data: Any) -> Any:
+        return check_default_only(data, _SAMPLING_DEFAULT_ONLY, "sampling_params.")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> SamplingParams:
+        if self.top_k == 0:
+            raise ValueError("sampling_params.top_k = 0 keeps no token; use -1 for all or a positive k")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"sampling_params.min_new_tokens = {self.min_new_tokens} exceeds max_new_tokens = {self.max_new_tokens}"
+            )
+        if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
+            raise ValueError(f"sampling_params.stop = {self.stop!r} contains an empty string")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerateRequest(WireModel):
+    """SGLang `POST /generate`: one prompt (text or token ids) per request."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    rid: str | None = Field(None, min_length=1, max_length=256)
+    return_logprob: bool = False
+    logprob_start_len: int | None = Field(None, ge=-1, le=-1, description="Only -1 (output logprobs only).")
+    top_logprobs_num: int | None = Field(None, ge=0, le=64)
+    return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
+    stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_only(cls, data: Any) -> Any:
+        data = check_default_only(data, _GENERATE_DEFAULT_ONLY, "")
+        if isinstance(data, dict):
+            for name in _GENERATE_IGNORED:
+                data.pop(name, None)
+        return data
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            given = "both" if self.text is not None else "neither"
+            raise ValueError(f"give exactly one of text or input_ids ({given} given)")
+        return self
+
+
+class AbortRequest(WireModel):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseRequest(WireModel):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class FlushCacheRequest(WireModel):
+    pass
+
+
+class UpdateWeightsFromDiskRequest(WireModel):
+    model_path: str = Field(..., min_length=1)
+    load_format: Literal["auto", "safetensors"] | None = None
+    weight_version: str | None = Field(None, min_length=1)
+    abort_all_requests: bool = False
+
+
+class UpdateWeightsFromTensorRequest(WireModel):
+    """`serialized_named_tensors`: one manifest per tensor-parallel rank (one here); see `weights.py`."""
+
+    serialized_named_tensors: list[str] = Field(..., min_length=1, max_length=1)
+    load_format: Literal["shm"] | None = Field(None, description="Only the /dev/shm bucket scheme ('shm').")
+    flush_cache: bool = True
+    weight_version: str | None = Field(None, min_length=1)
+    abort_all_requests: bool = False
+
+
+class InitWeightsUpdateGroupRequest(WireModel):
+    master_address: str = Field(..., min_length=1)
+    master_port: int = Field(..., ge=1, le=65535)
+    rank_offset: int = Field(..., ge=1, description="Rank 0 is the trainer that broadcasts.")
+    world_size: int = Field(..., ge=2)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _rank(self) -> InitWeightsUpdateGroupRequest:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset = {self.rank_offset} must be below world_size = {self.world_size}")
+        return self
+
+
+class UpdateWeightsFromDistributedRequest(WireModel):
+    names: list[str] = Field(..., min_length=1)
+    dtypes: list[str] = Field(..., min_length=1)
+    shapes: list[list[int]] = Field(..., min_length=1)
+    group_name: str = Field("weight_update_group", min_length=1)
+    flush_cache: bool = True
+    weight_version: str | None = Field(None, min_length=1)
+    abort_all_requests: bool = False
+    load_format: None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> UpdateWeightsFromDistributedRequest:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(
+                f"names, dtypes and shapes must have equal lengths, got {len(self.names)}, "
+                f"{len(self.dtypes)}, {len(self.shapes)}"
+            )
+        return self
+
+
+class UpdateWeightVersionRequest(WireModel):
+    new_version: str = Field(..., min_length=1)
+    abort_all_requests: bool = False

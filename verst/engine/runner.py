@@ -1,0 +1,142 @@
+"""The engine thread: owns the `EngineCore`, runs its steps, and executes commands between steps.
+
+Everything that touches the core (new requests, abort, pause, weight loads) is a command queued here and
+run by this one thread, so the core needs no locks and the HTTP event loop never waits on a forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from verst.engine.core import EngineCore
+from verst.engine.request import Request
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineRunner:
+    def __init__(self, core: EngineCore, torch_threads: int | None = 1):
+        self.core = core
+        self._torch_threads = torch_threads
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.step_errors = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> EngineRunner:
+        if self._thread is not None:
+            raise RuntimeError("EngineRunner already started")
+        self._thread = threading.Thread(target=self._loop, name="verst-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self.call(lambda core: core.abort_all("engine shutting down"))
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+        self._thread = None
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- commands ----------------------------------------------------------------------------------
+    def call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        """Run `fn(core)` on the engine thread between steps."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._stopping:
+            future.set_exception(RuntimeError("the engine is shutting down"))
+            return future
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    async def acall(self, fn: Callable[[EngineCore], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def generate(self, req: Request) -> Request:
+        """Submit and wait until finished; cancelling the awaiting task aborts the request."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Request] = loop.create_future()
+        req.on_finish = lambda r: loop.call_soon_threadsafe(_resolve, done, r)
+        await self.acall(lambda core: core.add_request(req))
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            self.call(lambda core: core.abort(req.rid, "client went away"))
+            raise
+
+    async def stream(self, req: Request) -> AsyncIterator[int]:
+        """Submit and yield the number of output tokens after each new token, the last one once finished."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[tuple[int, bool]] = asyncio.Queue()
+        req.on_token = lambda r: loop.call_soon_threadsafe(updates.put_nowait, (len(r.output_ids), False))
+        req.on_finish = lambda r: loop.call_soon_threadsafe(updates.put_nowait, (len(r.output_ids), True))
+        await self.acall(lambda core: core.add_request(req))
+        try:
+            while True:
+                n, final = await updates.get()
+                yield n
+                if final:
+                    return
+        finally:
+            if not req.finished:
+                self.call(lambda core: core.abort(req.rid, "client went away"))
+
+    # ---- the thread ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self._torch_threads:
+            import torch
+
+            torch.set_num_threads(self._torch_threads)
+        while not self._stopping:
+            self._wake.clear()
+            self._run_commands()
+            if self.core.has_work():
+                self._step()
+            else:
+                self._wake.wait(timeout=1.0)
+        self._run_commands()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.core))
+            except BaseException as exc:  # the caller gets the error; the engine carries on
+                future.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            self.core.step()
+        except Exception as exc:
+            # A failed forward must not wedge the engine: end every in-flight request with the error and
+            # keep serving; the count is reported by /get_server_info.
+            self.step_errors += 1
+            log.exception("engine step failed; aborting in-flight requests")
+            message = f"engine step failed: {type(exc).__name__}: {exc}"
+            try:
+                self.core.abort_all(message)
+            except Exception:
+                log.exception("abort after a failed step also failed; dropping all requests and the KV cache")
+                self.core.reset(message)
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)

@@ -1,0 +1,329 @@
+"""The engine's HTTP server: SGLang's native endpoints as a thin FastAPI adapter over `EngineRunner`.
+
+`python -m verst.engine.server --model DIR --port P` (or `verst serve engine ...`) serves one engine,
+bound to 127.0.0.1 unless told otherwise. OpenAI-compatible routes are added from `openai_api.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from verst.engine import weights
+from verst.engine.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    PauseRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
+)
+from verst.engine.request import InvalidRequest, generate_reply
+from verst.engine.service import (
+    ServerState,
+    build_request,
+    error_response,
+    invalid_request_response,
+    run_to_completion,
+    sampling_from_wire,
+)
+
+log = logging.getLogger(__name__)
+ENGINE_VERSION = "verst-engine-0.1"
+HEALTH_PROBE_TIMEOUT_S = 20.0
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.runner.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.runner.stop)
+
+    app = FastAPI(title="verst engine", lifespan=lifespan)
+    app.state.engine = state
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(InvalidRequest, lambda request, exc: invalid_request_response(exc))
+    _add_generate_routes(app, state)
+    _add_info_routes(app, state)
+    _add_control_routes(app, state)
+    _add_weight_routes(app, state)
+    from verst.engine.openai_api import add_openai_routes
+
+    add_openai_routes(app, state)
+    return app
+
+
+def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        ids = body.input_ids if body.input_ids is not None else state.encode(body.text or "")
+        req = build_request(
+            state, ids, sampling_from_wire(body.sampling_params), rid=body.rid,
+            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num or 0,
+            return_routed_experts=body.return_routed_experts,
+        )
+        text_fn = state.token_text if body.return_text_in_logprobs else None
+        if body.stream:
+            return StreamingResponse(_stream(state, req, text_fn), media_type="text/event-stream")
+        done = await run_to_completion(state, req, request.is_disconnected)
+        if done is None:
+            return Response(status_code=499)
+        return JSONResponse(generate_reply(done, done.text or "", return_text=text_fn))
+
+
+async def _stream(state: ServerState, req, text_fn):
+    async for n in state.runner.stream(req):
+        final = req.finished and n == len(req.output_ids)
+        text = req.text if final else state.decode(req.output_ids[:n], req.sampling.skip_special_tokens)
+        yield f"data: {json.dumps(generate_reply(req, text or '', n, return_text=text_fn))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if state.runner.alive():
+            return Response(status_code=200)
+        return error_response(503, "the engine thread is not running")
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        try:
+            ok = await asyncio.wait_for(state.runner.acall(lambda core: core.probe()), HEALTH_PROBE_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError) as exc:
+            return error_response(503, f"generation probe failed: {type(exc).__name__}: {exc}")
+        return Response(status_code=200) if ok else error_response(503, "the model produced non-finite logits")
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        core = state.core
+        return {
+            "model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
+            "served_model_name": state.served_model_name, "weight_version": core.weight_version,
+            "architectures": getattr(core.model.config, "architectures", None), "vocab_size": core.vocab_size,
+            "context_length": core.context_length, "num_layers": core.runner.num_layers,
+            "moe_layers": core.runner.moe_layers, "moe_top_k": core.runner.moe_top_k,
+            "eos_token_ids": sorted(core.eos_ids),
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        stats = await state.runner.acall(lambda core: core.stats())
+        config = state.core.config
+        return {
+            "engine": "verst", "version": ENGINE_VERSION, "host": state.host, "port": state.port,
+            "model_path": state.model_path, "served_model_name": state.served_model_name,
+            "context_length": state.core.context_length, "max_running_requests": config.max_running_requests,
+            "max_prefill_tokens": config.max_prefill_tokens, "prefix_cache_tokens": config.prefix_cache_tokens,
+            "return_routed_experts": config.return_routed_experts, "dp_size": 1, "tp_size": 1,
+            "weight_version": stats["weight_version"], "step_errors": state.runner.step_errors,
+            "internal_states": [stats],
+        }
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        return [await state.runner.acall(lambda core: core.load())]
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, str]:
+        return {"weight_version": state.core.weight_version}
+
+
+def _add_control_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict[str, Any]:
+        await state.runner.acall(lambda core: core.flush_cache())
+        return {"success": True, "message": "Cache flushed."}
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> dict[str, Any]:
+        if body.abort_all:
+            n = await state.runner.acall(lambda core: core.abort_all())
+        else:
+            n = int(await state.runner.acall(lambda core: core.abort(body.rid)))
+        return {"success": True, "aborted": n}
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseRequest | None = None) -> dict[str, Any]:
+        mode = (body or PauseRequest()).mode
+        n = await state.runner.acall(lambda core: core.pause(mode))
+        return {"success": True, "message": f"Generation paused ({mode}).", "mode": mode, "num_paused_requests": n}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict[str, Any]:
+        await state.runner.acall(lambda core: core.resume())
+        return {"success": True, "message": "Generation continued."}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
+        def apply(core):
+            if body.abort_all_requests:
+                core.abort_all("aborted for a weight version update")
+            core.weight_version = body.new_version
+
+        await state.runner.acall(apply)
+        return {"success": True, "weight_version": body.new_version}
+
+
+def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
+    async def load(named, version: str | None, flush: bool, abort_all: bool) -> dict[str, Any]:
+        def apply(core):
+            if abort_all:
+                core.abort_all("aborted for a weight update")
+            return core.load_weights(named, version, flush=flush)
+
+        n = await state.runner.acall(apply)
+        return {"success": True, "message": f"Loaded {n} tensors.", "weight_version": state.core.weight_version,
+                "num_paused_requests": 0}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
+        named = await asyncio.to_thread(lambda: list(weights.read_safetensors_dir(body.model_path).items()))
+        return await load(named, body.weight_version, True, body.abort_all_requests)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest) -> Response:
+        if body.load_format != "shm":
+            return error_response(400, "load_format must be 'shm' on this engine (tensors in a /dev/shm bucket)",
+                                  "load_format", body.load_format)
+        named = await asyncio.to_thread(weights.read_shm_bucket, body.serialized_named_tensors[0])
+        return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> Response:
+        if body.group_name in state.weight_groups:
+            return error_response(400, "a weight update group with this name exists", "group_name", body.group_name)
+        try:
+            group = await asyncio.to_thread(
+                weights.open_weight_update_group, body.master_address, body.master_port, body.rank_offset,
+                body.world_size, body.group_name, body.backend, body.timeout_s,
+            )
+        except (RuntimeError, ValueError, OSError) as exc:
+            return error_response(500, f"joining weight update group {body.group_name!r} failed: {exc}")
+        state.weight_groups[body.group_name] = group
+        return JSONResponse({"success": True, "message": f"Joined {body.group_name!r} as rank {body.rank_offset}."})
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest) -> Response:
+        group = state.weight_groups.get(body.group_name)
+        if group is None:
+            return error_response(400, "no such weight update group; call /init_weights_update_group first",
+                                  "group_name", body.group_name)
+        for dtype in body.dtypes:
+            weights.dtype_of(dtype)
+        # refuse before the broadcast starts: a bad name found after it would waste the whole transfer
+        state.core.check_weights(list(zip(body.names, body.shapes)))
+        named = await asyncio.to_thread(weights.receive_broadcast, group, body.names, body.dtypes, body.shapes)
+        return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: dict[str, Any] | None = None) -> dict[str, Any]:
+        name = (body or {}).get("group_name", "weight_update_group")
+        state.weight_groups.pop(name, None)
+        return {"success": True, "message": f"Left {name!r}."}
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 naming the first offending field and its value, plus pydantic's full error list."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    field = ".".join(loc) or "body"
+    if first.get("type") == "json_invalid":
+        field = "body"
+        message = f"body: invalid JSON ({first.get('ctx', {}).get('error', first.get('msg'))})"
+        value = None
+    else:
+        value = first.get("input")
+        shown = f"{field} = {value!r}" if "input" in first else field
+        message = f"{shown}: {first.get('msg', 'invalid')}"
+    detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in errors]
+    response = error_response(422, message, field, value)
+    body = json.loads(response.body)
+    body["detail"] = detail
+    return JSONResponse(body, status_code=422)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="verst serve engine", description="Serve one embedded inference engine over HTTP.")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=30000, help="port; 0 picks a free one (see --port-file)")
+    p.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--prefix-cache-tokens", type=int, default=32768, help="0 disables prefix caching")
+    p.add_argument("--weight-version", default="0", help="version string of the loaded weights")
+    p.add_argument("--return-routed-experts", action="store_true",
+                   help="MoE: put routed experts in every reply (sglang-router drops the per-request field)")
+    p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    import uvicorn
+
+    from verst.engine.core import EngineConfig, EngineCore
+    from verst.engine.runner import EngineRunner
+    from verst.models.loader import load_model_and_tokenizer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.torch_threads)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.trust_remote_code)
+    config = EngineConfig(
+        max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
+        context_length=args.context_length, prefix_cache_tokens=args.prefix_cache_tokens,
+        return_routed_experts=args.return_routed_experts, seed=args.seed,
+    )
+    core = EngineCore(model, tokenizer, config, weight_version=args.weight_version)
+    if args.return_routed_experts and not core.runner.moe_layers:
+        raise SystemExit(f"--return-routed-experts: the model at {args.model} has no MoE router")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(2048)  # connections made before uvicorn starts wait in the backlog instead of failing
+    port = sock.getsockname()[1]
+    state = ServerState(
+        runner=EngineRunner(core, torch_threads=args.torch_threads), tokenizer=tokenizer, model_path=args.model,
+        served_model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model)),
+        host=args.host, port=port,
+    )
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=args.log_level, timeout_keep_alive=30,
+                                           timeout_graceful_shutdown=5))
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    print(f"verst engine serving {args.model} on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Fan-out to every engine directly: sglang-router has no weight-update, pause or abort routes.
+
+Each call goes to all engines at once and fails loudly, naming every engine that failed and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from verst.engine.client import EngineClient, Timeouts
+
+T = TypeVar("T")
+
+
+class FleetError(RuntimeError):
+    def __init__(self, action: str, failures: dict[str, BaseException]):
+        lines = "; ".join(f"{url}: {type(exc).__name__}: {exc}" for url, exc in failures.items())
+        super().__init__(f"{action} failed on {len(failures)} engine(s): {lines}")
+        self.failures = failures
+
+
+class EngineFleet:
+    """Clients of a fixed list of engine URLs. `async with EngineFleet(urls) as fleet: await fleet.pause()`."""
+
+    def __init__(self, urls: list[str], timeouts: Timeouts | None = None):
+        if not urls:
+            raise ValueError("EngineFleet needs at least one engine URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.clients = {url: EngineClient(url, timeouts=timeouts) for url in self.urls}
+
+    async def __aenter__(self) -> EngineFleet:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients.values()))
+
+    async def each(self, action: str, fn: Callable[[EngineClient], Awaitable[T]]) -> dict[str, T]:
+        """Run `fn` against every engine concurrently; results by URL, or FleetError naming the failures."""
+        results = await asyncio.gather(*(fn(c) for c in self.clients.values()), return_exceptions=True)
+        failures = {url: r for url, r in zip(self.urls, results) if isinstance(r, BaseException)}
+        if failures:
+            raise FleetError(action, failures)
+        return dict(zip(self.urls, results))  # type: ignore[arg-type]
+
+    async def pause(self, mode: str = "retract") -> dict[str, Any]:
+        return await self.each(f"pause_generation({mode})", lambda c: c.pause(mode))
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self.each("continue_generation", lambda c: c.continue_generation())
+
+    async def abort_all(self) -> dict[str, Any]:
+        return await self.each("abort_all", lambda c: c.abort_all())
+
+    async def flush_cache(self) -> dict[str, Any]:
+        return await self.each("flush_cache", lambda c: c.flush_cache())
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict[str, Any]:
+        return await self.each("update_weights_from_disk",
+                               lambda c: c.update_weights_from_disk(model_path, weight_version))
+
+    async def update_weights_from_tensor(self, manifest: str, weight_version: str) -> dict[str, Any]:
+        return await self.each("update_weights_from_tensor",
+                               lambda c: c.update_weights_from_tensor(manifest, weight_version))
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, group_name: str = "weight_update_group", backend: str = "gloo"
+    ) -> dict[str, Any]:
+        """Engine i joins as rank i + 1 of a group of len(engines) + 1; the trainer is rank 0 and must join
+        concurrently (this call returns once every rank is in)."""
+        world = len(self.urls) + 1
+        ranks = {url: i + 1 for i, url in enumerate(self.urls)}
+        return await self.each("init_weights_update_group", lambda c: c.init_weights_update_group(
+            master_address, master_port, ranks[c.base_url], world, group_name, backend))
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: str,
+        group_name: str = "weight_update_group",
+    ) -> dict[str, Any]:
+        return await self.each("update_weights_from_distributed", lambda c: c.update_weights_from_distributed(
+            names, dtypes, shapes, weight_version, group_name))
+
+    async def weight_versions(self) -> dict[str, str]:
+        return await self.each("get_weight_version", lambda c: c.get_weight_version())
+
+    async def health(self) -> dict[str, bool]:
+        return await self.each("health", lambda c: c.health())

@@ -1,0 +1,154 @@
+"""Runs sglang-router (the PyPI package, a child process on loopback) in front of N engines.
+
+`policy="manual", assignment_mode="min_load"` pins a session (header `X-SMG-Routing-Key`) to one engine and
+places new sessions on the least-loaded one; a load-based policy (`power_of_two`, `round_robin`, ...) suits
+single-turn work. Engines can be added and removed while it runs. Weight updates, pause and abort do not
+go through the router: use `fleet()` to reach every engine directly.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from verst.engine.client import Timeouts
+from verst.engine.process import free_port, wait_healthy
+from verst.router.fleet import EngineFleet
+
+POLICIES = ("manual", "power_of_two", "round_robin", "cache_aware", "random")
+ASSIGNMENT_MODES = ("min_load", "min_group", "random")
+
+
+class RouterManager:
+    """`with RouterManager([url1, url2]) as router: EngineClient(router.url, affinity=True) ...`."""
+
+    def __init__(
+        self, engine_urls: list[str] | None = None, *, policy: str = "manual", assignment_mode: str = "min_load",
+        host: str = "127.0.0.1", port: int | None = None, retries: bool = False, startup_timeout: float = 30.0,
+        log_path: str | Path | None = None, extra_args: list[str] | None = None,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"router policy {policy!r} unknown; choices: {', '.join(POLICIES)}")
+        if assignment_mode not in ASSIGNMENT_MODES:
+            choices = ", ".join(ASSIGNMENT_MODES)
+            raise ValueError(f"router assignment_mode {assignment_mode!r} unknown; choices: {choices}")
+        self.policy, self.assignment_mode = policy, assignment_mode
+        self.host, self.requested_port = host, port
+        # Router retries would re-send a generation to another engine; callers decide instead.
+        self.retries = retries
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else None
+        self.extra_args = list(extra_args or [])
+        self.engine_urls = [u.rstrip("/") for u in engine_urls or []]
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("router not started")
+        return f"http://{self.host}:{self.port}"
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> RouterManager:
+        attempts = 1 if self.requested_port else 3  # a free port can be taken between probe and bind
+        for attempt in range(attempts):
+            try:
+                self._launch(self.requested_port or free_port(self.host))
+                self._wait_for_workers(self.engine_urls, present=True)
+                return self
+            except BaseException:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+        return self
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def __enter__(self) -> RouterManager:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ---- engines ---------------------------------------------------------------------------------------
+    def workers(self) -> list[dict[str, Any]]:
+        response = httpx.get(f"{self.url}/workers", timeout=10.0)
+        response.raise_for_status()
+        return list(response.json().get("workers", []))
+
+    def add_engine(self, url: str, timeout: float = 30.0) -> None:
+        url = url.rstrip("/")
+        response = httpx.post(f"{self.url}/workers", json={"url": url}, timeout=10.0)
+        if response.status_code >= 400:
+            raise RuntimeError(f"router refused engine {url}: {response.status_code} {response.text[:300]}")
+        self.engine_urls.append(url)
+        self._wait_for_workers([url], present=True, timeout=timeout)
+
+    def remove_engine(self, url: str, timeout: float = 30.0) -> None:
+        url = url.rstrip("/")
+        ids = [w["id"] for w in self.workers() if w.get("url", "").rstrip("/") == url]
+        if not ids:
+            raise KeyError(f"engine {url} is not behind the router (workers: {self._worker_urls()})")
+        for worker_id in ids:
+            response = httpx.delete(f"{self.url}/workers/{worker_id}", timeout=10.0)
+            if response.status_code >= 400:
+                raise RuntimeError(f"router refused to remove {url}: {response.status_code} {response.text[:300]}")
+        self.engine_urls = [u for u in self.engine_urls if u != url]
+        self._wait_for_workers([url], present=False, timeout=timeout)
+
+    def fleet(self, timeouts: Timeouts | None = None) -> EngineFleet:
+        """Direct clients of the current engines, for weight updates, pause and abort."""
+        return EngineFleet(list(self.engine_urls), timeouts=timeouts)
+
+    # ---- internals -------------------------------------------------------------------------------------
+    def _launch(self, port: int) -> None:
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(port),
+               "--policy", self.policy, "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
+               "--log-level", "warn", "--worker-startup-timeout-secs", str(int(self.startup_timeout))]
+        if self.policy == "manual":
+            cmd += ["--assignment-mode", self.assignment_mode]
+        if self.engine_urls:
+            cmd += ["--worker-urls", *self.engine_urls]
+        if not self.retries:
+            cmd.append("--disable-retries")
+        cmd += self.extra_args
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if log is not subprocess.DEVNULL:
+            log.close()
+        self.port = port
+        wait_healthy(self.url, self.startup_timeout, self.proc, path="/workers")
+
+    def _worker_urls(self) -> list[str]:
+        return [w.get("url", "").rstrip("/") for w in self.workers()]
+
+    def _wait_for_workers(self, urls: list[str], present: bool, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.startup_timeout)
+        while True:
+            listed = {w.get("url", "").rstrip("/"): w for w in self.workers()}
+            if present and all(u in listed and listed[u].get("is_healthy", True) for u in urls):
+                return
+            if not present and not any(u in listed for u in urls):
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with code {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                state = "registered and healthy" if present else "removed"
+                waited = timeout or self.startup_timeout
+                raise TimeoutError(f"engines {urls} not {state} in the router after {waited:g}s "
+                                   f"(workers: {sorted(listed)})")
+            time.sleep(0.1)
