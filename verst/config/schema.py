@@ -79,8 +79,13 @@ class RolloutConfig(Section):
         None, ge=1, description="Fully async: trajectories generating at once; default batch_size × n_samples_per_prompt."
     )
     return_partial_to_source: bool = Field(
-        False, description="Return prompts of groups aborted at the end of a step to the data source."
+        False, description="Return the prompts (not the partial output) of groups aborted at the end of a step to the source."
     )
+    max_over_sampling_rounds: int = Field(
+        32, ge=1, description="Rounds of over-sampling one step may launch before failing with the counts."
+    )
+    abort_timeout_s: float = Field(10.0, gt=0, description="Wait for aborted requests to end before cancelling them.")
+    dump_dir: str | None = Field(None, description="Rollout-only debugging: write every step's samples here.")
     concurrency: int = Field(256, ge=1, description="Concurrent requests to the engines.")
 
 

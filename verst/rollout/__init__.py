@@ -1,4 +1,5 @@
-"""Layer 2: rollout — the data buffer, group filters and the fully async background worker."""
+"""Layer 2: rollout — the three plug-in layers (rollout fn ⊃ generate fn ⊃ agent fn) and their defaults,
+the data buffer, group filters and the fully async background worker."""
 
 from verst.rollout.buffer import (
     DataBuffer,
@@ -11,6 +12,32 @@ from verst.rollout.buffer import (
     is_unusable,
 )
 from verst.rollout.filters import FILTERS, GroupFilter, ZeroStdFilter, apply_filter, build_filter, filter_metrics
+from verst.rollout.generate import generate
+from verst.rollout.plugins import (
+    AgentFn,
+    GenerateFn,
+    RolloutBatch,
+    RolloutContext,
+    RolloutFn,
+    RolloutState,
+    check_plugin,
+    load_agent_fn,
+    load_generate_fn,
+    load_plugin,
+    load_rollout_fn,
+)
+from verst.rollout.rollout_fn import (
+    RolloutError,
+    WorkerHooks,
+    abort_in_flight,
+    dump_batch,
+    generate_and_reward,
+    load_dump,
+    rollout,
+    run_rollout,
+    step_metrics,
+    worker_hooks,
+)
 from verst.rollout.worker import (
     GENERATE_ERROR_KEY,
     AsyncRolloutWorker,
@@ -23,22 +50,44 @@ from verst.rollout.worker import (
 __all__ = [
     "FILTERS",
     "GENERATE_ERROR_KEY",
+    "AgentFn",
     "AsyncRolloutWorker",
     "DataBuffer",
     "DiscardReason",
     "FifoBuffer",
     "FinishGroup",
+    "GenerateFn",
     "GenerateGroup",
     "GenerateSample",
     "GroupFilter",
     "GroupSource",
     "OnDiscard",
+    "RolloutBatch",
+    "RolloutContext",
+    "RolloutError",
+    "RolloutFn",
+    "RolloutState",
+    "WorkerHooks",
     "ZeroStdFilter",
+    "abort_in_flight",
     "apply_filter",
     "buffer_capacity",
     "build_buffer",
     "build_filter",
+    "check_plugin",
     "discard_handler",
+    "dump_batch",
     "filter_metrics",
+    "generate",
+    "generate_and_reward",
     "is_unusable",
+    "load_agent_fn",
+    "load_dump",
+    "load_generate_fn",
+    "load_plugin",
+    "load_rollout_fn",
+    "rollout",
+    "run_rollout",
+    "step_metrics",
+    "worker_hooks",
 ]

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 from verst.config import BufferConfig, ConfigError, load_object
+from verst.rollout.keys import PROMPT_TOO_LONG_KEY
 from verst.rollout.filters import GroupFilter, apply_filter
 from verst.types import Group, Sample, group_is_aborted, group_oldest_version, group_staleness
 
@@ -203,7 +204,8 @@ def build_buffer(
 def discard_handler(
     unused: Literal["drop", "return"], return_prompts: Callable[[Sequence[Sample]], None] | None = None
 ) -> OnDiscard:
-    """The `on_discard` for `buffer.unused`: drop every group, or return prompts of aborted and stale ones.
+    """The `on_discard` for `buffer.unused`: drop every group, or return prompts of aborted and stale ones
+    (except prompts refused as too long).
 
     Filtered groups are always dropped: the filter judged the group uninformative (e.g. every
     sample already right), so regenerating it would most likely be rejected again.
@@ -216,7 +218,8 @@ def discard_handler(
         raise ConfigError("buffer.unused = 'return' needs the data source's return_prompts")
 
     def on_discard(group: Group, reason: DiscardReason) -> None:
-        if reason != "filtered":
+        # A prompt too long to send would only fail again; it was counted when it was refused.
+        if reason != "filtered" and not any(PROMPT_TOO_LONG_KEY in s.metadata for s in group):
             return_prompts(group)
 
     return on_discard

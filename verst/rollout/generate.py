@@ -1,0 +1,126 @@
+"""The default single-turn generate fn: prompt ids through the chat template (the text edge), one engine
+call, and the engine's own output ids and logprobs recorded on the sample (token-in-token-out).
+
+A prompt longer than `rollout.max_prompt_tokens` (or leaving no room under `max_context_tokens`) is
+not sent: the sample comes back ABORTED with the reason in `metadata['generate_error']` and the
+token count in `metadata['prompt_too_long']`, so one bad row costs one group, is counted in
+`rollout/prompt_too_long`, and is never returned to the source to fail again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from verst.models.prompts import encode_prompt
+from verst.rollout.keys import PROMPT_TOO_LONG_KEY
+from verst.rollout.worker import GENERATE_ERROR_KEY
+from verst.types import Sample, Status
+
+if TYPE_CHECKING:
+    from verst.engine.client import GenerateResult
+    from verst.rollout.plugins import RolloutContext
+
+logger = logging.getLogger(__name__)
+
+CACHED_TOKENS_KEY = "cached_tokens"  # metadata: prompt tokens the engines served from the prefix cache
+ENGINE_PROMPT_TOKENS_KEY = "engine_prompt_tokens"  # metadata: prompt tokens the engines were sent
+FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
+    """One engine call for one prompt; fills every per-token field, the status and the decoded text."""
+    if sample.response_length:
+        raise ValueError(
+            f"single-turn generate: sample {sample.index} already has response_length = {sample.response_length}; "
+            "continuing a partial response needs a multi-turn generate fn"
+        )
+    if sample.index in ctx.state.stopped:
+        return mark_aborted(sample, "the rollout step ended before generation started")
+    prompt_ids = prompt_ids_of(ctx, sample)
+    max_new_tokens, too_long = response_budget(ctx, len(prompt_ids))
+    if too_long:
+        sample.tokens = prompt_ids
+        sample.metadata[PROMPT_TOO_LONG_KEY] = len(prompt_ids)
+        logger.warning("sample %d (group %d): %s", sample.index, sample.group_index, too_long)
+        return mark_aborted(sample, too_long)
+    params = request_params(ctx, sample, max_new_tokens)
+    rid = ctx.state.new_rid(sample)
+    ctx.state.in_flight[rid] = sample.index
+    try:
+        result = await ctx.engine.generate(prompt_ids, params, rid=rid, return_logprob=True)
+    finally:
+        ctx.state.in_flight.pop(rid, None)
+    record_result(ctx, sample, prompt_ids, result)
+    return sample.validate()
+
+
+def prompt_ids_of(ctx: RolloutContext, sample: Sample) -> list[int]:
+    """`sample.tokens` when the prompt arrives already tokenized, else the chat template of its prompt."""
+    if sample.tokens:
+        return list(sample.tokens)
+    return encode_prompt(
+        ctx.tokenizer, sample.prompt, apply_chat_template=ctx.data.apply_chat_template,
+        system_prompt=ctx.data.system_prompt, tools=sample.metadata.get("tools"),
+    )
+
+
+def response_budget(ctx: RolloutContext, n_prompt: int) -> tuple[int, str | None]:
+    """(max_new_tokens, None), or (0, why the prompt is rejected)."""
+    r = ctx.rollout
+    if n_prompt > r.max_prompt_tokens:
+        return 0, f"prompt has {n_prompt} tokens > rollout.max_prompt_tokens = {r.max_prompt_tokens}"
+    budget = r.max_response_tokens
+    if r.max_context_tokens is not None:
+        room = r.max_context_tokens - n_prompt
+        if room <= 0:
+            limit = r.max_context_tokens
+            return 0, f"prompt has {n_prompt} tokens, rollout.max_context_tokens = {limit} leaves no room"
+        budget = min(budget, room)
+    return budget, None
+
+
+def record_result(ctx: RolloutContext, sample: Sample, prompt_ids: list[int], result: GenerateResult) -> None:
+    """Token-in-token-out: tokens = prompt ids + the engine's output ids, logprobs as the engine sent them."""
+    n = len(result.output_ids)
+    if result.logprobs is None or len(result.logprobs) != n:
+        got = None if result.logprobs is None else len(result.logprobs)
+        raise ValueError(f"engine reply for rid {result.rid!r}: {got} output logprobs for {n} output ids")
+    status = finish_status(result.finish_reason, result.rid)
+    sample.tokens = list(prompt_ids) + list(result.output_ids)
+    sample.response_length = n
+    sample.loss_mask = [1] * n
+    sample.rollout_logprobs = list(result.logprobs)
+    sample.weight_versions.append(result.weight_version)
+    ctx.state.observe_version(result.weight_version)
+    sample.status = status
+    # Text only for rewards and logs, decoded from exactly the ids the trainer will see.
+    sample.response = ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    meta = sample.metadata
+    meta[CACHED_TOKENS_KEY] = meta.get(CACHED_TOKENS_KEY, 0) + result.cached_tokens
+    meta[ENGINE_PROMPT_TOKENS_KEY] = meta.get(ENGINE_PROMPT_TOKENS_KEY, 0) + result.prompt_tokens
+    if status is Status.ABORTED:
+        message = result.meta_info.get("finish_reason", {}).get("message") if result.meta_info else None
+        meta[GENERATE_ERROR_KEY] = f"aborted by the engine: {message or 'no message'}"
+
+
+def mark_aborted(sample: Sample, reason: str) -> Sample:
+    sample.status = Status.ABORTED
+    sample.metadata[GENERATE_ERROR_KEY] = reason
+    return sample
+
+
+def finish_status(reason: str, rid: str = "") -> Status:
+    """The Sample status of an engine finish reason: stop → COMPLETED, length → TRUNCATED, abort → ABORTED."""
+    if reason not in FINISH_STATUS:
+        known = sorted(FINISH_STATUS)
+        raise ValueError(f"engine reply for rid {rid!r}: finish_reason {reason!r} is not one of {known}")
+    return FINISH_STATUS[reason]
+
+
+def request_params(ctx: RolloutContext, sample: Sample, max_new_tokens: int) -> dict[str, Any]:
+    """The config's sampling params plus this request's token budget and seed (base seed + sample index)."""
+    params = dict(ctx.sampling_params or {}, max_new_tokens=max_new_tokens)
+    if ctx.rollout.sampling.seed is not None:
+        params["sampling_seed"] = ctx.rollout.sampling.seed + sample.index
+    return params
