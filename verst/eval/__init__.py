@@ -1,5 +1,6 @@
 """Layer 2: evaluation — greedy held-out accuracy over any generation backend."""
 
+from verst.eval.engine import MixedVersionError, engine_greedy_generate
 from verst.eval.greedy import GenerateFn, evaluate_greedy, hf_greedy_generate
 
-__all__ = ["GenerateFn", "evaluate_greedy", "hf_greedy_generate"]
+__all__ = ["GenerateFn", "MixedVersionError", "engine_greedy_generate", "evaluate_greedy", "hf_greedy_generate"]

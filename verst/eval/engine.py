@@ -1,0 +1,45 @@
+"""Greedy generation for evaluation through the rollout engines (or a router in front of them).
+
+A score must name the weights that produced it: every reply's weight version is checked against
+the version the caller expects, and a mixed-version evaluation raises instead of reporting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from verst.engine.client import EngineClient
+from verst.eval.greedy import GenerateFn
+
+
+class MixedVersionError(RuntimeError):
+    """An evaluation's replies came from weights other than the ones it was meant to measure."""
+
+
+def engine_greedy_generate(
+    url: str, max_new_tokens: int, *, expect_version: str | None = None, concurrency: int = 64
+) -> GenerateFn:
+    """A GenerateFn over `/generate` at temperature 0; raises MixedVersionError on a version mismatch."""
+
+    async def run(prompts: list[list[int]]) -> list[list[int]]:
+        semaphore = asyncio.Semaphore(concurrency)
+        async with EngineClient(url) as client:
+
+            async def one(ids: list[int]):
+                async with semaphore:
+                    return await client.generate(
+                        ids, {"temperature": 0.0, "max_new_tokens": max_new_tokens}, return_logprob=False
+                    )
+
+            replies = await asyncio.gather(*(one(p) for p in prompts))
+        versions = sorted({r.weight_version for r in replies})
+        if expect_version is not None and versions != [expect_version]:
+            raise MixedVersionError(
+                f"evaluation expected weight version {expect_version!r} on every reply, got versions {versions}"
+            )
+        return [list(r.output_ids) for r in replies]
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        return asyncio.run(run(prompts))
+
+    return generate
