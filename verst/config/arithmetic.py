@@ -37,7 +37,7 @@ def batch_plan(cfg: VerstConfig) -> BatchPlan:
         train_steps_per_rollout=steps_per_rollout,
         total_train_steps=steps_per_rollout * r.num_rollouts,
         samples_per_rank=gbs // cfg.cluster.trainer_ranks,
-        buffer_capacity_groups=max(1, int(cfg.buffer.capacity_factor * max(r.batch_size, groups_per_step))),
+        buffer_capacity_groups=max(1, int(cfg.buffer.capacity_factor * groups_per_step)),
         max_in_flight=r.max_in_flight or samples,
     )
 

@@ -1,0 +1,34 @@
+"""Layer 3: Ray placement groups, trainer and engine actor groups, and the rollout manager actor —
+the only Ray-aware package besides `recipes`. Names resolve lazily (importing this imports no Ray).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Orchestration": "verst.orchestration.cluster",
+    "RolloutManagerHandle": "verst.orchestration.cluster",
+    "check_schedule_placement": "verst.orchestration.cluster",
+    "EngineActorGroup": "verst.orchestration.engine_actors",
+    "check_engine_type": "verst.orchestration.engine_actors",
+    "BundlePlan": "verst.orchestration.placement",
+    "Placement": "verst.orchestration.placement",
+    "plan_bundles": "verst.orchestration.placement",
+    "RaySession": "verst.orchestration.ray_session",
+    "SLOT_RESOURCE": "verst.orchestration.ray_session",
+    "RolloutEndpoints": "verst.orchestration.rollout_manager",
+    "RolloutManager": "verst.orchestration.rollout_manager",
+    "RolloutParts": "verst.orchestration.rollout_manager",
+    "RouterSpec": "verst.orchestration.rollout_manager",
+    "TrainerActorGroup": "verst.orchestration.trainer_actors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'verst.orchestration' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

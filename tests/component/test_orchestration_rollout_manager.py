@@ -1,0 +1,122 @@
+"""The rollout manager as a plain class (no Ray, no router): it builds its parts once started, hosts the
+fully async worker across calls on one event loop, keeps the two schedules' entry points apart, saves
+and restores the data source, and hands leftovers back on shutdown.
+"""
+
+import asyncio
+
+import pytest
+
+from verst.orchestration import RolloutEndpoints, RolloutManager, RolloutParts
+from verst.rollout import AsyncRolloutWorker, FifoBuffer
+from verst.types import Sample, Status, expand_group
+
+N = 2  # samples per prompt
+
+
+class Source:
+    """Numbered groups of a one-token prompt; remembers returned prompts and its position."""
+
+    def __init__(self):
+        self.position, self.returned = 0, []
+
+    def next_groups(self, n_prompts, n):
+        groups = []
+        for _ in range(n_prompts):
+            prompt = Sample(tokens=[1, 2], prompt=f"p{self.position}")
+            groups.append(expand_group(prompt, n, self.position, self.position * n))
+            self.position += 1
+        return groups
+
+    def return_prompts(self, samples):
+        self.returned.append(samples[0].group_index)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+async def generate_sample(sample, version=3):
+    await asyncio.sleep(0.001 if sample.group_index < 6 else 60)  # later groups never finish
+    sample.tokens = sample.tokens + [7]
+    sample.response_length, sample.loss_mask, sample.rollout_logprobs = 1, [1], [-0.5]
+    sample.weight_versions.append(str(version))
+    sample.status = Status.COMPLETED
+    return sample
+
+
+def parts_factory(seen):
+    def factory(endpoints: RolloutEndpoints) -> RolloutParts:
+        seen.append(endpoints)
+        source = Source()
+        buffer = FifoBuffer(capacity_groups=8)
+        worker = AsyncRolloutWorker(source, buffer, n_samples_per_prompt=N, max_in_flight=4 * N,
+                                    generate_sample=generate_sample,
+                                    on_leftover=lambda group: source.return_prompts(group))
+        return RolloutParts(worker=worker, buffer=buffer, source=source)
+
+    return factory
+
+
+def test_the_manager_hosts_the_fully_async_worker():
+    async def main():
+        seen = []
+        manager = RolloutManager(["http://127.0.0.1:1/"], parts_factory(seen), router=None)
+        with pytest.raises(RuntimeError, match="not started"):
+            await manager.take(1, 3)
+        assert await manager.start() is None
+        assert seen == [RolloutEndpoints(router_url=None, engine_urls=["http://127.0.0.1:1"])]
+        with pytest.raises(RuntimeError, match="not running"):
+            await manager.take(1, 3)
+        await manager.start_async()
+        first = await manager.take(2, version=3, timeout=10)
+        assert [g[0].group_index for g in first] == [0, 1]
+        assert all(s.status == Status.COMPLETED and len(g) == N for g in first for s in g)
+        with pytest.raises(RuntimeError, match="no generate_batch"):
+            await manager.generate_batch(0, 3)
+        await manager.pause()
+        await manager.resume()
+        more = await manager.take(4, version=4, timeout=10)
+        assert [g[0].group_index for g in more] == [2, 3, 4, 5]
+        metrics = await manager.metrics()
+        assert metrics["buffer/staleness_max"] == 1.0 and metrics["rollout/groups_produced"] >= 6
+        state = await manager.state_dict()
+        assert state["position"] >= 6
+        leftovers = await manager.shutdown()
+        assert leftovers == 4  # the never-finishing groups in flight, returned to the source
+        assert len(manager._parts.source.returned) == leftovers
+        with pytest.raises(RuntimeError, match="shut down"):
+            await manager.metrics()
+
+    asyncio.run(main())
+
+
+def test_a_sync_set_up_serves_generate_batch_and_refuses_the_worker_calls():
+    async def generate_batch(rollout_id, weight_version):
+        return [[Sample(tokens=[1], metadata={"rollout": rollout_id, "version": weight_version})]]
+
+    async def main():
+        manager = RolloutManager(["http://e"], lambda endpoints: RolloutParts(generate_batch=generate_batch),
+                                 router=None)
+        await manager.start()
+        groups = await manager.generate_batch(5, 2)
+        assert groups[0][0].metadata == {"rollout": 5, "version": 2}
+        for call in (manager.start_async(), manager.pause(), manager.take(1, 0)):
+            with pytest.raises(RuntimeError, match="no fully async worker"):
+                await call
+        assert await manager.shutdown() == 0
+
+    asyncio.run(main())
+
+
+def test_a_failing_parts_factory_is_reported_and_nothing_stays_up():
+    async def main():
+        manager = RolloutManager(["http://e"], lambda endpoints: "not parts", router=None)
+        with pytest.raises(TypeError, match="returned str; expected RolloutParts"):
+            await manager.start()
+        with pytest.raises(RuntimeError, match="shut down"):
+            await manager.metrics()
+
+    asyncio.run(main())

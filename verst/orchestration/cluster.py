@@ -1,0 +1,222 @@
+"""`Orchestration`: the Ray session, the placement group and every actor group of one run, started
+from `ClusterConfig` and shut down together in reverse order, even on failure.
+
+    with Orchestration(cfg.cluster, schedule=cfg.schedule) as orch:
+        engines = orch.start_engines(cfg.model.path, wait=False)  # servers start while the trainer does
+        trainer = orch.start_trainer(functools.partial(FSDP2Backend, cfg.model, cfg.trainer, device=orch.device))
+        rollout = orch.start_rollout_manager(engines.wait_ready().urls, parts_factory)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import ray
+
+from verst.config.schema import ClusterConfig
+from verst.orchestration.engine_actors import EngineActorGroup, check_engine_type
+from verst.orchestration.placement import BundlePlan, Placement, plan_bundles
+from verst.orchestration.ray_session import RaySession
+from verst.orchestration.rollout_manager import PartsFactory, RolloutManager, RouterSpec
+from verst.types import Group
+
+FULLY_ASYNC_COLOCATED = (
+    "schedule = 'fully_async' with cluster.placement = 'colocated' is refused: the fully async "
+    "schedule needs trainer and engines running at once; use cluster.placement = 'disaggregated'"
+)
+
+
+def check_schedule_placement(schedule: str, placement: str) -> None:
+    """The config validator's rule, kept here for orchestrations built without a VerstConfig."""
+    if schedule == "fully_async" and placement == "colocated":
+        raise ValueError(FULLY_ASYNC_COLOCATED)
+
+
+class Orchestration:
+    """Everything Ray-side of one run. Use as a context manager; `shutdown()` is safe to call twice.
+
+    Joins `cluster.ray_address`, or starts a local Ray sized for the placement (or reuses the Ray
+    already initialised in this process, leaving it running on exit).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        *,
+        schedule: str = "sync",
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 300.0,
+        log_dir: str | Path | None = None,
+    ):
+        check_schedule_placement(schedule, cluster.placement)
+        check_engine_type(cluster.engine)
+        self.cluster, self.schedule = cluster, schedule
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.session: RaySession | None = None
+        self.placement: Placement | None = None
+        self.device: Literal["cpu", "cuda"] | None = None
+        self._stack: list[Any] = []  # started parts, shut down last-first
+
+    def start(self) -> Orchestration:
+        if self.placement is not None:
+            return self
+        try:
+            cpu_plan = self._plan("cpu")  # sizes a local Ray; a GPU plan asks for no slots
+            self.session = RaySession(self.cluster.ray_address, slots=cpu_plan.slots(), num_cpus=cpu_plan.cpus())
+            self.session.start()
+            self.device = self._resolve_device()
+            self.placement = Placement.create(self._plan(self.device), timeout_s=self.start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def __enter__(self) -> Orchestration:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- the actor groups ----------------------------------------------------------------
+    def start_trainer(self, factory: Callable[[], Any]):
+        """`cluster.trainer_ranks` rank actors hosting `factory()` (see `TrainerActorGroup`)."""
+        from verst.orchestration.trainer_actors import TrainerActorGroup  # imports torch
+
+        group = TrainerActorGroup(factory, self._placed(), device=self.device, timeout_s=self.timeout_s,
+                                  start_timeout_s=self.start_timeout_s)
+        self._stack.append(group)
+        return group
+
+    def start_engines(self, model: str | Path, *, args: list[str] | None = None, wait: bool = True) -> EngineActorGroup:
+        """`cluster.num_engines` engine actors serving `model`; `args` go to the server command line.
+        With `wait=False` the servers start in the background until `group.wait_ready()`."""
+        group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
+                                 startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait)
+        self._stack.append(group)
+        return group
+
+    def start_rollout_manager(
+        self, engine_urls: list[str], parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec()
+    ) -> RolloutManagerHandle:
+        """The rollout manager actor in front of `engine_urls`, started (router up, parts built)."""
+        self._placed()
+        handle = RolloutManagerHandle(engine_urls, parts_factory, router=router, timeout_s=self.timeout_s,
+                                      start_timeout_s=self.start_timeout_s)
+        self._stack.append(handle)
+        return handle
+
+    # ---- shutdown ------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the actor groups (last started first), remove the placement group, end a Ray we started."""
+        errors = []
+        while self._stack:
+            try:
+                self._stack.pop().shutdown()
+            except Exception as error:  # keep stopping the rest; raised below
+                errors.append(error)
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
+        if self.session is not None:
+            self.session.shutdown()
+            self.session = None
+        if errors:
+            raise RuntimeError(f"orchestration shutdown: {len(errors)} part(s) failed to stop: {errors}")
+
+    # ---- internals -----------------------------------------------------------------------
+    def _plan(self, device: Literal["cpu", "cuda"]) -> BundlePlan:
+        return plan_bundles(self.cluster.placement, self.cluster.trainer_ranks, self.cluster.num_engines, device)
+
+    def _resolve_device(self) -> Literal["cpu", "cuda"]:
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        if self.cluster.device == "auto":
+            return "cuda" if gpus > 0 else "cpu"
+        if self.cluster.device == "cuda" and gpus <= 0:
+            raise RuntimeError("cluster.device = 'cuda' but the Ray cluster offers no GPU "
+                               f"(resources: {ray.cluster_resources()})")
+        return self.cluster.device
+
+    def _placed(self) -> Placement:
+        if self.placement is None:
+            raise RuntimeError("the orchestration is not started (use it as a context manager or call start())")
+        return self.placement
+
+
+_RemoteRolloutManager = ray.remote(max_restarts=0, max_task_retries=0)(RolloutManager)
+# It mostly waits on HTTP; a CPU request would compete with the bundles on small machines.
+MANAGER_CPUS = 0
+
+
+class RolloutManagerHandle:
+    """The driver's handle of the rollout manager actor: blocking calls with a timeout. Await
+    `handle.actor.<method>.remote(...)` instead from an asyncio driver."""
+
+    def __init__(self, engine_urls: list[str], parts_factory: PartsFactory, *, router: RouterSpec | None,
+                 timeout_s: float = 600.0, start_timeout_s: float = 300.0):
+        self.timeout_s = timeout_s
+        self._closed = False
+        self.actor = _RemoteRolloutManager.options(num_cpus=MANAGER_CPUS).remote(
+            list(engine_urls), parts_factory, router=router)
+        try:
+            self.router_url: str | None = self._call("start", timeout_s=start_timeout_s)
+            self.pids: dict[str, int | None] = self._call("pids")
+        except BaseException:
+            with contextlib.suppress(Exception):  # the start-up error is the one to report
+                self.shutdown()
+            raise
+
+    def generate_batch(self, rollout_id: int, weight_version: int) -> list[Group]:
+        return self._call("generate_batch", rollout_id, weight_version)
+
+    def start_async(self) -> None:
+        self._call("start_async")
+
+    def take(self, n: int, version: int, timeout: float | None = None) -> list[Group]:
+        wait = self.timeout_s if timeout is None else timeout + 30.0
+        return self._call("take", n, version, timeout, timeout_s=wait)
+
+    def pause(self) -> None:
+        self._call("pause")
+
+    def resume(self) -> None:
+        self._call("resume")
+
+    def stop_async(self) -> int:
+        return self._call("stop_async")
+
+    def metrics(self) -> dict[str, float]:
+        return self._call("metrics")
+
+    def engine_urls(self) -> list[str]:
+        return self._call("engine_urls")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._call("load_state_dict", state)
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop the worker, the parts and the router inside the actor, then kill the actor."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            ray.get(self.actor.shutdown.remote(), timeout=grace_s)
+        finally:
+            ray.kill(self.actor, no_restart=True)  # Ray also ends a router the shutdown did not stop
+
+    def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        if self._closed:
+            raise RuntimeError(f"the rollout manager is shut down; cannot {method}")
+        timeout_s = timeout_s or self.timeout_s
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"rollout manager: {method!r} did not finish within {timeout_s:g}s") from None
+        except ray.exceptions.RayTaskError as error:
+            raise error.as_instanceof_cause() from None

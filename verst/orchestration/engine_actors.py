@@ -1,0 +1,187 @@
+"""Engine actors: each starts one inference server (the embedded engine, a child process of the actor)
+in its placement bundle and reports its URL and health; `EngineActorGroup` is the driver's handle.
+
+SGLang and vLLM servers plug in here (`cluster.engine`); until then they are refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+
+from verst.engine.process import EngineProcess
+from verst.orchestration.placement import Placement, current_bundle
+
+ENGINE_TYPES = ("embedded", "sglang", "vllm")
+
+
+def check_engine_type(engine: str) -> None:
+    """Only the embedded engine runs under the orchestration so far; the others fail loudly by name."""
+    if engine == "embedded":
+        return
+    if engine in ("sglang", "vllm"):
+        raise NotImplementedError(
+            f"cluster.engine = {engine!r} is not wired into the Ray orchestration yet; use cluster.engine = 'embedded'"
+        )
+    raise ValueError(f"cluster.engine = {engine!r} is not one of {ENGINE_TYPES}")
+
+
+class EngineServer:
+    """The body of one engine actor: the server runs as a child process, which Ray ends with the actor."""
+
+    def __init__(self, index: int, model: str, device: str, args: list[str], startup_timeout_s: float,
+                 log_dir: str | None):
+        self.index = index
+        # Bind where the router (perhaps on another node) can reach it: this node's Ray address,
+        # which is 127.0.0.1 on a local one-node Ray.
+        self.host = ray.util.get_node_ip_address()
+        log_path = Path(log_dir) / f"engine-{index}.log" if log_dir else None
+        self.server = EngineProcess(model, host=self.host, args=["--device", device, *args],
+                                    startup_timeout=startup_timeout_s, log_path=log_path)
+        self.device = device
+
+    def start(self) -> dict[str, Any]:
+        self.server.start()
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        placement_group, bundle = current_bundle()
+        return {"index": self.index, "url": self.server.url, "actor_pid": os.getpid(),
+                "server_pid": self.server.proc.pid if self.server.proc else None,
+                "placement_group": placement_group, "bundle": bundle}
+
+    def url(self) -> str:
+        return self.server.url
+
+    def health(self) -> bool:
+        """The server process is alive and `GET /health` answers 200."""
+        if self.server.proc is None or self.server.proc.poll() is not None:
+            return False
+        try:
+            return httpx.get(self.server.url + "/health", timeout=5.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def release_memory(self) -> bool:
+        """Colocated placement: give the device memory back while the trainer steps. Returns whether
+        anything was released.
+
+        On CPU there is nothing to release: the engine's KV blocks are ordinary process memory and the
+        trainer and engine share the machine's RAM anyway. The embedded engine has no GPU release
+        either; an SGLang engine will call `release_memory_occupation` here. Generation is not running
+        while the trainer steps in the schedules that colocate (the loop's pause/flush does that).
+        """
+        return False
+
+    def resume_memory(self) -> bool:
+        """Undo `release_memory` (reload weights and KV cache onto the device); see there."""
+        return False
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+_RemoteEngineServer = ray.remote(max_restarts=0, max_task_retries=0)(EngineServer)
+
+
+class EngineActorGroup:
+    """One engine actor per engine bundle of `placement`, all started before this returns."""
+
+    def __init__(
+        self,
+        engine: str,
+        model: str | Path,
+        placement: Placement,
+        *,
+        device: str = "cpu",
+        args: list[str] | None = None,
+        startup_timeout_s: float = 180.0,
+        log_dir: str | Path | None = None,
+        wait: bool = True,
+    ):
+        check_engine_type(engine)
+        self.engine, self.startup_timeout_s = engine, startup_timeout_s
+        self._closed = False
+        self._infos: list[dict[str, Any]] | None = None
+        count = len(placement.plan.engine_bundles)
+        self._actors = [
+            _RemoteEngineServer.options(**placement.actor_options("engine", i)).remote(
+                i, str(model), device, list(args or []), startup_timeout_s, str(log_dir) if log_dir else None)
+            for i in range(count)
+        ]
+        self._starting = [actor.start.remote() for actor in self._actors]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> EngineActorGroup:
+        """Block until every server is healthy (`wait=False` lets the trainer start meanwhile)."""
+        if self._infos is None:
+            try:
+                self._infos = self._collect(self._starting, "start", self.startup_timeout_s + 60.0)
+            except BaseException:
+                self.shutdown()
+                raise
+        return self
+
+    @property
+    def infos(self) -> list[dict[str, Any]]:
+        """Per engine: index, url, actor_pid, server_pid, placement_group, bundle."""
+        if self._infos is None:
+            raise RuntimeError("the engines are still starting; call wait_ready() first")
+        return self._infos
+
+    def __enter__(self) -> EngineActorGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    @property
+    def urls(self) -> list[str]:
+        return [info["url"] for info in self.infos]
+
+    @property
+    def pids(self) -> list[int]:
+        """Every process this group started: the actors and their servers."""
+        return [pid for info in self.infos for pid in (info["actor_pid"], info["server_pid"])]
+
+    def health(self) -> dict[str, bool]:
+        return dict(zip(self.urls, self._all("health", 30.0)))
+
+    def release_memory(self) -> list[bool]:
+        return self._all("release_memory", 120.0)
+
+    def resume_memory(self) -> list[bool]:
+        return self._all("resume_memory", 120.0)
+
+    def shutdown(self, grace_s: float = 15.0) -> None:
+        """Stop every server (SIGTERM, then SIGKILL), then the actors. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        stops = [actor.stop.remote() for actor in self._actors]
+        ray.wait(stops, num_returns=len(stops), timeout=grace_s)
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)  # Ray also ends a server whose stop did not finish
+
+    def _all(self, method: str, timeout_s: float) -> list[Any]:
+        if self._closed:
+            raise RuntimeError(f"the engine actor group is shut down; cannot {method}")
+        return self._collect([getattr(actor, method).remote() for actor in self._actors], method, timeout_s)
+
+    def _collect(self, refs: list[ray.ObjectRef], method: str, timeout_s: float) -> list[Any]:
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for index, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"engine {index} did not finish {method!r} within {timeout_s:g}s") from None
+            except ray.exceptions.RayError as error:
+                raise RuntimeError(f"engine {index} failed in {method!r}: {error}") from None
+        return results

@@ -1,0 +1,143 @@
+"""Placement: one Ray placement group whose bundles hold the trainer ranks and the engines, colocated
+(trainer rank i and engine i share bundle i) or disaggregated (each actor has a bundle of its own).
+
+On GPU a bundle is one GPU; on CPU it is a fraction of a CPU plus one `SLOT_RESOURCE` unit, so the
+same placement logic runs (and fails when it cannot fit) on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from verst.orchestration.ray_session import SLOT_RESOURCE
+
+Role = Literal["trainer", "engine"]
+PlacementKind = Literal["colocated", "disaggregated"]
+# Logical CPUs per bundle. Actors of one bundle split it; real threads are capped separately
+# (one torch thread per trainer rank and engine).
+CPUS_PER_BUNDLE = 0.5
+_BUNDLE_KEY = re.compile(r"^bundle_group_(\d+)_([0-9a-f]+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class BundlePlan:
+    """Which bundle each trainer rank and engine goes to, and what each bundle holds."""
+
+    kind: PlacementKind
+    device: Literal["cpu", "cuda"]
+    bundles: list[dict[str, float]]
+    trainer_bundles: list[int]  # bundle of trainer rank i
+    engine_bundles: list[int]  # bundle of engine j
+
+    def share(self, role: Role, index: int) -> float:
+        """The fraction of its bundle an actor takes: half where a trainer rank and an engine meet."""
+        bundle = (self.trainer_bundles if role == "trainer" else self.engine_bundles)[index]
+        sharing = (bundle in self.trainer_bundles) + (bundle in self.engine_bundles)
+        return 1.0 / sharing
+
+    def slots(self) -> int:
+        """`SLOT_RESOURCE` units the cluster must offer (CPU placements)."""
+        return sum(int(b.get(SLOT_RESOURCE, 0)) for b in self.bundles)
+
+    def cpus(self) -> float:
+        return sum(b.get("CPU", 0.0) for b in self.bundles)
+
+
+def plan_bundles(
+    kind: PlacementKind, trainer_ranks: int, num_engines: int, device: Literal["cpu", "cuda"]
+) -> BundlePlan:
+    """Colocated: max(N, M) bundles, trainer rank i and engine i in bundle i (Miles' `--colocate`).
+    Disaggregated: N + M bundles, trainer ranks first, engines after."""
+    if trainer_ranks < 1:
+        raise ValueError(f"cluster.trainer_ranks must be >= 1, got {trainer_ranks}")
+    if num_engines < 1:
+        raise ValueError(f"cluster.num_engines must be >= 1, got {num_engines}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"placement device must be 'cpu' or 'cuda' (resolve 'auto' first), got {device!r}")
+    if kind == "colocated":
+        count = max(trainer_ranks, num_engines)
+        trainer, engine = list(range(trainer_ranks)), list(range(num_engines))
+    elif kind == "disaggregated":
+        count = trainer_ranks + num_engines
+        trainer, engine = list(range(trainer_ranks)), list(range(trainer_ranks, count))
+    else:
+        raise ValueError(f"cluster.placement = {kind!r} is not 'colocated' or 'disaggregated'")
+    unit = {"GPU": 1.0} if device == "cuda" else {SLOT_RESOURCE: 1.0}
+    bundles = [{"CPU": CPUS_PER_BUNDLE, **unit} for _ in range(count)]
+    return BundlePlan(kind, device, bundles, trainer, engine)
+
+
+class Placement:
+    """A created placement group for a `BundlePlan`; `actor_options` places one actor in its bundle."""
+
+    def __init__(self, plan: BundlePlan, group: PlacementGroup):
+        self.plan, self.group = plan, group
+        self._removed = False
+
+    @classmethod
+    def create(cls, plan: BundlePlan, timeout_s: float = 60.0) -> Placement:
+        """Reserve the bundles (PACK: as few nodes as possible); fails loudly when they do not fit."""
+        group = placement_group(plan.bundles, strategy="PACK", name="")
+        ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(group)
+            raise TimeoutError(
+                f"placement group of {len(plan.bundles)} bundles {plan.bundles[0]} ({plan.kind}, "
+                f"{len(plan.trainer_bundles)} trainer ranks, {len(plan.engine_bundles)} engines) not placed "
+                f"within {timeout_s:g}s; the cluster offers {ray.cluster_resources()}, of which "
+                f"{ray.available_resources()} are free"
+                + (f" (a CPU placement needs the custom resource {SLOT_RESOURCE!r} declared on the "
+                   "nodes, e.g. `ray start --resources '{\"verst_slot\": 8}'`)" if plan.device == "cpu" else "")
+            )
+        return cls(plan, group)
+
+    def bundle_of(self, role: Role, index: int) -> int:
+        return (self.plan.trainer_bundles if role == "trainer" else self.plan.engine_bundles)[index]
+
+    def actor_options(self, role: Role, index: int) -> dict[str, Any]:
+        """`.options(...)` for actor `index` of `role`: its share of its bundle, scheduled into it."""
+        share = self.plan.share(role, index)
+        options: dict[str, Any] = {
+            "num_cpus": CPUS_PER_BUNDLE * share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=self.bundle_of(role, index)
+            ),
+        }
+        if self.plan.device == "cuda":
+            # Colocated: two actors at 0.5 GPU see the same device (Ray sets CUDA_VISIBLE_DEVICES).
+            options["num_gpus"] = share
+        else:
+            options["resources"] = {SLOT_RESOURCE: share}
+        return options
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        if ray.is_initialized():
+            remove_placement_group(self.group)
+
+    @property
+    def id(self) -> str:
+        return self.group.id.hex()
+
+
+def current_bundle() -> tuple[str, int]:
+    """Inside an actor: (placement group id, bundle index) it was scheduled into.
+
+    Read from the bundle-scoped resources Ray assigned (`bundle_group_<i>_<pg id>`): the ground truth,
+    not what the actor was asked to do.
+    """
+    from ray._private.worker import global_worker
+
+    for key in global_worker.core_worker.resource_ids():
+        match = _BUNDLE_KEY.match(key)
+        if match:
+            return match.group(2), int(match.group(1))
+    raise RuntimeError("this actor was not scheduled into a placement group bundle")

@@ -1,0 +1,132 @@
+"""The Ray connection: start a quiet one-node Ray bound to 127.0.0.1, or join an existing cluster.
+
+A session shuts down only a Ray it started itself, so sessions nest (a test's shared Ray, a recipe).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import ray
+
+# The logical resource every CPU bundle asks for: placement groups are exercised (and fail when
+# they cannot fit) on machines whose few real cores could not hold one CPU per actor.
+SLOT_RESOURCE = "verst_slot"
+# Ray on Linux advertises and binds the machine's outward address even for a one-node cluster;
+# this switch (read by ray._private.ray_constants) makes it use loopback as it does on macOS.
+_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_QUIET_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",  # no phoning home from an offline machine
+    "RAY_DEDUP_LOGS": "1",
+}
+# Announces at every start that token authentication is on (Ray's default, which we keep).
+_AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class RaySession:
+    """`with RaySession(slots=4) as ray_session: ...`; `address` joins a cluster instead of starting one.
+
+    A local Ray declares `slots` units of `SLOT_RESOURCE` and at least `num_cpus` logical CPUs (default:
+    the machine's cores). If Ray is already initialised in this process, that connection is reused and
+    left running on exit.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        slots: int = 0,
+        num_cpus: float | None = None,
+        num_gpus: int | None = None,
+        namespace: str = "verst",
+        object_store_bytes: int | None = None,
+        log_to_driver: bool = True,
+    ):
+        if slots < 0:
+            raise ValueError(f"RaySession: slots must be >= 0, got {slots}")
+        self.address, self.slots, self.namespace = address, slots, namespace
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.object_store_bytes, self.log_to_driver = object_store_bytes, log_to_driver
+        self.owned = False  # this session called ray.init and will call ray.shutdown
+        self._saved_env: dict[str, str | None] = {}
+
+    def start(self) -> RaySession:
+        if ray.is_initialized():
+            return self
+        if self.address is not None:
+            ray.init(address=self.address, namespace=self.namespace, logging_level=logging.WARNING,
+                     log_to_driver=self.log_to_driver)
+        else:
+            self._start_local()
+        self.owned = True
+        return self
+
+    def _start_local(self) -> None:
+        self._set_env({**_QUIET_ENV, _LOOPBACK_SWITCH: "0"})
+        import ray._private.ray_constants as constants
+
+        # The switch is read at `import ray`, which may have happened before this call.
+        self._saved_loopback = constants.ENABLE_RAY_CLUSTER
+        constants.ENABLE_RAY_CLUSTER = False
+        cores = os.cpu_count() or 1
+        num_cpus = max(cores, math.ceil(self.num_cpus or 0))
+        notice = logging.getLogger(_AUTH_NOTICE_LOGGER)
+        level = notice.level
+        notice.setLevel(logging.ERROR)
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                num_gpus=self.num_gpus,
+                resources={SLOT_RESOURCE: float(self.slots)} if self.slots else None,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                namespace=self.namespace,
+                object_store_memory=self.object_store_bytes,
+                logging_level=logging.WARNING,
+                log_to_driver=self.log_to_driver,
+            )
+        except BaseException:
+            ray.shutdown()  # whatever part of Ray did start
+            self._restore_env()
+            raise
+        finally:
+            notice.setLevel(level)
+
+    def shutdown(self) -> None:
+        """Shut Ray down if this session started it (every actor and placement group goes with it)."""
+        if not self.owned:
+            return
+        self.owned = False
+        ray.shutdown()
+        self._restore_env()
+
+    def resources(self) -> dict[str, float]:
+        """The cluster's total logical resources."""
+        return dict(ray.cluster_resources())
+
+    def __enter__(self) -> RaySession:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- environment -------------------------------------------------------------------
+    def _set_env(self, values: dict[str, str]) -> None:
+        for key, value in values.items():
+            if key in os.environ:
+                continue  # the user's own setting wins
+            self._saved_env[key] = None
+            os.environ[key] = value
+
+    def _restore_env(self) -> None:
+        for key in self._saved_env:
+            os.environ.pop(key, None)
+        self._saved_env = {}
+        if hasattr(self, "_saved_loopback"):
+            import ray._private.ray_constants as constants
+
+            constants.ENABLE_RAY_CLUSTER = self._saved_loopback
+            del self._saved_loopback

@@ -1,0 +1,207 @@
+"""The rollout manager: owns the router in front of the engines and hosts the rollout side (data
+source, rollout fn, buffer, fully async worker), which a parts factory builds once the router is up.
+
+`RolloutManager` is a plain class (async methods, testable without Ray); the orchestration runs it as
+an async Ray actor so the fully async worker lives on the actor's event loop across training steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from verst.rollout import AsyncRolloutWorker, DataBuffer
+from verst.router import RouterManager
+from verst.types import Group
+
+GenerateBatch = Callable[[int, int], Awaitable[list[Group]]]
+"""`async generate_batch(rollout_id, weight_version) -> groups`: one rollout step (the rollout fn)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutEndpoints:
+    """Where the rollout side sends work: the router (None without one) and every engine directly."""
+
+    router_url: str | None
+    engine_urls: list[str]
+
+
+@dataclasses.dataclass
+class RolloutParts:
+    """What a parts factory hands the manager. `generate_batch` serves the sync and one-step-off
+    schedules, `worker` (with its `buffer`) the fully async one; `source` is saved and restored with
+    the run; `close` runs at shutdown; `metrics` returns (and resets) the parts' own metrics, e.g. those
+    of the last rollout step."""
+
+    generate_batch: GenerateBatch | None = None
+    worker: AsyncRolloutWorker | None = None
+    buffer: DataBuffer | None = None
+    source: Any = None  # a verst.data.DataSource
+    close: Callable[[], Awaitable[None]] | None = None
+    metrics: Callable[[], dict[str, float]] | None = None
+
+
+PartsFactory = Callable[[RolloutEndpoints], RolloutParts | Awaitable[RolloutParts]]
+"""`factory(endpoints) -> RolloutParts` (or a coroutine of it); picklable when run in an actor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSpec:
+    """sglang-router settings: manual + min_load pins sessions (`X-SMG-Routing-Key`) to the engine
+    holding their prefix; a load policy (`power_of_two`, `round_robin`) suits single-turn work."""
+
+    policy: str = "manual"
+    assignment_mode: str = "min_load"
+    log_path: str | None = None
+
+
+class RolloutManager:
+    """Host of the rollout side. Call `start()` first and `shutdown()` last (both idempotent)."""
+
+    def __init__(
+        self, engine_urls: list[str], parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec()
+    ):
+        if not engine_urls:
+            raise ValueError("RolloutManager needs at least one engine URL")
+        self._engine_urls = [u.rstrip("/") for u in engine_urls]
+        self._factory, self._router_spec = parts_factory, router
+        self._router: RouterManager | None = None
+        self._parts: RolloutParts | None = None
+        self._async_started = False
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> str | None:
+        """Start the router (unless `router=None`), then build the parts; returns the router URL."""
+        if self._parts is not None:
+            return await self.router_url()
+        if self._router_spec is not None:
+            spec = self._router_spec
+            self._router = RouterManager(self._engine_urls, policy=spec.policy, assignment_mode=spec.assignment_mode,
+                                         log_path=Path(spec.log_path) if spec.log_path else None)
+            await asyncio.to_thread(self._router.start)
+        try:
+            built = self._factory(RolloutEndpoints(await self.router_url(), list(self._engine_urls)))
+            parts = await built if inspect.isawaitable(built) else built
+            if not isinstance(parts, RolloutParts):
+                raise TypeError(f"the rollout parts factory returned {type(parts).__name__}; expected RolloutParts")
+            if parts.worker is not None and parts.buffer is None:
+                raise ValueError("RolloutParts.worker needs the buffer it puts into (RolloutParts.buffer)")
+            self._parts = parts
+        except BaseException:
+            await self.shutdown()
+            raise
+        return await self.router_url()
+
+    async def shutdown(self) -> int:
+        """Stop the worker (its leftovers go to its `on_leftover`), close the parts, stop the router.
+        Returns the number of leftover groups."""
+        if self._closed:
+            return 0
+        self._closed = True
+        leftovers = 0
+        try:
+            if self._parts is not None and self._async_started:
+                leftovers = len(await self._parts.worker.stop())
+            if self._parts is not None and self._parts.close is not None:
+                await self._parts.close()
+        finally:
+            if self._router is not None:
+                await asyncio.to_thread(self._router.stop)
+        return leftovers
+
+    # ---- the sync and one-step-off schedules ----------------------------------------------
+    async def generate_batch(self, rollout_id: int, weight_version: int) -> list[Group]:
+        parts = self._ready("generate_batch")
+        if parts.generate_batch is None:
+            raise RuntimeError("generate_batch: the rollout parts have no generate_batch (a fully async set-up?)")
+        if self._async_started:
+            raise RuntimeError("generate_batch: the fully async worker is running; take groups with take()")
+        return await parts.generate_batch(rollout_id, weight_version)
+
+    # ---- the fully async schedule --------------------------------------------------------
+    async def start_async(self) -> None:
+        """Start the background worker on this event loop; it generates until `stop_async`/`shutdown`."""
+        worker = self._worker("start_async")
+        if self._async_started:
+            raise RuntimeError("start_async: the fully async worker is already running")
+        worker.start()
+        self._async_started = True
+
+    async def take(self, n: int, version: int, timeout: float | None = None) -> list[Group]:
+        """Up to n fresh groups for trainer version `version` (the buffer's staleness rule applies)."""
+        worker = self._worker("take")
+        if not self._async_started:
+            raise RuntimeError("take: the fully async worker is not running (call start_async first)")
+        return await worker.take(n, version, timeout)
+
+    async def pause(self) -> None:
+        """Start no new group (in-flight ones finish); engine-level pause is the weight sync's job."""
+        self._worker("pause").pause()
+
+    async def resume(self) -> None:
+        self._worker("resume").resume()
+
+    async def stop_async(self) -> int:
+        """Stop the worker; returns how many unfinished groups it handed to its `on_leftover`."""
+        worker = self._worker("stop_async")
+        if not self._async_started:
+            return 0
+        self._async_started = False
+        return len(await worker.stop())
+
+    # ---- state and metrics ---------------------------------------------------------------
+    async def metrics(self) -> dict[str, float]:
+        """The buffer's, the worker's and the parts' metrics (each resets its per-step windows when read)."""
+        parts = self._ready("metrics")
+        out: dict[str, float] = {}
+        if parts.buffer is not None:
+            out.update(parts.buffer.metrics())
+        if parts.worker is not None:
+            out.update(parts.worker.metrics())
+        if parts.metrics is not None:
+            out.update(parts.metrics())
+        return out
+
+    async def engine_urls(self) -> list[str]:
+        return list(self._engine_urls)
+
+    async def router_url(self) -> str | None:
+        return self._router.url if self._router is not None else None
+
+    async def pids(self) -> dict[str, int | None]:
+        """This process and the router's (None without one), for health checks and leak checks."""
+        router = self._router.proc.pid if self._router is not None and self._router.proc is not None else None
+        return {"manager": os.getpid(), "router": router}
+
+    async def state_dict(self) -> dict[str, Any]:
+        """The data source's position, to resume a run from the same prompts."""
+        parts = self._ready("state_dict")
+        if parts.source is None:
+            raise RuntimeError("state_dict: the rollout parts have no data source")
+        return parts.source.state_dict()
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        parts = self._ready("load_state_dict")
+        if parts.source is None:
+            raise RuntimeError("load_state_dict: the rollout parts have no data source")
+        parts.source.load_state_dict(state)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _ready(self, what: str) -> RolloutParts:
+        if self._closed:
+            raise RuntimeError(f"{what}: the rollout manager is shut down")
+        if self._parts is None:
+            raise RuntimeError(f"{what}: the rollout manager is not started (call start first)")
+        return self._parts
+
+    def _worker(self, what: str) -> AsyncRolloutWorker:
+        worker = self._ready(what).worker
+        if worker is None:
+            raise RuntimeError(f"{what}: the rollout parts have no fully async worker")
+        return worker

@@ -1,0 +1,271 @@
+"""Trainer ranks as Ray actors, each hosting one backend rank, and `TrainerActorGroup`, the driver's
+handle that runs every backend method on all ranks (the Ray twin of `verst.trainer.TrainerGroup`).
+
+Failure model: a rank that raises or dies makes the driver raise `RankError` naming that rank; a
+call that makes no progress within its timeout raises `TimeoutError`. Either way every rank actor is
+killed (its collectives are in an unknown state), so the driver never hangs on a broken group.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from verst.engine.process import free_port
+from verst.orchestration.placement import Placement, current_bundle
+from verst.trainer import Batch, LossFn, Normalizer, RankError, TrainBackend, WeightBucket, count_policy_tokens
+from verst.trainer.distributed import init_process_group, resolve_device
+
+# Buckets rank 0 may have produced ahead of the driver: bounds the object store's share of weights.
+STREAM_AHEAD_BUCKETS = 2
+
+
+class TrainerRank:
+    """The body of one trainer rank actor. Methods are called by `TrainerActorGroup` only."""
+
+    def __init__(self, rank: int, world_size: int, device: str):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.backend: TrainBackend | None = None
+        # Ray shows a GPU actor only its own device (CUDA_VISIBLE_DEVICES), which is then cuda:0.
+        os.environ["LOCAL_RANK"] = "0"
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the address the process group's store will listen on (this node, a free port)."""
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def setup(self, master_addr: str, master_port: int, factory: Callable[[], TrainBackend], timeout_s: float) -> dict:
+        device = resolve_device(self.device)
+        if device.type == "cpu":
+            torch.set_num_threads(1)  # one thread per rank; see PLATFORM.md
+        _quiet_transformers()
+        # Rank 0 serves the rendezvous store itself (the torchrun arrangement); the others connect.
+        init_process_group(self.rank, self.world_size, master_addr, master_port, device, timeout_s, host_store=True)
+        self.backend = factory()
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        placement_group, bundle = current_bundle()
+        return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "placement_group": placement_group, "bundle": bundle}
+
+    def call(self, method: str, payload: tuple[tuple, dict]) -> Any:
+        args, kwargs = payload
+        attribute = getattr(self.backend, method)
+        return attribute(*args, **kwargs) if callable(attribute) else attribute
+
+    def apply(self, fn: Callable[..., Any], payload: tuple[tuple, dict]) -> Any:
+        args, kwargs = payload
+        return fn(self.backend, *args, **kwargs)
+
+    def stream_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Rank 0: yield each bucket (a Ray streaming generator: one object per bucket)."""
+        for bucket in self.backend.named_weights(bucket_bytes):
+            yield [(name, tensor.cpu()) for name, tensor in bucket]
+
+    def drain_weights(self, bucket_bytes: int) -> None:
+        """Ranks > 0: take part in the gathers of `named_weights`, keeping nothing."""
+        for _ in self.backend.named_weights(bucket_bytes):
+            pass
+
+
+_RemoteTrainerRank = ray.remote(max_restarts=0, max_task_retries=0)(TrainerRank)
+
+
+class TrainerActorGroup:
+    """N trainer rank actors placed by `placement`; use as a context manager.
+
+    `factory()` builds the backend inside each rank once the process group is up; it must be
+    picklable (e.g. `functools.partial(FSDP2Backend, model_cfg, trainer_cfg, device=...)`) and agree
+    with `device`. Every method runs on all ranks; results come from rank 0 (they are identical).
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], TrainBackend],
+        placement: Placement,
+        *,
+        device: str = "cpu",
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 300.0,
+        failure_grace_s: float = 2.0,
+    ):
+        self.world_size = len(placement.plan.trainer_bundles)
+        self.timeout_s, self.failure_grace_s = timeout_s, failure_grace_s
+        self._closed = False
+        self._actors = [
+            _RemoteTrainerRank.options(**placement.actor_options("trainer", rank)).remote(rank, self.world_size, device)
+            for rank in range(self.world_size)
+        ]
+        try:
+            address, port = self._gather({self._actors[0].rendezvous.remote(): 0}, start_timeout_s, "rendezvous")[0]
+            setups = {actor.setup.remote(address, port, factory, timeout_s): rank
+                      for rank, actor in enumerate(self._actors)}
+            self.infos: list[dict[str, Any]] = self._gather(setups, start_timeout_s, "start-up")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def __enter__(self) -> TrainerActorGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def pids(self) -> list[int]:
+        return [info["pid"] for info in self.infos]
+
+    # ---- the backend's methods ----------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.call("step")[0]
+
+    def logprobs(
+        self, batch: Batch, *, reference: bool = False, with_entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.call("logprobs", list(batch), reference=reference, with_entropy=with_entropy)[0]
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer = count_policy_tokens,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        return self.call("train_step", list(batch), loss_fn, normalizer=normalizer, with_entropy=with_entropy)[0]
+
+    def save(self, directory: str | Path) -> None:
+        self.call("save", str(directory))
+
+    def load(self, directory: str | Path) -> None:
+        self.call("load", str(directory))
+
+    def export_hf(self, directory: str | Path) -> None:
+        self.call("export_hf", str(directory))
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `backend.<method>(*args, **kwargs)` on every rank (or read the attribute); results by rank."""
+        self._check_open(method)
+        payload = ray.put((args, kwargs))  # one copy in the object store, however many ranks read it
+        refs = {actor.call.remote(method, payload): rank for rank, actor in enumerate(self._actors)}
+        return self._gather(refs, self.timeout_s, method)
+
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `fn(backend, *args, **kwargs)` on every rank (e.g. a weight transport's rank-side push);
+        `fn` must be picklable and collective-safe. Results by rank."""
+        self._check_open(getattr(fn, "__name__", "apply"))
+        payload = ray.put((args, kwargs))
+        refs = {actor.apply.remote(fn, payload): rank for rank, actor in enumerate(self._actors)}
+        return self._gather(refs, self.timeout_s, getattr(fn, "__name__", "apply"))
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Rank 0's buckets, streamed through the object store at most `STREAM_AHEAD_BUCKETS` ahead of
+        the consumer; stopping early drains the rest so the ranks stay in step."""
+        self._check_open("named_weights")
+        stream = self._actors[0].stream_weights.options(
+            num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD_BUCKETS
+        ).remote(bucket_bytes)
+        others = {actor.drain_weights.remote(bucket_bytes): rank for rank, actor in enumerate(self._actors) if rank}
+        refs = self._stream(stream, others)
+        finished = False
+        try:
+            for ref in refs:
+                yield self._get(ref, 0, "named_weights")
+            finished = True
+        finally:
+            if not finished and not self._closed:
+                for _ in refs:  # the refs only: nothing is fetched
+                    pass
+
+    def _stream(self, stream: Any, others: dict[ray.ObjectRef, int]) -> Iterator[ray.ObjectRef]:
+        """Refs of rank 0's buckets as they appear, watching the other ranks for failure meanwhile."""
+        pending = dict(others)
+        streaming = True
+        while streaming or pending:
+            waitables = ([stream] if streaming else []) + list(pending)
+            ready, _ = ray.wait(waitables, num_returns=1, timeout=self.timeout_s)
+            if not ready:
+                ranks = ([0] if streaming else []) + sorted(pending.values())
+                self.shutdown()
+                raise TimeoutError(
+                    f"trainer ranks {ranks} made no progress in 'named_weights' for {self.timeout_s:.0f} s")
+            if ready[0] is stream:
+                try:
+                    yield next(stream)
+                except StopIteration:
+                    streaming = False
+                continue
+            rank = pending.pop(ready[0])
+            self._get(ready[0], rank, "named_weights", pending)
+
+    # ---- process management ----------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Kill every rank actor (Ray also ends their child processes). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"the trainer actor group is shut down (after shutdown() or a rank failure); cannot {what}")
+
+    def _gather(self, refs: dict[ray.ObjectRef, int], timeout_s: float, what: str) -> list[Any]:
+        """Every rank's result, by rank; the first failure (or the deadline) stops the group and raises."""
+        results: dict[int, Any] = {}
+        pending = dict(refs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                self.shutdown()
+                raise TimeoutError(
+                    f"trainer ranks {sorted(pending.values())} did not finish {what!r} within {timeout_s:.0f} s")
+            rank = pending.pop(ready[0])
+            results[rank] = self._get(ready[0], rank, what, pending)
+        return [results[rank] for rank in sorted(results)]
+
+    def _get(self, ref: ray.ObjectRef, rank: int, what: str, pending: dict[ray.ObjectRef, int] | None = None) -> Any:
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayError, GetTimeoutError) as error:
+            failures = {rank: error, **self._more_failures(pending or {})}
+            # A dead rank process is the cause; the others' collective errors are its consequence.
+            dead = [r for r, e in failures.items() if isinstance(e, RayActorError)]
+            culprit = min(dead) if dead else rank
+            self.shutdown()
+            raise RankError(culprit, _describe(failures[culprit], what)) from None
+
+    def _more_failures(self, pending: dict[ray.ObjectRef, int]) -> dict[int, BaseException]:
+        """Failures of other ranks within a short grace period after the first one."""
+        if not pending:
+            return {}
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.failure_grace_s)
+        failures = {}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as error:
+                failures[pending[ref]] = error
+        return failures
+
+
+def _describe(error: BaseException, what: str) -> str:
+    if isinstance(error, RayActorError):
+        return f"its process died during {what!r}: {error}"
+    return f"{what!r} raised: {error}"
+
+
+def _quiet_transformers() -> None:
+    """Per-rank progress bars and info logs of transformers would interleave on the driver's terminal."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
