@@ -142,13 +142,10 @@ class BackgroundServer:
         import uvicorn
 
         from verst.engine.runner import EngineRunner
-        from verst.engine.server import create_app
+        from verst.engine.server import create_app, listening_socket
         from verst.engine.service import ServerState
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, 0))
-        sock.listen(2048)
+        sock = listening_socket(self.host, 0)
         self.port = sock.getsockname()[1]
         state = ServerState(runner=EngineRunner(self.core), tokenizer=self.core.tokenizer, model_path=self.model_path,
                             served_model_name=self.served_model_name, host=self.host, port=self.port)
