@@ -1,0 +1,36 @@
+"""Weight synchronisation from the trainer to the engines: three bucketed transports behind one small
+interface, and the one place that runs the pause → flush → push → version → continue lifecycle.
+
+Importing this package imports no torch; names resolve lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "WeightTransport": "verst.sync.transport",
+    "TRANSPORT_IDS": "verst.sync.transport",
+    "DistributedTransport": "verst.sync.distributed",
+    "TensorTransport": "verst.sync.tensor",
+    "DiskTransport": "verst.sync.disk",
+    "SnapshotWriter": "verst.sync.disk",
+    "list_snapshots": "verst.sync.disk",
+    "WeightSyncer": "verst.sync.syncer",
+    "VersionError": "verst.sync.syncer",
+    "WeightSyncError": "verst.sync.syncer",
+    "LogprobChecker": "verst.sync.check",
+    "WeightCheckError": "verst.sync.check",
+    "build_transport": "verst.sync.factory",
+    "build_syncer": "verst.sync.factory",
+    "rebucket": "verst.sync.buckets",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'verst.sync' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

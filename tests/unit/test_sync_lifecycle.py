@@ -1,0 +1,208 @@
+"""The weight-sync lifecycle in `WeightSyncer`, against a fleet that records calls (the engines are the
+edge here; the real ones are in tests/component/test_sync_transports.py): order, versions, failures."""
+
+import asyncio
+
+import pytest
+import torch
+
+from verst.config.schema import SyncConfig
+from verst.router.fleet import FleetError
+from verst.sync import TRANSPORT_IDS, VersionError, WeightSyncer, WeightSyncError, build_syncer, build_transport
+from verst.sync.disk import DiskTransport
+from verst.sync.distributed import DistributedTransport
+from verst.sync.tensor import TensorTransport
+
+
+class RecordingClient:
+    def __init__(self, url, log, fail):
+        self.base_url, self.log, self.fail = url, log, fail
+
+    async def update_weight_version(self, version):
+        self.log.append(("update_weight_version", self.base_url, version))
+        return {"success": True, "weight_version": version}
+
+
+class RecordingFleet:
+    """EngineFleet's surface as the syncer uses it; `fail` maps an action to the URLs that fail it."""
+
+    def __init__(self, urls=("http://a", "http://b"), versions=None, fail=None):
+        self.urls, self.log, self.fail = list(urls), [], fail or {}
+        self.versions = versions or {url: "0" for url in self.urls}
+        self.clients = {url: RecordingClient(url, self.log, self.fail) for url in self.urls}
+
+    async def _all(self, action, *args):
+        self.log.append((action, *args))
+        failing = self.fail.get(action, ())
+        if failing:
+            raise FleetError(action, {url: RuntimeError(f"{action} refused") for url in failing})
+        return {url: {"success": True} for url in self.urls}
+
+    async def pause(self, mode="retract"):
+        return await self._all("pause", mode)
+
+    async def flush_cache(self):
+        return await self._all("flush_cache")
+
+    async def continue_generation(self):
+        return await self._all("continue_generation")
+
+    async def weight_versions(self):
+        return dict(self.versions)
+
+    async def each(self, action, fn):
+        return {url: await fn(client) for url, client in self.clients.items()}
+
+
+class RecordingTransport:
+    name = "tensor"
+
+    def __init__(self, log, error=None):
+        self.log, self.error, self.closed = log, error, False
+
+    async def push(self, buckets, version):
+        tensors = [name for bucket in buckets for name, _ in bucket]
+        self.log.append(("push", version, tensors))
+        if self.error:
+            raise self.error
+        return {"sync/bytes": 12.0, "sync/buckets": 1.0, "sync/tensors": float(len(tensors)), "sync/push_seconds": 0.0}
+
+    async def close(self):
+        self.closed = True
+
+
+BUCKETS = [[("w", torch.zeros(3))]]
+
+
+def syncer_for(fleet, mode="retract", error=None, **kwargs):
+    return WeightSyncer(fleet, RecordingTransport(fleet.log, error), pause_mode=mode, **kwargs)
+
+
+def actions(log):
+    return [entry[0] for entry in log]
+
+
+def test_lifecycle_order_pause_flush_push_version_continue():
+    fleet = RecordingFleet()
+    metrics = asyncio.run(syncer_for(fleet).sync(BUCKETS, 1))
+    assert actions(fleet.log) == ["pause", "flush_cache", "push", "update_weight_version", "update_weight_version",
+                                  "continue_generation"]
+    assert fleet.log[0] == ("pause", "retract")
+    assert {entry[1:] for entry in fleet.log if entry[0] == "update_weight_version"} == {("http://a", "1"),
+                                                                                         ("http://b", "1")}
+    assert metrics["sync/version"] == 1 and metrics["sync/transport_id"] == TRANSPORT_IDS["tensor"]
+    assert metrics["sync/tensors"] == 1 and metrics["sync/seconds"] >= 0
+
+
+def test_in_place_pause_keeps_the_cache():
+    fleet = RecordingFleet()
+    asyncio.run(syncer_for(fleet, mode="in_place").sync(BUCKETS, 1))
+    assert fleet.log[0] == ("pause", "in_place") and "flush_cache" not in actions(fleet.log)
+
+
+def test_versions_only_go_up_and_start_from_the_engines():
+    fleet = RecordingFleet(versions={"http://a": "4", "http://b": "6"})
+    syncer = syncer_for(fleet)
+
+    async def main():
+        for stale in (6, 5):
+            with pytest.raises(VersionError, match=f"sync version {stale} but the engines serve version 6"):
+                await syncer.sync(BUCKETS, stale)
+        assert fleet.log == []  # refused before touching any engine
+        await syncer.sync(BUCKETS, 7)
+        with pytest.raises(VersionError, match="sync version 7 but the engines serve version 7"):
+            await syncer.sync(BUCKETS, 7)
+        await syncer.sync(BUCKETS, 9)
+        return syncer.version
+
+    assert asyncio.run(main()) == 9
+
+
+def test_a_non_integer_engine_version_is_refused_naming_the_engine():
+    fleet = RecordingFleet(versions={"http://a": "0", "http://b": "base"})
+    with pytest.raises(VersionError, match="http://b reports weight_version 'base'"):
+        asyncio.run(syncer_for(fleet).sync(BUCKETS, 1))
+
+
+def test_a_failed_push_continues_every_engine_and_keeps_the_version():
+    fleet = RecordingFleet()
+    syncer = syncer_for(fleet, error=FleetError("update_weights_from_tensor", {"http://b": RuntimeError("bad shape")}))
+    with pytest.raises(WeightSyncError) as info:
+        asyncio.run(syncer.sync(BUCKETS, 1))
+    message = str(info.value)
+    assert "http://b" in message and "bad shape" in message and "Every engine was continued" in message
+    assert "still report version 0" in message
+    assert actions(fleet.log) == ["pause", "flush_cache", "push", "continue_generation"]
+    assert syncer.version == 0  # the next sync may push version 1 again
+    syncer.transport.error = None
+    asyncio.run(syncer.sync(BUCKETS, 1))
+    assert syncer.version == 1
+
+
+def test_a_partial_pause_still_continues_every_engine():
+    fleet = RecordingFleet(fail={"pause": ["http://a"]})
+    with pytest.raises(WeightSyncError, match="pause refused.*Every engine was continued"):
+        asyncio.run(syncer_for(fleet).sync(BUCKETS, 1))
+    assert actions(fleet.log) == ["pause", "continue_generation"]
+
+
+def test_engines_left_paused_are_named():
+    fleet = RecordingFleet(fail={"continue_generation": ["http://b"]})
+    with pytest.raises(WeightSyncError, match="loaded on every engine.*may still be PAUSED.*http://b"):
+        asyncio.run(syncer_for(fleet).sync(BUCKETS, 1))
+    fleet = RecordingFleet(fail={"flush_cache": ["http://a"], "continue_generation": ["http://b"]})
+    with pytest.raises(WeightSyncError, match="flush_cache refused.*continue_generation failed too.*PAUSED.*http://b"):
+        asyncio.run(syncer_for(fleet).sync(BUCKETS, 1))
+
+
+def test_cancellation_continues_the_engines_and_is_not_wrapped():
+    fleet = RecordingFleet()
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(syncer_for(fleet, error=asyncio.CancelledError()).sync(BUCKETS, 1))
+    assert actions(fleet.log)[-1] == "continue_generation"
+
+
+def test_check_runs_once_after_the_first_sync():
+    fleet = RecordingFleet()
+    calls = []
+
+    class Checker:
+        async def check(self, fleet_, version):
+            calls.append(version)
+            return {"sync/check_max_abs_diff": 0.0}
+
+    syncer = syncer_for(fleet, checker=Checker())
+    first = asyncio.run(syncer.sync(BUCKETS, 1))
+    second = asyncio.run(syncer.sync(BUCKETS, 2))
+    assert calls == [1] and "sync/check_max_abs_diff" in first and "sync/check_max_abs_diff" not in second
+
+
+def test_interval_and_settings_are_checked():
+    fleet = RecordingFleet()
+    syncer = syncer_for(fleet, interval=3)
+    assert [s for s in range(1, 10) if syncer.due(s)] == [3, 6, 9]
+    with pytest.raises(ValueError, match="pause_mode"):
+        syncer_for(fleet, mode="sleep")
+    with pytest.raises(ValueError, match="interval"):
+        syncer_for(fleet, interval=0)
+
+
+def test_factory_maps_config_and_device_to_transports(tmp_path):
+    fleet = RecordingFleet()
+    cfg = lambda **kw: SyncConfig(bucket_bytes=2**20, **kw)  # noqa: E731
+    dist = build_transport(cfg(transport="distributed"), fleet)
+    assert isinstance(dist, DistributedTransport) and dist.backend == "gloo" and dist.bucket_bytes == 2**20
+    assert build_transport(cfg(transport="distributed"), fleet, device="cuda").backend == "nccl"
+    assert build_transport(cfg(transport="tensor"), fleet).ipc == "shm"
+    assert isinstance(build_transport(cfg(transport="tensor"), fleet, device="cuda"), TensorTransport)
+    assert build_transport(cfg(transport="tensor"), fleet, device="cuda").ipc == "cuda_ipc"
+    disk = build_transport(cfg(transport="disk"), fleet, snapshot_dir=tmp_path, keep_snapshots=3)
+    assert isinstance(disk, DiskTransport) and disk.keep_last == 3
+    with pytest.raises(ValueError, match="needs snapshot_dir"):
+        build_transport(cfg(transport="disk"), fleet)
+    with pytest.raises(ValueError, match="device"):
+        build_transport(cfg(transport="tensor"), fleet, device="tpu")
+    with pytest.raises(ValueError, match="check_weights = true needs logprobs_fn"):
+        build_syncer(cfg(check_weights=True), fleet)
+    syncer = build_syncer(cfg(transport="tensor", pause_mode="abort", interval=2), fleet)
+    assert syncer.describe() == {"transport": "tensor", "pause_mode": "abort", "interval": 2, "check_weights": False}

@@ -1,0 +1,109 @@
+"""The weight check (`sync.check_weights`): after a sync, every engine must serve the trainer's weights.
+
+Engines expose no weights or checksums yet, so the check goes through generation: each engine samples a
+few probe prompts and the trainer recomputes the logprobs of exactly those tokens; equal weights agree
+to float noise (float32 CPU: 1e-4). A mismatch names the engine, probe and token; it cannot name the
+tensor until engines serve per-tensor checksums.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from verst.engine.client import GenerateResult
+from verst.router.fleet import EngineFleet
+from verst.trainer.items import TrainItem
+
+LogprobsFn = Callable[[list[TrainItem]], list[torch.Tensor]]
+
+
+class WeightCheckError(RuntimeError):
+    """An engine does not serve the trainer's weights; `mismatches` maps each engine URL to the detail."""
+
+    def __init__(self, version: int, mismatches: dict[str, str]):
+        lines = "; ".join(f"{url}: {detail}" for url, detail in mismatches.items())
+        super().__init__(
+            f"weight check after the sync to version {version} failed on {len(mismatches)} engine(s): {lines}. "
+            "(Logprob probes cannot name the tensor: that needs a per-tensor checksum endpoint on the engine.)"
+        )
+        self.version, self.mismatches = version, mismatches
+
+
+def default_probes(vocab_size: int, count: int = 3, length: int = 12, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of `length` token ids spread over the whole vocabulary (fixed by `seed`)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (count, length), generator=generator).tolist()
+
+
+class LogprobChecker:
+    """`logprobs_fn(items)` is the trainer's forward-only logprobs (`FSDP2Backend.logprobs`,
+    `TrainerGroup.logprobs`); `temperature` must be the one it divides logits by, and the engines
+    sample the probes at it, so both sides report the same distribution.
+    """
+
+    def __init__(
+        self, logprobs_fn: LogprobsFn, *, temperature: float = 1.0, probes: Sequence[Sequence[int]] | None = None,
+        max_new_tokens: int = 8, atol: float = 1e-4, seed: int = 1234,
+    ):
+        if temperature <= 0:
+            raise ValueError(f"weight check temperature must be > 0 (the trainer's logprob temperature), got {temperature}")
+        self.logprobs_fn, self.temperature, self.atol = logprobs_fn, temperature, atol
+        self.probes = [list(p) for p in probes] if probes is not None else None
+        self.max_new_tokens, self.seed = max_new_tokens, seed
+
+    async def check(self, fleet: EngineFleet, version: int) -> dict[str, float]:
+        """Raises `WeightCheckError` naming every engine that differs; returns `sync/check_*` metrics."""
+        start = time.perf_counter()
+        probes = self.probes or default_probes(await _vocab_size(fleet))
+        replies = await fleet.each("weight check probe", lambda c: self._sample(c, probes))
+        items, owners = [], []
+        for url, results in replies.items():
+            for p, (prompt, result) in enumerate(zip(probes, results)):
+                n = len(result.output_ids)
+                items.append(TrainItem(prompt + result.output_ids, n, torch.ones(n), {}, len(items)))
+                owners.append((url, p, result))
+        want = await asyncio.to_thread(self.logprobs_fn, items)
+        mismatches: dict[str, str] = {}
+        worst = 0.0
+        for (url, p, result), expected in zip(owners, want):
+            if url in mismatches:
+                continue
+            detail, diff = self._compare(p, result, expected, version)
+            worst = max(worst, diff)
+            if detail:
+                mismatches[url] = detail
+        if mismatches:
+            raise WeightCheckError(version, mismatches)
+        return {"sync/check_seconds": time.perf_counter() - start, "sync/check_max_abs_diff": worst}
+
+    async def _sample(self, client: Any, probes: list[list[int]]) -> list[GenerateResult]:
+        params = lambda i: {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens,  # noqa: E731
+                            "ignore_eos": True, "sampling_seed": self.seed + i}
+        return list(await asyncio.gather(*(client.generate(p, params(i), return_logprob=True)
+                                           for i, p in enumerate(probes))))
+
+    def _compare(self, p: int, result: GenerateResult, expected: torch.Tensor, version: int) -> tuple[str, float]:
+        if result.weight_version != str(version):
+            return f"probe {p} was served by weight_version {result.weight_version!r}, not {version}", 0.0
+        if result.logprobs is None or not result.output_ids:
+            return f"probe {p} returned no tokens or logprobs (finish_reason {result.finish_reason!r})", 0.0
+        got = torch.tensor(result.logprobs, dtype=torch.float32)  # [response]
+        diff = (got - expected.float()).abs()  # [response]
+        j = int(diff.argmax())
+        if diff[j] > self.atol:
+            return (f"probe {p} token {j} (id {result.output_ids[j]}): engine logprob {got[j]:.6f} vs trainer "
+                    f"{expected[j]:.6f} (|diff| {diff[j]:.2e} > atol {self.atol:g})"), float(diff[j])
+        return "", float(diff[j])
+
+
+async def _vocab_size(fleet: EngineFleet) -> int:
+    url = fleet.urls[0]
+    info = await fleet.clients[url].get_model_info()
+    if not isinstance(info.get("vocab_size"), int):
+        raise ValueError(f"{url}/get_model_info has no vocab_size ({sorted(info)}); pass probes= to LogprobChecker")
+    return info["vocab_size"]

@@ -1,0 +1,137 @@
+"""The `tensor` transport for colocated engines: each bucket is handed over in memory, written once and
+mapped by every engine. CPU: a /dev/shm file (`verst.engine.weights`); GPU: CUDA IPC handles (SGLang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from verst.engine.weights import SHM_DIR, ShmBucket, write_shm_bucket
+from verst.router.fleet import EngineFleet
+from verst.sync.buckets import BucketStream
+from verst.sync.transport import PushStats
+from verst.trainer.backend import WeightBucket
+
+IPC_MODES = ("shm", "cuda_ipc")
+
+
+class TensorTransport:
+    """`ipc="shm"`: one shared-memory file per bucket, deleted once every engine has copied it (engines
+    on this host; the embedded engine and `load_format="shm"`). `ipc="cuda_ipc"`: SGLang's own scheme.
+    """
+
+    name = "tensor"
+
+    def __init__(self, fleet: EngineFleet, *, bucket_bytes: int, ipc: str = "shm", shm_dir: str = SHM_DIR):
+        if ipc not in IPC_MODES:
+            raise ValueError(f"tensor transport ipc must be one of {IPC_MODES}, got {ipc!r}")
+        self.fleet, self.bucket_bytes, self.ipc, self.shm_dir = fleet, bucket_bytes, ipc, shm_dir
+        self._tp_sizes: dict[str, int] = {}
+
+    async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
+        stats, stream = PushStats(), BucketStream(buckets, self.bucket_bytes)
+        try:
+            if self.ipc == "shm":
+                await self._push_shm(stream, stats)
+            else:
+                async for bucket in stream:
+                    await self._push_cuda_ipc(bucket)
+                    stats.add(bucket)
+        finally:
+            await stream.aclose()
+        return stats.metrics()
+
+    async def _push_shm(self, stream: BucketStream, stats: PushStats) -> None:
+        """Bucket k+1 is written while the engines copy bucket k (peak: two shm files, one read ahead)."""
+        loading: tuple[asyncio.Future, ShmBucket] | None = None
+        try:
+            async for bucket in stream:
+                shm = await self._write(bucket)
+                try:
+                    if loading is not None:
+                        previous, loading = loading, None
+                        await self._finish(previous)
+                except BaseException:
+                    shm.close()
+                    raise
+                call = self.fleet.update_weights_from_tensor(shm.manifest, None)  # type: ignore[arg-type]
+                loading = (asyncio.ensure_future(call), shm)
+                stats.add(bucket)
+            if loading is not None:
+                previous, loading = loading, None
+                await self._finish(previous)
+        finally:
+            if loading is not None:  # an error elsewhere: stop waiting for this bucket's load
+                loading[0].cancel()
+                await asyncio.gather(loading[0], return_exceptions=True)
+                loading[1].close()
+
+    async def _write(self, bucket: WeightBucket) -> ShmBucket:
+        write = asyncio.ensure_future(asyncio.to_thread(write_shm_bucket, bucket, self.shm_dir))
+        try:
+            return await asyncio.shield(write)
+        except asyncio.CancelledError:
+            (await write).close()  # the thread finishes the file regardless; do not leak it in /dev/shm
+            raise
+
+    @staticmethod
+    async def _finish(loading: tuple[asyncio.Future, ShmBucket]) -> None:
+        future, shm = loading
+        try:
+            await future
+        finally:
+            shm.close()
+
+    # ---- GPU: CUDA IPC -------------------------------------------------------------------------------
+    # UNTESTED HERE (no GPU, no sglang on the build machines). Written to SGLang's documented
+    # `/update_weights_from_tensor`: `serialized_named_tensors` holds one entry per tensor-parallel rank of
+    # the engine, each `MultiprocessingSerializer.serialize([(name, cuda_tensor), ...], output_str=True)`
+    # after `monkey_patch_torch_reductions()` (devices travel as UUIDs, so engines with other
+    # CUDA_VISIBLE_DEVICES map them right); `load_format` None. The engine copies out of the handles
+    # before it replies, so the tensors only have to outlive the call.
+    async def _push_cuda_ipc(self, bucket: WeightBucket) -> None:
+        serialize = _sglang_serializer()
+        import torch
+
+        tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
+        off_gpu = [name for name, t in tensors if t.device.type != "cuda"]
+        if off_gpu:
+            raise ValueError(f"tensor transport ipc='cuda_ipc' needs CUDA tensors; {off_gpu[0]!r} is on the CPU")
+        torch.cuda.synchronize()  # the engines read the memory as soon as they get the handles
+        payload = serialize(tensors)
+        tp_sizes = await self._engine_tp_sizes()
+
+        async def send(client: Any) -> Any:
+            body = {"serialized_named_tensors": [payload] * tp_sizes[client.base_url], "load_format": None,
+                    "flush_cache": True, "weight_version": None}
+            # EngineClient has no public call for a raw serialized payload yet (reported); same POST path.
+            return await client._post("/update_weights_from_tensor", body, client.timeouts.weights)
+
+        await self.fleet.each("update_weights_from_tensor(cuda_ipc)", send)
+        del tensors
+
+    async def _engine_tp_sizes(self) -> dict[str, int]:
+        if not self._tp_sizes:
+            infos = await self.fleet.each("get_server_info", lambda c: c.get_server_info())
+            self._tp_sizes = {url: int(info.get("tp_size", 1)) for url, info in infos.items()}
+        return self._tp_sizes
+
+    async def close(self) -> None:
+        return None
+
+
+def _sglang_serializer():
+    """SGLang's serializer with its torch reduction patch applied; sglang must be installed here."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as exc:
+        raise RuntimeError("tensor transport ipc='cuda_ipc' needs sglang installed in the trainer process "
+                           "(its CUDA-IPC serializer); on CPU use ipc='shm'") from exc
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:  # older sglang releases keep it one level up
+        from sglang.srt.patch_torch import monkey_patch_torch_reductions
+    monkey_patch_torch_reductions()
+    return lambda named: MultiprocessingSerializer.serialize(named, output_str=True)

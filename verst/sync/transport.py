@@ -1,0 +1,59 @@
+"""The WeightTransport contract (DESIGN.md): push bucketed, HF-named full tensors to every engine of a
+fleet, and close. Transports move weights only; pausing, versions and checks belong to `WeightSyncer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from verst.trainer.backend import WeightBucket
+
+# Metrics are numbers, so the transport appears as `sync/transport_id`; its name is also in the run
+# config (`sync.transport`). Ids are stable: append, never renumber.
+TRANSPORT_IDS = {"distributed": 0, "tensor": 1, "disk": 2}
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """Moves weights to every engine; never pauses engines nor sets their version (the syncer does).
+
+    `push` may be handed buckets of any size: it regroups them to its own `bucket_bytes`. A push that
+    raises may have left engines with some tensors of the new weights and the rest of the old ones.
+    """
+
+    name: str
+
+    async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
+        """Send every tensor to every engine; returns `sync/bytes`, `sync/buckets`, `sync/tensors`,
+        `sync/push_seconds` (bytes are counted once, however many engines receive them)."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the transport holds (process group, files); safe to call twice."""
+        ...
+
+
+@dataclasses.dataclass
+class PushStats:
+    """Counts of one push, reported as `sync/` metrics."""
+
+    bytes: int = 0
+    buckets: int = 0
+    tensors: int = 0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add(self, bucket: WeightBucket) -> None:
+        self.buckets += 1
+        self.tensors += len(bucket)
+        self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "sync/bytes": float(self.bytes),
+            "sync/buckets": float(self.buckets),
+            "sync/tensors": float(self.tensors),
+            "sync/push_seconds": time.perf_counter() - self.started,
+        }
