@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from verst.cli.config_command import parse_config_command, print_dry_run
 
 DESCRIPTION = "RL post-training (GRPO and friends) with the sync, one_step_off or fully_async schedule."
@@ -14,4 +16,7 @@ def main(argv: list[str]) -> int:
     if dry_run:
         print_dry_run(cfg)
         return 0
-    raise SystemExit("verst train: the RL loop is not built yet (see the [loop] issue); use --dry-run")
+    from verst.recipes import SCHEDULES
+
+    asyncio.run(SCHEDULES[cfg.schedule](cfg))
+    return 0

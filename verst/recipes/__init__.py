@@ -1,0 +1,25 @@
+"""Layer 4: the readable loops — sync, one-step-off and fully async RL, SFT — and the demo job.
+
+`SCHEDULES` maps `schedule` to its loop; each imports its heavy parts only when run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+def _lazy(module: str, name: str) -> Callable[..., Awaitable[Any]]:
+    def run(cfg):
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(cfg)
+
+    return run
+
+
+SCHEDULES: dict[str, Callable[..., Awaitable[Any]]] = {
+    "sync": _lazy("verst.recipes.sync", "run_sync"),
+    "one_step_off": _lazy("verst.recipes.one_step_off", "run_one_step_off"),
+    "fully_async": _lazy("verst.recipes.fully_async", "run_fully_async"),
+}

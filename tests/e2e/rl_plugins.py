@@ -1,0 +1,40 @@
+"""Plug-ins the RL e2e tests load by import path inside the rollout manager actor; they record what
+happened into files under $VERST_TEST_RECORD_DIR so the test can compare them with the metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from verst.data import PromptSource
+from verst.rollout import FifoBuffer
+
+
+def _record(name: str, entry: dict) -> None:
+    path = Path(os.environ["VERST_TEST_RECORD_DIR"]) / f"{name}.jsonl"
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+class CountingSource(PromptSource):
+    def return_prompts(self, samples):
+        groups = sorted({s.group_index for s in samples})
+        _record("returned", {"groups": groups, "samples": len(samples)})
+        super().return_prompts(samples)
+
+
+def counting_source(data_cfg):
+    return CountingSource.from_config(data_cfg)
+
+
+class RecordingBuffer(FifoBuffer):
+    """The default buffer, recording every group it discards and why."""
+
+    def __init__(self, capacity_groups, *, max_staleness=None, group_filter=None, on_discard=None):
+        def record(group, reason):
+            _record("discarded", {"group": group[0].group_index, "reason": reason})
+            if on_discard is not None:
+                on_discard(group, reason)
+
+        super().__init__(capacity_groups, max_staleness=max_staleness, group_filter=group_filter, on_discard=record)

@@ -1,0 +1,37 @@
+"""One-step-off: generation of batch k+1 runs while the trainer trains on batch k.
+
+Batch k+1 starts on the weights of step k-1, so it is at most one version stale; the weight push
+pauses it (sync.pause_mode) and it continues on the new weights, recording both versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from verst.config import VerstConfig
+from verst.recipes.rl import open_rl_run
+
+
+async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
+    async with open_rl_run(cfg) as run:
+        run.logger.log(await run.evaluate(), step=0)
+        per_step = run.plan.groups_per_train_step
+        next_batch = asyncio.create_task(run.generate(0))
+        for rollout_id in range(cfg.rollout.num_rollouts):
+            start = time.perf_counter()
+            groups, rollout_metrics = await next_batch
+            wait_s = time.perf_counter() - start
+            if rollout_id + 1 < cfg.rollout.num_rollouts:
+                next_batch = asyncio.create_task(run.generate(rollout_id + 1))  # overlaps the training below
+            for i in range(0, len(groups), per_step):
+                metrics = {**rollout_metrics, **await run.train(groups[i : i + per_step]), "perf/trainer_wait_s": wait_s}
+                metrics.update(await run.sync_weights())
+                if run.eval_due():
+                    metrics.update(await run.evaluate())
+                run.log(metrics, start)
+                start, rollout_metrics, wait_s = time.perf_counter(), {}, 0.0
+        if not run.eval_history or run.eval_history[-1][0] != run.version:
+            run.logger.log(await run.evaluate(), step=run.version)
+        return run.finish()

@@ -1,0 +1,260 @@
+"""What the three RL schedules share: starting a run (Ray placement, engines, trainer ranks, the
+rollout manager with its router, the weight syncer) and the named steps the loops call —
+generate, take, train, sync weights, evaluate, log, finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from verst.config import BatchPlan, VerstConfig, batch_plan, load_object
+from verst.data import PromptSource, load_prompts_from_config
+from verst.engine.client import EngineClient
+from verst.eval import engine_greedy_generate, evaluate_greedy
+from verst.models import load_tokenizer
+from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
+from verst.monitor.report import write_report
+from verst.orchestration import Orchestration, RolloutEndpoints, RolloutParts, RouterSpec
+from verst.recipes.rl_steps import train_on_groups
+from verst.rewards import build_reward_fn
+from verst.rollout import (
+    AsyncRolloutWorker,
+    RolloutContext,
+    build_buffer,
+    discard_handler,
+    run_rollout,
+    worker_hooks,
+)
+from verst.router.fleet import EngineFleet
+from verst.sync import build_syncer
+from verst.trainer import FSDP2Backend
+from verst.types import Group, Status
+
+TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
+
+
+# ---- the rollout side, built inside the rollout manager actor ------------------------------------
+async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> RolloutParts:
+    """Data source, rollout context, and (fully async) the buffer and worker, from the config."""
+    tokenizer = load_tokenizer(cfg.model.path)
+    source = load_object(cfg.data.source, "data.source")(cfg.data) if cfg.data.source else PromptSource.from_config(cfg.data)
+    engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency)
+    control = [EngineClient(url) for url in endpoints.engine_urls]  # the router has no abort route
+    ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control)
+    last: dict[str, float] = {}
+
+    async def generate_batch(rollout_id: int, weight_version: int) -> list[Group]:
+        batch = await run_rollout(ctx, cfg.rollout.batch_size)
+        last.clear()
+        last.update(batch.metrics)
+        return batch.groups
+
+    def metrics() -> dict[str, float]:
+        out = dict(last)
+        last.clear()
+        return out
+
+    async def close() -> None:
+        await asyncio.gather(engine.close(), *(c.close() for c in control), ctx.aclose())
+
+    parts = RolloutParts(generate_batch=generate_batch, source=source, close=close, metrics=metrics)
+    if cfg.schedule == "fully_async":
+        plan = batch_plan(cfg)
+        on_discard = discard_handler(cfg.buffer.unused, source.return_prompts)
+        parts.buffer = build_buffer(cfg.buffer, plan.buffer_capacity_groups, on_discard, group_filter=ctx.group_filter)
+        hooks = worker_hooks(ctx)
+        parts.worker = AsyncRolloutWorker.from_config(
+            cfg.rollout, source, parts.buffer, generate_sample=hooks.generate_sample, finish_group=hooks.finish_group,
+            on_leftover=source.return_prompts if cfg.buffer.unused == "return" else None,
+        )
+    return parts
+
+
+# ---- the run --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RLRun:
+    """The parts of a running RL job and the named steps over them. `version` is the trainer's
+    weight version: the number of optimizer steps taken (the engines serve it after each sync)."""
+
+    cfg: VerstConfig
+    plan: BatchPlan
+    run_dir: Path
+    logger: MetricsLogger
+    trainer: Any  # TrainBackend: a Ray actor group of FSDP2 ranks
+    engines: Any  # EngineActorGroup
+    rollout: Any  # RolloutManagerHandle
+    syncer: Any  # WeightSyncer
+    router_url: str
+    version: int = 0
+    eval_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    # -- named steps ---------------------------------------------------------------------------
+    async def generate(self, rollout_id: int) -> tuple[list[Group], dict[str, float]]:
+        groups = await asyncio.to_thread(self.rollout.generate_batch, rollout_id, self.version)
+        return groups, await asyncio.to_thread(self.rollout.metrics)
+
+    async def take(self) -> tuple[list[Group], dict[str, float]]:
+        """Fully async: one train step's groups from the buffer (stale ones are dropped there)."""
+        start, need, groups = time.perf_counter(), self.plan.groups_per_train_step, []
+        while len(groups) < need:
+            got = await asyncio.to_thread(self.rollout.take, need - len(groups), self.version, TAKE_TIMEOUT_S)
+            if not got:
+                print(f"[rl] no finished group for {TAKE_TIMEOUT_S:.0f} s (have {len(groups)}/{need}); waiting", flush=True)
+            groups += got
+        metrics = await asyncio.to_thread(self.rollout.metrics)
+        metrics.update(batch_metrics(groups, self.cfg.reward.key))
+        metrics["perf/trainer_wait_s"] = time.perf_counter() - start
+        return groups, metrics
+
+    async def train(self, groups: list[Group]) -> dict[str, float]:
+        if self.cfg.cluster.placement == "colocated":
+            await asyncio.to_thread(self.engines.release_memory)
+        try:
+            metrics = await asyncio.to_thread(train_on_groups, self.trainer, groups, self.cfg)
+        finally:
+            if self.cfg.cluster.placement == "colocated":
+                await asyncio.to_thread(self.engines.resume_memory)
+        self.version += 1
+        return metrics
+
+    async def sync_weights(self) -> dict[str, float]:
+        """Push the trainer's weights as `version` when the interval says so (pause → push → continue)."""
+        if not self.syncer.due(self.version):
+            return {}
+        buckets = _iterate_in_thread(self.trainer.named_weights(self.cfg.sync.bucket_bytes))
+        return await self.syncer.sync(await buckets, self.version)
+
+    async def evaluate(self) -> dict[str, float]:
+        """Greedy held-out accuracy through the engines, which must all serve `version`."""
+        cfg = self.cfg
+        max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
+        generate = engine_greedy_generate(self.router_url, max_new, expect_version=str(self.syncer.version or 0))
+        metrics = await asyncio.to_thread(
+            evaluate_greedy, _test_prompts(cfg), generate, _tokenizer(cfg.model.path), build_reward_fn(cfg.reward),
+            cfg.data, max_new,
+        )
+        metrics["eval/weight_version"] = float(self.syncer.version or 0)
+        self.eval_history.append((self.version, metrics["eval/accuracy"]))
+        return metrics
+
+    def eval_due(self) -> bool:
+        return bool(self.cfg.eval.interval) and self.version % self.cfg.eval.interval == 0
+
+    def log(self, metrics: dict[str, float], step_start: float) -> None:
+        metrics["perf/step_time_s"] = time.perf_counter() - step_start
+        metrics["train/weight_version"] = float(self.version)
+        self.logger.log(metrics, step=self.version)
+        if self.cfg.logging.progress:
+            reward = metrics.get("rollout/reward_mean", float("nan"))
+            acc = f", eval accuracy {metrics['eval/accuracy']:.1%}" if "eval/accuracy" in metrics else ""
+            print(f"[{self.cfg.schedule}] step {self.version}/{self.plan.total_train_steps}: reward {reward:.3f}, "
+                  f"loss {metrics.get('train/loss', float('nan')):.4f}, {metrics['perf/step_time_s']:.2f} s{acc}",
+                  flush=True)
+
+    def finish(self) -> dict[str, Any]:
+        """summary.json (accuracy before/after with the versions measured) and the HTML report."""
+        (v0, before), (v1, after) = self.eval_history[0], self.eval_history[-1]
+        summary = {
+            "eval/accuracy_before": before, "eval/accuracy_after": after,
+            "eval/version_before": v0, "eval/version_after": v1,
+            "train/steps": self.version, "time/total_s": time.perf_counter() - self.started,
+            "schedule": self.cfg.schedule, "sync/transport": self.cfg.sync.transport,
+        }
+        write_summary(self.run_dir, summary)
+        report = write_report(self.run_dir)
+        print(f"[{self.cfg.schedule}] held-out greedy accuracy {before:.1%} (version {v0}) -> {after:.1%} "
+              f"(version {v1}) in {summary['time/total_s']:.0f} s; report {report}", flush=True)
+        return summary
+
+
+@contextlib.asynccontextmanager
+async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
+    """Start every part of an RL run (engines and trainer ranks start in parallel); stop all on exit."""
+    cfg = absolute_paths(cfg)
+    run_dir = prepare_run_dir(cfg)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    plan = batch_plan(cfg)
+    temperature = cfg.rollout.sampling.temperature or 1.0  # greedy rollouts: logprobs of the raw distribution
+    logger = MetricsLogger.for_run(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                   wandb_project=cfg.logging.wandb_project, name=cfg.name)
+    with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs") as orch:
+        engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0"], wait=False)
+        trainer = orch.start_trainer(functools.partial(
+            FSDP2Backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps, temperature=temperature,
+            device=orch.device, ref_model_path=cfg.model.path if cfg.algorithm.kl_loss_coef > 0 else None,
+        ))
+        urls = engines.wait_ready().urls
+        affinity = cfg.rollout.agent_fn is not None
+        router = RouterSpec() if affinity else RouterSpec(policy="round_robin", assignment_mode="min_load")
+        rollout = orch.start_rollout_manager(urls, functools.partial(build_rollout_parts, cfg), router=router)
+        async with EngineFleet(urls) as fleet:
+            syncer = build_syncer(cfg.sync, fleet, logprobs_fn=trainer.logprobs, temperature=temperature,
+                                  device=orch.device, snapshot_dir=run_dir / "weights", source_model=cfg.model.path)
+            run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url)
+            try:
+                yield run
+            finally:
+                await syncer.close()
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+def absolute_paths(cfg: VerstConfig) -> VerstConfig:
+    """The config with every file path made absolute: Ray actors do not share the driver's directory."""
+
+    def absolute(path: str | None) -> str | None:
+        return str(Path(path).resolve()) if path else path
+
+    run_dir = absolute(cfg.run_dir or str(Path("runs") / cfg.name))
+    return cfg.model_copy(update={
+        "run_dir": run_dir,
+        "model": cfg.model.model_copy(update={"path": absolute(cfg.model.path)}),
+        "data": cfg.data.model_copy(update={"train_path": absolute(cfg.data.train_path),
+                                            "test_path": absolute(cfg.data.test_path)}),
+        "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
+        "rollout": cfg.rollout.model_copy(update={"dump_dir": absolute(cfg.rollout.dump_dir)}),
+    })
+
+
+def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:
+    """`rollout/` metrics of the groups a train step consumes (the fully async path's view)."""
+    samples = [s for g in groups for s in g]
+    rewards = [s.reward_value(key) for s in samples]
+    versions = [int(v) for s in samples for v in s.weight_versions]
+    cached = sum(s.metadata.get("cached_tokens", 0) for s in samples)
+    prompt_tokens = sum(s.metadata.get("engine_prompt_tokens", 0) for s in samples)
+    return {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
+        "rollout/response_length_mean": statistics.fmean(s.response_length for s in samples),
+        "rollout/truncated_ratio": sum(s.status is Status.TRUNCATED for s in samples) / len(samples),
+        "rollout/weight_version_mean": statistics.fmean(versions) if versions else 0.0,
+        "rollout/mixed_version_ratio": sum(len(set(s.weight_versions)) > 1 for s in samples) / len(samples),
+        "rollout/prefix_cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+    }
+
+
+async def _iterate_in_thread(iterator) -> list:
+    """Collect a blocking bucket iterator off the event loop (the engines keep being served meanwhile)."""
+    return await asyncio.to_thread(list, iterator)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str) -> Any:
+    return load_tokenizer(path)
+
+
+def _test_prompts(cfg: VerstConfig) -> list:
+    path = cfg.eval.path or cfg.data.test_path
+    if path is None:
+        raise ValueError("evaluation needs eval.path or data.test_path")
+    data = cfg.data.model_copy(update={"test_path": path})
+    return load_prompts_from_config(data, "test")[: cfg.eval.max_prompts]

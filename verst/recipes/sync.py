@@ -1,0 +1,32 @@
+"""The synchronous schedule: generate a batch, train on it, push the weights, repeat.
+
+Engines idle while the trainer works and the trainer waits for the slowest trajectory; this is the
+baseline the other two schedules are measured against.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from verst.config import VerstConfig
+from verst.recipes.rl import open_rl_run
+
+
+async def run_sync(cfg: VerstConfig) -> dict[str, Any]:
+    async with open_rl_run(cfg) as run:
+        run.logger.log(await run.evaluate(), step=0)
+        per_step = run.plan.groups_per_train_step
+        for rollout_id in range(cfg.rollout.num_rollouts):
+            start = time.perf_counter()
+            groups, rollout_metrics = await run.generate(rollout_id)
+            for i in range(0, len(groups), per_step):
+                metrics = {**rollout_metrics, **await run.train(groups[i : i + per_step])}
+                metrics.update(await run.sync_weights())
+                if run.eval_due():
+                    metrics.update(await run.evaluate())
+                run.log(metrics, start)
+                start, rollout_metrics = time.perf_counter(), {}
+        if not run.eval_history or run.eval_history[-1][0] != run.version:
+            run.logger.log(await run.evaluate(), step=run.version)
+        return run.finish()
