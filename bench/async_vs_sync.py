@@ -1,0 +1,100 @@
+"""Sync vs fully async RL under long-tailed response lengths, measured in one run.
+
+Both schedules run the same tiny model, task, batch shape and step count on local Ray; a generate fn
+(loaded by import path from this file) forces long-tailed lengths: most responses are short, a few
+run to 128 tokens (ignore_eos). Prints the mean step time of each (first step excluded), their ratio
+(target: fully async ≥ 1.8× faster) and the engine idle fraction of each:
+  sync        1 − time generating / step time (engines idle while the trainer trains and syncs; an
+              underestimate: it ignores the straggler tail inside generation)
+  fully async the worker's time-weighted idle fraction of its `max_in_flight` slots
+Usage: .venv/bin/python bench/async_vs_sync.py [--rollouts 8] [--batch 8] [--n 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def long_tail_length(index: int) -> int:
+    """Deterministic long tail: 75% 4 tokens, 20% 32, 5% 128."""
+    u = zlib.crc32(str(index).encode()) % 100
+    return 4 if u < 75 else 32 if u < 95 else 128
+
+
+async def long_tailed_generate(ctx, sample):
+    """The default generate fn with a per-sample response length and eos ignored."""
+    from verst.rollout.generate import generate
+
+    rollout = ctx.rollout.model_copy(update={"max_response_tokens": long_tail_length(sample.index)})
+    params = {**(ctx.sampling_params or {}), "ignore_eos": True}
+    return await generate(dataclasses.replace(ctx, rollout=rollout, sampling_params=params), sample)
+
+
+def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str, float]:
+    from verst.config import load_config
+    from verst.monitor import read_metrics
+    from verst.recipes import SCHEDULES
+
+    cfg = load_config(None, [
+        "--name", schedule, "--run-dir", str(workdir / schedule), "--schedule", schedule,
+        "--model.path", str(model), "--data.train-path", str(data / "train.jsonl"),
+        "--data.test-path", str(data / "test.jsonl"), "--data.apply-chat-template", "false",
+        "--rollout.batch-size", str(args.batch), "--rollout.n-samples-per-prompt", str(args.n),
+        "--rollout.num-rollouts", str(args.rollouts), "--rollout.max-response-tokens", "128",
+        "--rollout.generate-fn", "async_vs_sync:long_tailed_generate",
+        "--trainer.lr", "1e-5", "--eval.max-prompts", "4", "--logging.tensorboard", "false",
+        "--logging.progress", "false",
+    ])
+    asyncio.run(SCHEDULES[schedule](cfg))
+    steps = [r for r in read_metrics(Path(cfg.run_dir)) if "train/loss" in r][1:]
+    step_s = statistics.fmean(r["perf/step_time_s"] for r in steps)
+    if schedule == "sync":
+        idle = statistics.fmean(1 - r["time/rollout_s"] / r["perf/step_time_s"] for r in steps)
+    else:
+        idle = statistics.fmean(r["rollout/idle_slot_fraction"] for r in steps)
+    tokens = statistics.fmean(r["rollout/response_length_mean"] for r in steps)
+    return {"step_s": step_s, "idle": idle, "response_length_mean": tokens, "steps": len(steps)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    args = parser.parse_args()
+    # The rollout manager actor imports the generate fn by path: make this directory importable there.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, str(HERE))
+    from verst.data import make_splits, write_jsonl
+    from verst.models import init_model
+    from verst.orchestration import RaySession
+
+    with tempfile.TemporaryDirectory() as tmp, RaySession(slots=4, log_to_driver=False):
+        work = Path(tmp)
+        model = init_model("qwen3", "tiny", work / "model", seed=0)
+        train, test = make_splits("addition", n_train=500, n_test=20, seed=0)
+        write_jsonl(train, work / "data" / "train.jsonl")
+        write_jsonl(test, work / "data" / "test.jsonl")
+        results = {s: run(s, work, model, work / "data", args) for s in ("sync", "fully_async")}
+    print(f"\nlong-tailed lengths (75% 4, 20% 32, 5% 128 tokens), {args.batch} prompts x {args.n} samples, "
+          f"{args.rollouts} steps (first excluded)")
+    for schedule, r in results.items():
+        print(f"{schedule:<12} step {r['step_s']:.2f} s   engine idle fraction {r['idle']:.2f}   "
+              f"mean response {r['response_length_mean']:.1f} tokens")
+    ratio = results["sync"]["step_s"] / results["fully_async"]["step_s"]
+    print(f"ratio sync / fully async step time: {ratio:.2f}x  (target >= 1.8x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
