@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 
@@ -29,3 +30,15 @@ def load_object(path: str, field: str = "import path") -> Any:
         except AttributeError:
             raise ImportPathError(f"{field} = {path!r}: module {module_name!r} has no attribute {attr!r}") from None
     return obj
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A module `__getattr__` that imports `exports[name]` (a module path) on first use, so importing
+    the package stays cheap (no torch, no Ray) for callers that touch only its light parts."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(exports[name]), name)
+
+    return __getattr__

@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from verst.config.imports import lazy_exports
 
 # Re-exported lazily so `from verst.models import load_model` works without importing transformers
 # for callers (the CLI's --help) that only touch the torch-free modules.
@@ -23,8 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'verst.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

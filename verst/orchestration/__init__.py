@@ -4,8 +4,7 @@ the only Ray-aware package besides `recipes`. Names resolve lazily (importing th
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from verst.config.imports import lazy_exports
 
 _EXPORTS = {
     "Orchestration": "verst.orchestration.cluster",
@@ -27,8 +26,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'verst.orchestration' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -20,7 +19,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from verst.engine.process import free_port
 from verst.orchestration.placement import Placement, current_bundle
-from verst.trainer import Batch, LossFn, Normalizer, RankError, TrainBackend, WeightBucket, count_policy_tokens
+from verst.trainer import RankError, TrainBackend, WeightBucket
+from verst.trainer.backend import CollectiveCalls
 from verst.trainer.distributed import init_process_group, resolve_device
 
 # Buckets rank 0 may have produced ahead of the driver: bounds the object store's share of weights.
@@ -79,7 +79,7 @@ class TrainerRank:
 _RemoteTrainerRank = ray.remote(max_restarts=0, max_task_retries=0)(TrainerRank)
 
 
-class TrainerActorGroup:
+class TrainerActorGroup(CollectiveCalls):
     """N trainer rank actors placed by `placement`; use as a context manager.
 
     `factory()` builds the backend inside each rank once the process group is up; it must be
@@ -124,30 +124,6 @@ class TrainerActorGroup:
         return [info["pid"] for info in self.infos]
 
     # ---- the backend's methods ----------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        return self.call("step")[0]
-
-    def logprobs(
-        self, batch: Batch, *, reference: bool = False, with_entropy: bool = False
-    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return self.call("logprobs", list(batch), reference=reference, with_entropy=with_entropy)[0]
-
-    def train_step(
-        self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer = count_policy_tokens,
-        with_entropy: bool = False,
-    ) -> dict[str, float]:
-        return self.call("train_step", list(batch), loss_fn, normalizer=normalizer, with_entropy=with_entropy)[0]
-
-    def save(self, directory: str | Path) -> None:
-        self.call("save", str(directory))
-
-    def load(self, directory: str | Path) -> None:
-        self.call("load", str(directory))
-
-    def export_hf(self, directory: str | Path) -> None:
-        self.call("export_hf", str(directory))
-
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `backend.<method>(*args, **kwargs)` on every rank (or read the attribute); results by rank."""
         self._check_open(method)

@@ -6,8 +6,7 @@ Importing this package imports no torch; names resolve lazily.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from verst.config.imports import lazy_exports
 
 _EXPORTS = {
     "WeightTransport": "verst.sync.transport",
@@ -29,8 +28,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'verst.sync' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from verst.trainer.items import TrainItem
-from verst.trainer.losses import LossFn, Normalizer
+from verst.trainer.losses import LossFn, Normalizer, count_policy_tokens
 from verst.types import Sample
 
 Batch = Sequence[TrainItem | Sample]
@@ -60,3 +60,35 @@ class TrainBackend(Protocol):
     def export_hf(self, directory: str | Path) -> None:
         """A checkpoint `transformers` loads, with the source model's tokenizer files copied."""
         ...
+
+
+class CollectiveCalls:
+    """The TrainBackend methods of a driver-side handle of N ranks (`TrainerGroup`, the Ray actor
+    group): each runs on every rank through `self.call(method, ...)` and returns rank 0's result."""
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        raise NotImplementedError
+
+    @property
+    def step(self) -> int:
+        return self.call("step")[0]
+
+    def logprobs(
+        self, batch: Batch, *, reference: bool = False, with_entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.call("logprobs", list(batch), reference=reference, with_entropy=with_entropy)[0]
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer = count_policy_tokens,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        return self.call("train_step", list(batch), loss_fn, normalizer=normalizer, with_entropy=with_entropy)[0]
+
+    def save(self, directory: str | Path) -> None:
+        self.call("save", str(directory))
+
+    def load(self, directory: str | Path) -> None:
+        self.call("load", str(directory))
+
+    def export_hf(self, directory: str | Path) -> None:
+        self.call("export_hf", str(directory))

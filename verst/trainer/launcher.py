@@ -16,15 +16,13 @@ import time
 import traceback
 from collections.abc import Callable, Generator, Iterator
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from verst.trainer.backend import Batch, TrainBackend, WeightBucket
+from verst.trainer.backend import CollectiveCalls, TrainBackend, WeightBucket
 from verst.trainer.distributed import init_process_group, resolve_device
-from verst.trainer.losses import LossFn, Normalizer, count_policy_tokens
 
 LOOPBACK = "127.0.0.1"
 _SHUTDOWN = "__shutdown__"
@@ -45,7 +43,7 @@ class RankError(RuntimeError):
         self.rank = rank
 
 
-class TrainerGroup:
+class TrainerGroup(CollectiveCalls):
     """N ranks of a backend, driven from this process; use as a context manager.
 
     `factory()` builds the backend inside each rank after the process group is up; it must be
@@ -106,21 +104,6 @@ class TrainerGroup:
         self.shutdown(graceful=exc_type is None)
 
     # ---- the backend's methods ----------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        return self.call("step")[0]
-
-    def logprobs(
-        self, batch: Batch, *, reference: bool = False, with_entropy: bool = False
-    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return self.call("logprobs", list(batch), reference=reference, with_entropy=with_entropy)[0]
-
-    def train_step(
-        self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer = count_policy_tokens,
-        with_entropy: bool = False,
-    ) -> dict[str, float]:
-        return self.call("train_step", list(batch), loss_fn, normalizer=normalizer, with_entropy=with_entropy)[0]
-
     def named_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Rank 0's buckets, streamed one at a time; stopping early drains the rest."""
         exchange = self._exchange("named_weights", (bucket_bytes,), {})
@@ -135,15 +118,6 @@ class TrainerGroup:
             if not finished and not self._closed:
                 for _ in exchange:
                     pass
-
-    def save(self, directory: str | Path) -> None:
-        self.call("save", str(directory))
-
-    def load(self, directory: str | Path) -> None:
-        self.call("load", str(directory))
-
-    def export_hf(self, directory: str | Path) -> None:
-        self.call("export_hf", str(directory))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `backend.<method>(*args, **kwargs)` on every rank (or read the attribute `method`);
