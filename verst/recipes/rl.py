@@ -179,6 +179,7 @@ class RLRun:
 @contextlib.asynccontextmanager
 async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     """Start every part of an RL run (engines and trainer ranks start in parallel); stop all on exit."""
+    started = time.perf_counter()  # the summary's time/total_s includes start-up
     cfg = absolute_paths(cfg)
     run_dir = prepare_run_dir(cfg)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -199,7 +200,8 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
         async with EngineFleet(urls) as fleet:
             syncer = build_syncer(cfg.sync, fleet, logprobs_fn=trainer.logprobs, temperature=temperature,
                                   device=orch.device, snapshot_dir=run_dir / "weights", source_model=cfg.model.path)
-            run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url)
+            run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url,
+                        started=started)
             try:
                 yield run
             finally:
