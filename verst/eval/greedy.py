@@ -55,7 +55,10 @@ def evaluate_greedy(
     data: DataConfig,
     max_new_tokens: int,
 ) -> dict[str, float]:
-    """Score greedy responses; `eval/accuracy` is the mean reward (1/0 rewards: the solved fraction)."""
+    """Score greedy responses; `eval/accuracy` is the mean reward (1/0 rewards: the solved fraction).
+
+    `reward` is a RewardConfig (a remote client is then built and closed here) or a reward fn.
+    """
     start = time.perf_counter()
     samples = [_prompt_sample(s, tokenizer, data) for s in prompts]
     responses = generate([s.tokens for s in samples])

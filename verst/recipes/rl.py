@@ -24,7 +24,6 @@ from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.report import write_report
 from verst.orchestration import Orchestration, RolloutEndpoints, RolloutParts, RouterSpec
 from verst.recipes.rl_steps import train_on_groups
-from verst.rewards import build_reward_fn
 from verst.rollout import (
     AsyncRolloutWorker,
     RolloutContext,
@@ -139,7 +138,7 @@ class RLRun:
         max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
         generate = engine_greedy_generate(self.router_url, max_new, expect_version=str(self.syncer.version or 0))
         metrics = await asyncio.to_thread(
-            evaluate_greedy, _test_prompts(cfg), generate, _tokenizer(cfg.model.path), build_reward_fn(cfg.reward),
+            evaluate_greedy, _test_prompts(cfg), generate, _tokenizer(cfg.model.path), cfg.reward,
             cfg.data, max_new,
         )
         metrics["eval/weight_version"] = float(self.syncer.version or 0)

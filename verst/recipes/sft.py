@@ -15,7 +15,6 @@ from verst.models import load_model, load_tokenizer
 from verst.models.prompts import encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.recipes.common import load_weights_into, open_trainer
-from verst.rewards import build_reward_fn
 from verst.trainer import sft_loss_fn
 from verst.types import Sample, Status
 
@@ -25,7 +24,6 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     tokenizer = load_tokenizer(cfg.model.path)
     source = PromptSource.from_config(cfg.data, "train")
     test_prompts = load_prompts_from_config(cfg.data, "test")[: cfg.eval.max_prompts]
-    reward = build_reward_fn(cfg.reward)
     eval_model = load_model(cfg.model.path)
     max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
 
@@ -33,7 +31,7 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
         if trainer is not None:
             load_weights_into(eval_model, trainer.named_weights(cfg.sync.bucket_bytes))
         generate = hf_greedy_generate(eval_model, tokenizer, max_new, cfg.eval.batch_size)
-        return evaluate_greedy(test_prompts, generate, tokenizer, reward, cfg.data, max_new)
+        return evaluate_greedy(test_prompts, generate, tokenizer, cfg.reward, cfg.data, max_new)
 
     start = time.perf_counter()
     logger = MetricsLogger.for_run(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
