@@ -129,8 +129,8 @@ class RLRun:
         """Push the trainer's weights as `version` when the interval says so (pause → push → continue)."""
         if not self.syncer.due(self.version):
             return {}
-        buckets = _iterate_in_thread(self.trainer.named_weights(self.cfg.sync.bucket_bytes))
-        return await self.syncer.sync(await buckets, self.version)
+        # The transport reads the trainer's bucket stream in a worker thread, one bucket ahead.
+        return await self.syncer.sync(self.trainer.named_weights(self.cfg.sync.bucket_bytes), self.version)
 
     async def evaluate(self) -> dict[str, float]:
         """Greedy held-out accuracy through the engines, which must all serve `version`."""
@@ -241,11 +241,6 @@ def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:
         "rollout/mixed_version_ratio": sum(len(set(s.weight_versions)) > 1 for s in samples) / len(samples),
         "rollout/prefix_cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
     }
-
-
-async def _iterate_in_thread(iterator) -> list:
-    """Collect a blocking bucket iterator off the event loop (the engines keep being served meanwhile)."""
-    return await asyncio.to_thread(list, iterator)
 
 
 @functools.lru_cache(maxsize=4)
