@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import statistics
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,13 +28,15 @@ from verst.rollout import (
     RolloutContext,
     build_buffer,
     discard_handler,
+    prefix_cache_metrics,
     run_rollout,
+    sample_metrics,
     worker_hooks,
 )
 from verst.router.fleet import EngineFleet
 from verst.sync import build_syncer
 from verst.trainer import FSDP2Backend
-from verst.types import Group, Status
+from verst.types import Group
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
 
@@ -228,19 +229,7 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
 def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:
     """`rollout/` metrics of the groups a train step consumes (the fully async path's view)."""
     samples = [s for g in groups for s in g]
-    rewards = [s.reward_value(key) for s in samples]
-    versions = [int(v) for s in samples for v in s.weight_versions]
-    cached = sum(s.metadata.get("cached_tokens", 0) for s in samples)
-    prompt_tokens = sum(s.metadata.get("engine_prompt_tokens", 0) for s in samples)
-    return {
-        "rollout/reward_mean": statistics.fmean(rewards),
-        "rollout/reward_std": statistics.pstdev(rewards),
-        "rollout/response_length_mean": statistics.fmean(s.response_length for s in samples),
-        "rollout/truncated_ratio": sum(s.status is Status.TRUNCATED for s in samples) / len(samples),
-        "rollout/weight_version_mean": statistics.fmean(versions) if versions else 0.0,
-        "rollout/mixed_version_ratio": sum(len(set(s.weight_versions)) > 1 for s in samples) / len(samples),
-        "rollout/prefix_cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
-    }
+    return {**sample_metrics(samples, key), **prefix_cache_metrics(samples)}
 
 
 @functools.lru_cache(maxsize=4)

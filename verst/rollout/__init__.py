@@ -33,8 +33,10 @@ from verst.rollout.rollout_fn import (
     dump_batch,
     generate_and_reward,
     load_dump,
+    prefix_cache_metrics,
     rollout,
     run_rollout,
+    sample_metrics,
     step_metrics,
     worker_hooks,
 )
@@ -86,8 +88,10 @@ __all__ = [
     "load_generate_fn",
     "load_plugin",
     "load_rollout_fn",
+    "prefix_cache_metrics",
     "rollout",
     "run_rollout",
+    "sample_metrics",
     "step_metrics",
     "worker_hooks",
 ]

@@ -259,22 +259,36 @@ def step_metrics(
         "time/rollout_s": elapsed_s,
     }
     if samples:
-        rewards = [s.reward_value(key) for s in samples]
-        versions = [int(v) for s in samples for v in s.weight_versions]
-        m["rollout/reward_mean"] = statistics.fmean(rewards)
-        m["rollout/reward_std"] = statistics.pstdev(rewards)
-        m["rollout/response_length_mean"] = statistics.fmean(s.response_length for s in samples)
-        m["rollout/truncated_ratio"] = sum(s.status is Status.TRUNCATED for s in samples) / len(samples)
-        m["rollout/mixed_version_ratio"] = sum(len(set(s.weight_versions)) > 1 for s in samples) / len(samples)
-        if versions:
-            m["rollout/weight_version_mean"] = statistics.fmean(versions)
+        m.update(sample_metrics(samples, key))
     scored = samples + [s for g in filtered for s in g]
     if scored:
         m["rollout/raw_reward_mean"] = statistics.fmean(s.reward_value(key) for s in scored)
-    prompt_tokens = sum(s.metadata.get(ENGINE_PROMPT_TOKENS_KEY, 0) for s in every)
-    if prompt_tokens:
-        m["rollout/prefix_cache_hit_rate"] = sum(s.metadata.get(CACHED_TOKENS_KEY, 0) for s in every) / prompt_tokens
+    m.update(prefix_cache_metrics(every))
     return m
+
+
+def sample_metrics(samples: list[Sample], key: str | None = None) -> dict[str, float]:
+    """Rewards, lengths, truncation and weight versions of the samples a train step consumes."""
+    rewards = [s.reward_value(key) for s in samples]
+    versions = [int(v) for s in samples for v in s.weight_versions]
+    m = {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
+        "rollout/response_length_mean": statistics.fmean(s.response_length for s in samples),
+        "rollout/truncated_ratio": sum(s.status is Status.TRUNCATED for s in samples) / len(samples),
+        "rollout/mixed_version_ratio": sum(len(set(s.weight_versions)) > 1 for s in samples) / len(samples),
+    }
+    if versions:
+        m["rollout/weight_version_mean"] = statistics.fmean(versions)
+    return m
+
+
+def prefix_cache_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`rollout/prefix_cache_hit_rate`: prompt tokens the engines served from cache / prompt tokens sent."""
+    prompt_tokens = sum(s.metadata.get(ENGINE_PROMPT_TOKENS_KEY, 0) for s in samples)
+    if not prompt_tokens:
+        return {}
+    return {"rollout/prefix_cache_hit_rate": sum(s.metadata.get(CACHED_TOKENS_KEY, 0) for s in samples) / prompt_tokens}
 
 
 # ---- calling a rollout fn; rollout-only dumps ---------------------------------------------------
