@@ -2,6 +2,7 @@
 
     verst serve engine --model DIR [--port P] [...]          one embedded inference engine (SGLang dialect)
     verst serve router --engine URL [--engine URL ...] [...]  sglang-router in front of running engines
+    verst serve session --engine-url URL --model DIR [...]    the token-in-token-out session server
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ USAGE = __doc__.split("\n", 2)[2]
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: verst serve {engine,router} [--help]\n\n" + USAGE)
+        print("usage: verst serve {engine,router,session} [--help]\n\n" + USAGE)
         return 0
     what, rest = argv[0], argv[1:]
     if what == "engine":
@@ -25,7 +26,9 @@ def main(argv: list[str]) -> int:
         return serve_engine(rest)
     if what == "router":
         return _serve_router(rest)
-    print(f"verst serve: unknown server {what!r}; choices: engine, router", file=sys.stderr)
+    if what == "session":
+        return _serve_session(rest)
+    print(f"verst serve: unknown server {what!r}; choices: engine, router, session", file=sys.stderr)
     return 2
 
 
@@ -50,4 +53,47 @@ def _serve_router(argv: list[str]) -> int:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
+    return 0
+
+
+def _serve_session(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="verst serve session",
+                                description="The token-in-token-out session server in front of an engine or router.")
+    p.add_argument("--engine-url", required=True, help="engine or sglang-router base URL")
+    p.add_argument("--model", required=True, help="checkpoint directory whose tokenizer and chat template to use")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="default: a free port (see --port-file)")
+    p.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    p.add_argument("--max-context-tokens", type=int, default=None, help="cap on prompt + response of a session")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per-turn default when a request names none")
+    args = p.parse_args(argv)
+    import asyncio
+    import os
+
+    from verst.engine.client import EngineClient
+    from verst.models.loader import load_tokenizer
+    from verst.session.http import SessionServer
+    from verst.session.manager import SessionManager
+
+    tokenizer = load_tokenizer(args.model)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with EngineClient(args.engine_url) as engine:
+            manager = SessionManager(engine, tokenizer, max_context_tokens=args.max_context_tokens,
+                                     max_new_tokens=args.max_new_tokens,
+                                     model_name=os.path.basename(os.path.normpath(args.model)))
+            async with SessionServer(manager, host=args.host, port=args.port) as server:
+                if args.port_file:
+                    with open(f"{args.port_file}.tmp", "w") as f:
+                        f.write(str(server.port))
+                    os.replace(f"{args.port_file}.tmp", args.port_file)
+                print(f"verst session server on {server.url} in front of {args.engine_url}", file=sys.stderr,
+                      flush=True)
+                await stop.wait()
+
+    asyncio.run(serve())
     return 0

@@ -12,8 +12,8 @@ Signatures (each an `async def`, or an instance with an `async def __call__`; no
   batching and rewards: draws prompts from `ctx.source`, calls `ctx.generate_fn`, scores, filters and
   returns exactly `n_groups` finished groups of `rollout.n_samples_per_prompt` scored samples each.
 - agent fn: `async run(base_url, prompt, request_kwargs, metadata) -> dict | None` — owns only the
-  episode loop; talks to the session server's OpenAI-compatible URL `{base_url}/v1/chat/completions`;
-  the dict it returns is merged into the sample's metadata.
+  episode loop; talks to the session server's OpenAI-compatible base URL `{server}/sessions/{id}/v1`
+  (requests go to `{base_url}/chat/completions`); the dict it returns is merged into the sample's metadata.
 """
 
 from __future__ import annotations
@@ -194,6 +194,9 @@ class RolloutContext:
     max_rounds: int = 32  # over-sampling rounds per step before a step that cannot fill its batch fails
     abort_timeout_s: float = 10.0  # end of step: wait this long for aborted requests, then cancel them
     state: RolloutState = dataclasses.field(default_factory=RolloutState)
+    # what plug-ins build lazily and share across calls (the agentic generate fn's session server), by
+    # name; `aclose` closes every value with an `aclose()`. Copies of the context share the dict.
+    resources: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.generate_fn is None:
@@ -233,7 +236,12 @@ class RolloutContext:
                    source=source, **{**settings, **overrides})
 
     async def aclose(self) -> None:
-        """Close what the context built (a remote reward client)."""
+        """Close what the context built (a remote reward client) and what plug-ins put in `resources`."""
         close = getattr(self.reward_fn, "aclose", None)
         if close is not None:
             await close()
+        while self.resources:
+            _, resource = self.resources.popitem()
+            close = getattr(resource, "aclose", None)
+            if close is not None:
+                await close()

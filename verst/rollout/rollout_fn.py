@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from verst.rewards import compute_rewards
+from verst.rollout.agentic import tito_metrics
 from verst.rollout.filters import apply_filter
 from verst.rollout.generate import CACHED_TOKENS_KEY, ENGINE_PROMPT_TOKENS_KEY, PROMPT_TOO_LONG_KEY, mark_aborted
 from verst.rollout.plugins import RolloutBatch, RolloutContext
@@ -268,7 +269,8 @@ def step_metrics(
 
 
 def sample_metrics(samples: list[Sample], key: str | None = None) -> dict[str, float]:
-    """Rewards, lengths, truncation and weight versions of the samples a train step consumes."""
+    """Rewards, lengths, truncation, weight versions and (multi-turn) token mismatches of the samples a
+    train step consumes."""
     rewards = [s.reward_value(key) for s in samples]
     versions = [int(v) for s in samples for v in s.weight_versions]
     m = {
@@ -280,6 +282,7 @@ def sample_metrics(samples: list[Sample], key: str | None = None) -> dict[str, f
     }
     if versions:
         m["rollout/weight_version_mean"] = statistics.fmean(versions)
+    m.update(tito_metrics(samples))  # multi-turn samples only: re-tokenization mismatches
     return m
 
 

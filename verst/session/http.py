@@ -1,0 +1,163 @@
+"""The session server's HTTP face: a thin FastAPI adapter over `SessionManager`, and `SessionServer`, which
+serves it with uvicorn as a task of the current event loop on a pre-bound loopback socket.
+
+Routes: POST /sessions, GET|DELETE /sessions/{id}, POST /sessions/{id}/v1/chat/completions (OpenAI),
+POST /sessions/{id}/samples, GET /health. Errors are OpenAI error bodies with the manager's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from verst.session.errors import SessionError
+from verst.session.manager import SessionManager
+from verst.session.openai_wire import stream_events
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(manager: SessionManager) -> FastAPI:
+    app = FastAPI(title="verst session server", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(SessionError)
+    async def session_error(request: Request, exc: SessionError) -> JSONResponse:
+        return JSONResponse(exc.to_openai(), status_code=exc.status)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "sessions": len(manager)}
+
+    @app.post("/sessions")
+    async def create(request: Request) -> dict[str, str]:
+        body = await _json(request, optional=True) or {}
+        metadata = body.get("metadata") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or not isinstance(metadata, (dict, type(None))):
+            raise SessionError(400, f"body must be {{\"metadata\": {{...}}}} or empty, got {body!r:.80}", "metadata")
+        return {"session_id": manager.create(metadata)}
+
+    @app.get("/sessions/{session_id}")
+    async def get(session_id: str) -> dict[str, Any]:
+        return manager.get(session_id)
+
+    @app.delete("/sessions/{session_id}")
+    async def delete(session_id: str) -> Response:
+        manager.delete(session_id)
+        return Response(status_code=204)
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def chat_completions(session_id: str, request: Request) -> Response:
+        body = await _json(request)
+        reply = await manager.chat_completion(session_id, body)
+        if isinstance(body, dict) and body.get("stream"):
+            options = body.get("stream_options") or {}
+            events = stream_events(reply, bool(isinstance(options, dict) and options.get("include_usage")))
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(reply)
+
+    @app.post("/sessions/{session_id}/samples")
+    async def samples(session_id: str, request: Request) -> dict[str, Any]:
+        body = await _json(request, optional=True) or {}
+        max_tokens = body.get("max_tokens") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or not isinstance(max_tokens, (int, type(None))) or isinstance(max_tokens, bool):
+            raise SessionError(400, f"body must be {{\"max_tokens\": int}} or empty, got {body!r:.80}", "max_tokens")
+        return {"samples": [s.to_dict() for s in manager.samples(session_id, max_tokens=max_tokens)]}
+
+    return app
+
+
+async def _json(request: Request, optional: bool = False) -> Any:
+    raw = await request.body()
+    if not raw and optional:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise SessionError(400, f"body: invalid JSON ({exc})", "body") from None
+
+
+class _TaskServer(uvicorn.Server):
+    """uvicorn's Server minus its signal capture: a server inside someone else's event loop must leave
+    that process's SIGINT/SIGTERM handling alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class SessionServer:
+    """`async with SessionServer(manager) as server: server.url ...` — the app on `host:port` (0: a free
+    port), served by a task of the running loop until `stop()`."""
+
+    def __init__(self, manager: SessionManager, host: str = "127.0.0.1", port: int = 0):
+        self.manager, self.host, self.port = manager, host, port
+        self.url: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop serving it, once started
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+        self._starting: asyncio.Lock | None = None
+
+    async def start(self) -> str:
+        """Bind, serve, and return the base URL once the server accepts requests (idempotent)."""
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._task is not None:
+                return self.url  # type: ignore[return-value]
+            sock = listening_socket(self.host, self.port)
+            self.port = sock.getsockname()[1]
+            config = uvicorn.Config(build_app(self.manager), log_config=None, log_level="warning", access_log=False,
+                                    lifespan="off", timeout_keep_alive=30, timeout_graceful_shutdown=5)
+            self._server = _TaskServer(config)
+            self.loop = asyncio.get_running_loop()
+            self._task = self.loop.create_task(self._server.serve(sockets=[sock]))
+            while not self._server.started:
+                if self._task.done():
+                    sock.close()
+                    self._task.result()  # raises what stopped it
+                    raise RuntimeError(f"session server on {self.host}:{self.port} stopped during start-up")
+                await asyncio.sleep(0.01)
+            self.url = f"http://{self.host}:{self.port}"
+            return self.url
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=10)
+        except TimeoutError:
+            logger.warning("session server %s did not stop in 10 s; cancelling it", self.url)
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    async def aclose(self) -> None:
+        await self.stop()
+
+    async def __aenter__(self) -> SessionServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket (port 0: the OS picks), so the port is known before uvicorn starts."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Nagle's algorithm plus delayed ACKs would hold every small JSON reply ~40 ms
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
