@@ -187,3 +187,24 @@ def test_a_client_that_goes_away_frees_its_request(engine):
 
 async def _idle(client):
     return (await client.get_load())[0]["num_reqs"] == 0
+
+
+def test_idle_meter_reads_busy_time_between_reads(engine):
+    from verst.router.fleet import EngineFleet, IdleMeter
+
+    async def main():
+        async with EngineFleet([engine.url]) as fleet, EngineClient(engine.url) as client:
+            meter = IdleMeter(fleet)
+            assert await meter.read() is None  # the first read is the baseline
+            await asyncio.sleep(0.3)
+            quiet = await meter.read()  # nothing ran: (almost) all idle
+            busy = await asyncio.gather(*(client.generate(PROMPT, {"max_new_tokens": 64, "ignore_eos": True})
+                                          for _ in range(8)))
+            loaded = await meter.read()
+            info = await client.get_server_info()
+            return quiet, loaded, busy, info
+
+    quiet, loaded, busy, info = run(main())
+    assert len(busy) == 8 and 0 < info["busy_seconds"] <= info["uptime_seconds"]
+    assert quiet > 0.9
+    assert 0.0 <= loaded < quiet

@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -30,6 +31,10 @@ class EngineRunner:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.step_errors = 0
+        # Seconds spent in forward steps, and when counting began: their ratio over an interval is the
+        # engine's busy fraction (1 − idle fraction), read through /get_server_info.
+        self.busy_seconds = 0.0
+        self.started_at = time.monotonic()
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> EngineRunner:
@@ -123,6 +128,7 @@ class EngineRunner:
                 future.set_exception(exc)
 
     def _step(self) -> None:
+        start = time.monotonic()
         try:
             self.core.step()
         except Exception as exc:
@@ -136,6 +142,8 @@ class EngineRunner:
             except Exception:
                 log.exception("abort after a failed step also failed; dropping all requests and the KV cache")
                 self.core.reset(message)
+        finally:
+            self.busy_seconds += time.monotonic() - start
 
 def _resolve(future: asyncio.Future, value: Any) -> None:
     if not future.done():

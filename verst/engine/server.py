@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -133,6 +134,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "max_prefill_tokens": config.max_prefill_tokens, "prefix_cache_tokens": config.prefix_cache_tokens,
             "return_routed_experts": config.return_routed_experts, "dp_size": 1, "tp_size": 1,
             "weight_version": stats["weight_version"], "step_errors": state.runner.step_errors,
+            "busy_seconds": state.runner.busy_seconds,
+            "uptime_seconds": time.monotonic() - state.runner.started_at,
             "internal_states": [stats],
         }
 

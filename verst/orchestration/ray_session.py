@@ -66,6 +66,7 @@ class RaySession:
 
     def _start_local(self) -> None:
         self._set_env({**_QUIET_ENV, _LOOPBACK_SWITCH: "0"})
+        self._put_cwd_on_pythonpath()
         import ray._private.ray_constants as constants
 
         # The switch is read at `import ray`, which may have happened before this call.
@@ -121,9 +122,21 @@ class RaySession:
             self._saved_env[key] = None
             os.environ[key] = value
 
+    def _put_cwd_on_pythonpath(self) -> None:
+        """Plug-ins named by import path (`rollout.agent_fn = "examples.calc:run"`) must import in the
+        actors as they do in the driver, whose cwd Python searches first; Ray's workers start elsewhere."""
+        old = os.environ.get("PYTHONPATH")
+        if old is not None and os.getcwd() in old.split(os.pathsep):
+            return
+        self._saved_env["PYTHONPATH"] = old
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), old]))
+
     def _restore_env(self) -> None:
-        for key in self._saved_env:
-            os.environ.pop(key, None)
+        for key, old in self._saved_env.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
         self._saved_env = {}
         if hasattr(self, "_saved_loopback"):
             import ray._private.ray_constants as constants

@@ -25,7 +25,7 @@ async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:
                 metrics.update(await run.sync_weights())  # generation pauses only for the push itself
                 if run.eval_due():
                     metrics.update(await run.evaluate())
-                run.log(metrics, start)
+                await run.log(metrics, start)
         finally:
             await asyncio.to_thread(run.rollout.stop_async)
         if not run.eval_history or run.eval_history[-1][0] != run.version:

@@ -30,7 +30,7 @@ async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
                 metrics.update(await run.sync_weights())
                 if run.eval_due():
                     metrics.update(await run.evaluate())
-                run.log(metrics, start)
+                await run.log(metrics, start)
                 start, rollout_metrics, wait_s = time.perf_counter(), {}, 0.0
         if not run.eval_history or run.eval_history[-1][0] != run.version:
             run.logger.log(await run.evaluate(), step=run.version)

@@ -20,6 +20,7 @@ from verst.engine.client import EngineClient
 from verst.eval import engine_greedy_generate, evaluate_greedy
 from verst.models import load_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
+from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import Orchestration, RolloutEndpoints, RolloutParts, RouterSpec
 from verst.recipes.rl_steps import train_on_groups
@@ -33,7 +34,7 @@ from verst.rollout import (
     sample_metrics,
     worker_hooks,
 )
-from verst.router.fleet import EngineFleet
+from verst.router.fleet import EngineFleet, IdleMeter
 from verst.sync import build_syncer
 from verst.trainer import FSDP2Backend
 from verst.types import Group
@@ -93,6 +94,8 @@ class RLRun:
     rollout: Any  # RolloutManagerHandle
     syncer: Any  # WeightSyncer
     router_url: str
+    idle_meter: IdleMeter
+    progress: RunProgress
     version: int = 0
     eval_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -149,16 +152,16 @@ class RLRun:
     def eval_due(self) -> bool:
         return bool(self.cfg.eval.interval) and self.version % self.cfg.eval.interval == 0
 
-    def log(self, metrics: dict[str, float], step_start: float) -> None:
+    async def log(self, metrics: dict[str, float], step_start: float) -> None:
+        """Log one train step's metrics (adding step time and the engines' idle fraction since the
+        previous step) and show it on the progress display."""
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
         metrics["train/weight_version"] = float(self.version)
+        idle = await self.idle_meter.read()
+        if idle is not None:
+            metrics["perf/engine_idle_fraction"] = idle
         self.logger.log(metrics, step=self.version)
-        if self.cfg.logging.progress:
-            reward = metrics.get("rollout/reward_mean", float("nan"))
-            acc = f", eval accuracy {metrics['eval/accuracy']:.1%}" if "eval/accuracy" in metrics else ""
-            print(f"[{self.cfg.schedule}] step {self.version}/{self.plan.total_train_steps}: reward {reward:.3f}, "
-                  f"loss {metrics.get('train/loss', float('nan')):.4f}, {metrics['perf/step_time_s']:.2f} s{acc}",
-                  flush=True)
+        self.progress.step(self.version, metrics)
 
     def finish(self) -> dict[str, Any]:
         """summary.json (accuracy before/after with the versions measured) and the HTML report."""
@@ -197,13 +200,16 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
         affinity = cfg.rollout.agent_fn is not None
         router = RouterSpec() if affinity else RouterSpec(policy="round_robin", assignment_mode="min_load")
         rollout = orch.start_rollout_manager(urls, functools.partial(build_rollout_parts, cfg), router=router)
+        progress = RunProgress(cfg.schedule, plan.total_train_steps, mode="auto" if cfg.logging.progress else "off")
         async with EngineFleet(urls) as fleet:
             syncer = build_syncer(cfg.sync, fleet, logprobs_fn=trainer.logprobs, temperature=temperature,
                                   device=orch.device, snapshot_dir=run_dir / "weights", source_model=cfg.model.path)
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url,
-                        started=started)
+                        IdleMeter(fleet), progress, started=started)
+            await run.idle_meter.read()  # the baseline of the first step's idle fraction
             try:
-                yield run
+                with progress:
+                    yield run
             finally:
                 await syncer.close()
 

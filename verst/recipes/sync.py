@@ -25,7 +25,7 @@ async def run_sync(cfg: VerstConfig) -> dict[str, Any]:
                 metrics.update(await run.sync_weights())
                 if run.eval_due():
                     metrics.update(await run.evaluate())
-                run.log(metrics, start)
+                await run.log(metrics, start)
                 start, rollout_metrics = time.perf_counter(), {}
         if not run.eval_history or run.eval_history[-1][0] != run.version:
             run.logger.log(await run.evaluate(), step=run.version)

@@ -89,3 +89,28 @@ class EngineFleet:
 
     async def health(self) -> dict[str, bool]:
         return await self.each("health", lambda c: c.health())
+
+
+class IdleMeter:
+    """The engines' idle fraction between successive reads: 1 − Δbusy / Δuptime of each engine (from
+    `/get_server_info`'s `busy_seconds` and `uptime_seconds`), averaged over the engines.
+
+    Engines that do not report busy time (SGLang, vLLM) are left out; `read` returns None when none does.
+    """
+
+    def __init__(self, fleet: EngineFleet):
+        self.fleet = fleet
+        self._last: dict[str, tuple[float, float]] = {}  # url -> (busy_seconds, uptime_seconds)
+
+    async def read(self) -> float | None:
+        infos = await self.fleet.each("get_server_info", lambda c: c.get_server_info())
+        fractions = []
+        for url, info in infos.items():
+            if "busy_seconds" not in info or "uptime_seconds" not in info:
+                continue
+            now = (float(info["busy_seconds"]), float(info["uptime_seconds"]))
+            before, self._last[url] = self._last.get(url), now
+            if before is not None and now[1] > before[1]:
+                busy = (now[0] - before[0]) / (now[1] - before[1])
+                fractions.append(min(1.0, max(0.0, 1.0 - busy)))
+        return sum(fractions) / len(fractions) if fractions else None
