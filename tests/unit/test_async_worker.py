@@ -95,6 +95,8 @@ def test_sample_granularity_keeps_occupancy_higher_than_group_granularity():
     assert by_sample["rollout/occupancy"] > 0.65
     assert by_sample["rollout/idle_slot_fraction"] == pytest.approx(1 - by_sample["rollout/occupancy"])
     assert by_sample["rollout/groups_produced"] > by_group["rollout/groups_produced"]
+    # one response token per sample: more samples finished is more tokens per second
+    assert by_sample["perf/rollout_tokens_per_s"] > by_group["perf/rollout_tokens_per_s"] > 0
 
 
 def test_never_more_than_max_in_flight_and_buffer_backpressure():

@@ -17,7 +17,7 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("train/loss", "loss", "{:.4f}"),
     ("eval/accuracy", "eval", "{:.1%}"),
     ("buffer/staleness_max", "stale", "{:.0f}"),
-    ("buffer/queue_groups", "queue", "{:.0f}"),
+    ("buffer/queue_size", "queue", "{:.0f}"),
     ("perf/rollout_tokens_per_s", "tok/s", "{:.0f}"),
     ("perf/step_time_s", "step", "{:.2f} s"),
 )

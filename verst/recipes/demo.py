@@ -1,6 +1,10 @@
 """The main job behind `make demo`: make the tiny model and the addition data, SFT warm start, then
 GRPO with the fully async schedule on CPU; prints held-out greedy accuracy before and after RL.
 
+The warm start imitates an imperfect teacher who drops the units carry in 70% of the problems that have
+one (`verst.data.teachers.forgets_carry`), as real demonstrations carry their authors' habits; GRPO with
+the exact-match reward on the true sums then removes the habit. Held-out labels are always correct.
+
 Everything runs on CPU with locally made artifacts; the model and data steps are skipped when their
 outputs exist. The RL run's `summary.json` holds `eval/accuracy_before` and `eval/accuracy_after`.
 """
@@ -17,22 +21,26 @@ from verst.config import VerstConfig, load_config
 
 MODEL_DIR = Path("artifacts/models/tiny-qwen3")
 DATA_DIR = Path("artifacts/data/addition")
+SFT_DATA = DATA_DIR / "sft_teacher.jsonl"  # the train prompts with the teacher's labels
+TEACHER_CARRY_ERROR_RATE = 0.7
 SFT_RECIPE = Path("recipes/sft_addition.toml")
 RL_RECIPE = Path("recipes/grpo_addition.toml")
 
 
 def make_artifacts() -> None:
-    """The tiny model and the addition splits, unless they exist already."""
+    """The tiny model, the addition splits and the teacher's SFT data, unless they exist already."""
     from verst.data import make_splits, write_jsonl
+    from verst.data.teachers import forgets_carry
     from verst.models.factory import init_model
 
     if not (MODEL_DIR / "config.json").exists():
         init_model("qwen3", "tiny", MODEL_DIR, seed=0)
         print(f"[demo] model: {MODEL_DIR}", flush=True)
-    if not (DATA_DIR / "train.jsonl").exists() or not (DATA_DIR / "test.jsonl").exists():
+    if not all((DATA_DIR / name).exists() for name in ("train.jsonl", "test.jsonl", SFT_DATA.name)):
         train, test = make_splits("addition", n_train=4000, n_test=200, seed=0)
         write_jsonl(train, DATA_DIR / "train.jsonl")
         write_jsonl(test, DATA_DIR / "test.jsonl")
+        write_jsonl(forgets_carry(train, TEACHER_CARRY_ERROR_RATE, seed=0), SFT_DATA)
         print(f"[demo] data: {DATA_DIR}", flush=True)
 
 

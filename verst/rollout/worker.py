@@ -93,6 +93,7 @@ class AsyncRolloutWorker:
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
         self._groups_produced = self._samples_produced = self._generate_errors = 0
+        self._tokens_in_window = 0  # response tokens of the groups finished since the window start
         self._busy_area = 0.0  # ∫ generating dt since the window start
         self._window_start = self._last_change = time.monotonic()
 
@@ -180,13 +181,16 @@ class AsyncRolloutWorker:
     def metrics(self) -> dict[str, float]:
         """Counters are cumulative (groups_produced: groups handed to the buffer, kept or discarded);
         occupancy is the time-weighted mean of generating samples / limit since the previous
-        `metrics()` call (or `start()`). With `generate_group` a group counts as n until it returns."""
+        `metrics()` call (or `start()`). With `generate_group` a group counts as n until it returns.
+        `perf/rollout_tokens_per_s`: response tokens of the groups finished in that window, per second."""
         now = time.monotonic()
         self._set_generating(self._generating, now)
         span = now - self._window_start
         occupancy = self._busy_area / (span * self.max_in_flight) if span > 0 else 0.0
-        self._busy_area, self._window_start = 0.0, now
+        tokens_per_s = self._tokens_in_window / span if span > 0 else 0.0
+        self._busy_area, self._window_start, self._tokens_in_window = 0.0, now, 0
         return {
+            "perf/rollout_tokens_per_s": tokens_per_s,
             "rollout/in_flight": float(self._generating),
             "rollout/max_in_flight": float(self.max_in_flight),
             "rollout/occupancy": occupancy,
@@ -207,6 +211,7 @@ class AsyncRolloutWorker:
                 self._flights.remove(flight)
                 self._groups_produced += 1
                 self._samples_produced += len(flight.group)
+                self._tokens_in_window += sum(s.response_length for s in flight.group)
             self.check()
             if self._resumed.is_set():
                 while self._reserved + self.n <= self.max_in_flight:
