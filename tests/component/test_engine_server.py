@@ -208,3 +208,33 @@ def test_idle_meter_reads_busy_time_between_reads(engine):
     assert len(busy) == 8 and 0 < info["busy_seconds"] <= info["uptime_seconds"]
     assert quiet > 0.9
     assert 0.0 <= loaded < quiet
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_weight_update_during_a_pause_is_seen_in_the_oldest_version(engine, models, mode):
+    """Tokens sampled before the update came from the old weights: the reply says so, and the rollout
+    records that oldest version, which is what staleness counts from."""
+    from verst.rollout.generate import record_result
+    from verst.types import Sample
+
+    async def main():
+        async with EngineClient(engine.url) as client:
+            await client.update_weights_from_disk(str(models[0]), f"old-{mode}")
+            tasks = await launch(client, 2, f"span-{mode}")
+            start = await generated(client)
+            await wait_until(lambda: _progressed(client, start, 4))
+            await client.pause(mode)
+            await client.update_weights_from_disk(str(models[8]), f"new-{mode}")
+            await client.continue_generation()
+            results = await asyncio.gather(*tasks)
+            await client.update_weights_from_disk(str(models[0]), "0")
+            return results
+
+    for result in run(main()):
+        assert result.finish_reason == "length" and len(result.output_ids) == LONG
+        assert (result.weight_version, result.oldest_weight_version) == (f"new-{mode}", f"old-{mode}")
+        sample = Sample(tokens=list(PROMPT), index=0, group_index=0)
+        ctx = type("Ctx", (), {"state": type("State", (), {"observe_version": lambda self, v: None})(),
+                               "tokenizer": type("Tok", (), {"decode": lambda self, ids, **kw: ""})()})()
+        record_result(ctx, sample, PROMPT, result)
+        assert sample.weight_versions == [f"old-{mode}"]

@@ -62,6 +62,13 @@ class GenerateResult:
     routed_experts_flat: np.ndarray | None  # int32, [prompt + output - 1, moe_layers * top_k] when asked for
     meta_info: dict[str, Any]
 
+    @property
+    def oldest_weight_version(self) -> str:
+        """The oldest weights that sampled a token of this reply (a weight update can land while a request
+        is paused in place or retracted). verst engines report it; for engines that do not (SGLang) it is
+        the reply's `weight_version`, exact only for requests that no update interrupted."""
+        return str(self.meta_info.get("oldest_weight_version", self.weight_version))
+
     def routed_experts(self, top_k: int) -> np.ndarray | None:
         """`[prompt + output - 1, moe_layers, top_k]` (SGLang's layout), or None when not returned."""
         if self.routed_experts_flat is None:

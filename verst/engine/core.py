@@ -290,6 +290,8 @@ class EngineCore:
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
             req.weight_version = self.weight_version
+            if req.oldest_weight_version is None:
+                req.oldest_weight_version = self.weight_version
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(top)
             self._check_finish(req)

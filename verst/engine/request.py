@@ -98,6 +98,9 @@ class Request:
     finish: FinishReason | None = None
     text: str | None = None  # final text (stop-string trimmed), set when finished
     weight_version: str = ""
+    # The version that sampled the first output token: a weight update while the request was paused
+    # in place or retracted leaves older tokens in its output, so this is the oldest version in it.
+    oldest_weight_version: str | None = None
     created: float = dataclasses.field(default_factory=time.monotonic)
     finished_at: float | None = None
     on_token: Callable[[Request], None] | None = None  # called after every appended token (streaming)
@@ -136,6 +139,7 @@ def generate_reply(req: Request, text: str, n_tokens: int | None = None, return_
         "completion_tokens": n,
         "cached_tokens": max(req.cached_tokens, 0),
         "weight_version": req.weight_version,
+        "oldest_weight_version": req.oldest_weight_version or req.weight_version,
         "e2e_latency": (req.finished_at or time.monotonic()) - req.created,
     }
     if req.return_logprob:

@@ -91,7 +91,8 @@ def record_result(ctx: RolloutContext, sample: Sample, prompt_ids: list[int], re
     sample.response_length = n
     sample.loss_mask = [1] * n
     sample.rollout_logprobs = list(result.logprobs)
-    sample.weight_versions.append(result.weight_version)
+    # Staleness counts from the oldest weights behind any token, not the version that finished the call.
+    sample.weight_versions.append(result.oldest_weight_version)
     ctx.state.observe_version(result.weight_version)
     sample.status = status
     # Text only for rewards and logs, decoded from exactly the ids the trainer will see.

@@ -72,7 +72,7 @@ class MultiTurnGenerate:
                 break
             result = await _call_engine(ctx, sample, trajectory.ids + env_ids, budget, routing_key)
             trajectory.add_turn(env_ids, result.output_ids, result.logprobs or [], result.finish_reason,
-                                result.weight_version, prompt_tokens=result.prompt_tokens,
+                                result.oldest_weight_version, prompt_tokens=result.prompt_tokens,
                                 cached_tokens=result.cached_tokens, n_messages_before=len(messages))
             reply = parse_reply(ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True), bool(tools))
             messages.append(reply)

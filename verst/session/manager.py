@@ -228,7 +228,7 @@ class SessionManager:
             session.rollbacks += 1
         kept = session.messages[:plan.n_kept]
         turn = trajectory.add_turn(plan.env_ids, result.output_ids, result.logprobs or [], result.finish_reason,
-                                   result.weight_version, prompt_tokens=result.prompt_tokens,
+                                   result.oldest_weight_version, prompt_tokens=result.prompt_tokens,
                                    cached_tokens=result.cached_tokens, n_messages_before=len(kept))
         text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         reply = parse_reply(text, req.parse_tools)
