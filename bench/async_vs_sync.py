@@ -3,11 +3,10 @@
 Both schedules run the same tiny model, task, batch shape and step count on local Ray; a generate fn
 (loaded by import path from this file) forces long-tailed lengths: most responses are short, a few
 run to 128 tokens (ignore_eos). Prints the mean step time of each (first step excluded), their ratio
-(target: fully async ≥ 1.8× faster) and the engine idle fraction of each:
-  sync        1 − time generating / step time (engines idle while the trainer trains and syncs; an
-              underestimate: it ignores the straggler tail inside generation)
-  fully async the worker's time-weighted idle fraction of its `max_in_flight` slots
-Usage: .venv/bin/python bench/async_vs_sync.py [--rollouts 8] [--batch 8] [--n 4]
+(target: fully async ≥ 1.8× faster) and the engine idle fraction of each (`perf/engine_idle_fraction`:
+1 − the share of wall time the engines spent in forward steps, read from the engines themselves), and
+the fully async worker's idle slot fraction.
+Usage: .venv/bin/python bench/async_vs_sync.py [--rollouts 10] [--batch 8] [--n 4] [--max-in-flight 64]
 """
 
 from __future__ import annotations
@@ -25,10 +24,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+TAIL = ((75, 4), (20, 32), (5, 128))  # (% of samples, response tokens)
+
+
 def long_tail_length(index: int) -> int:
-    """Deterministic long tail: 75% 4 tokens, 20% 32, 5% 128."""
-    u = zlib.crc32(str(index).encode()) % 100
-    return 4 if u < 75 else 32 if u < 95 else 128
+    """Deterministic long tail over the sample index (see TAIL)."""
+    u, edge = zlib.crc32(str(index).encode()) % 100, 0
+    for share, tokens in TAIL:
+        edge += share
+        if u < edge:
+            return tokens
+    raise AssertionError(f"TAIL shares sum to {edge}, not 100")
 
 
 async def long_tailed_generate(ctx, sample):
@@ -54,23 +60,26 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
         "--rollout.generate-fn", "async_vs_sync:long_tailed_generate",
         "--trainer.lr", "1e-5", "--eval.max-prompts", "4", "--logging.tensorboard", "false",
         "--logging.progress", "false",
+        *(["--rollout.max-in-flight", str(args.max_in_flight)] if args.max_in_flight else []),
     ])
     asyncio.run(SCHEDULES[schedule](cfg))
     steps = [r for r in read_metrics(Path(cfg.run_dir)) if "train/loss" in r][1:]
     step_s = statistics.fmean(r["perf/step_time_s"] for r in steps)
-    if schedule == "sync":
-        idle = statistics.fmean(1 - r["time/rollout_s"] / r["perf/step_time_s"] for r in steps)
-    else:
-        idle = statistics.fmean(r["rollout/idle_slot_fraction"] for r in steps)
+    idle = statistics.fmean(r["perf/engine_idle_fraction"] for r in steps)
+    slots = statistics.fmean(r["rollout/idle_slot_fraction"] for r in steps) if schedule == "fully_async" else None
     tokens = statistics.fmean(r["rollout/response_length_mean"] for r in steps)
-    return {"step_s": step_s, "idle": idle, "response_length_mean": tokens, "steps": len(steps)}
+    return {"step_s": step_s, "idle": idle, "idle_slots": slots, "response_length_mean": tokens,
+            "steps": len(steps)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument("--rollouts", type=int, default=10)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="fully async: trajectories in flight (default: batch × n)")
+    parser.add_argument("--keep", type=Path, default=None, help="write the two runs here instead of a temp dir")
     args = parser.parse_args()
     # The rollout manager actor imports the generate fn by path: make this directory importable there.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
@@ -80,16 +89,18 @@ def main() -> int:
     from verst.orchestration import RaySession
 
     with tempfile.TemporaryDirectory() as tmp, RaySession(slots=4, log_to_driver=False):
-        work = Path(tmp)
+        work = args.keep or Path(tmp)
         model = init_model("qwen3", "tiny", work / "model", seed=0)
         train, test = make_splits("addition", n_train=500, n_test=20, seed=0)
         write_jsonl(train, work / "data" / "train.jsonl")
         write_jsonl(test, work / "data" / "test.jsonl")
         results = {s: run(s, work, model, work / "data", args) for s in ("sync", "fully_async")}
-    print(f"\nlong-tailed lengths (75% 4, 20% 32, 5% 128 tokens), {args.batch} prompts x {args.n} samples, "
-          f"{args.rollouts} steps (first excluded)")
+    tail = ", ".join(f"{share}% {tokens}" for share, tokens in TAIL)
+    print(f"\nlong-tailed lengths ({tail} tokens), {args.batch} prompts x {args.n} samples, "
+          f"{args.rollouts} steps (first excluded), fully async max_in_flight {args.max_in_flight or args.batch * args.n}")
     for schedule, r in results.items():
-        print(f"{schedule:<12} step {r['step_s']:.2f} s   engine idle fraction {r['idle']:.2f}   "
+        slots = f"   idle slot fraction {r['idle_slots']:.2f}" if r["idle_slots"] is not None else ""
+        print(f"{schedule:<12} step {r['step_s']:.2f} s   engine idle fraction {r['idle']:.2f}{slots}   "
               f"mean response {r['response_length_mean']:.1f} tokens")
     ratio = results["sync"]["step_s"] / results["fully_async"]["step_s"]
     print(f"ratio sync / fully async step time: {ratio:.2f}x  (target >= 1.8x)")
