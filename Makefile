@@ -32,7 +32,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
 bench: $(STAMP)
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in bench/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
