@@ -271,3 +271,20 @@ def test_run_rollout_dumps_and_load_dump_restores(tokenizer, tmp_path):
     loaded = load_dump(ctx.dump_dir / "rollout_000000.samples")
     assert [[s.to_dict() for s in g] for g in loaded.groups] == [[s.to_dict() for s in g] for g in first.groups]
     assert loaded.metrics == first.metrics
+
+
+def test_a_generation_cut_short_by_shutdown_is_aborted_quietly(caplog):
+    from verst.rollout.rollout_fn import generate_and_reward
+
+    async def closed_client(ctx, sample):
+        raise RuntimeError("Cannot send a request, as the client has been closed.")
+
+    ctx = RolloutContext(engine=None, tokenizer=None, generate_fn=closed_client, reward_fn=lambda s: 1.0)
+    noisy = asyncio.run(generate_and_reward(ctx, Sample(tokens=[1], index=0, group_index=0)))
+    assert noisy.status is Status.ABORTED and "generate fn raised" in noisy.metadata["generate_error"]
+    assert "generate fn failed for sample 0" in caplog.text
+    caplog.clear()
+    asyncio.run(ctx.aclose())
+    quiet = asyncio.run(generate_and_reward(ctx, Sample(tokens=[1], index=1, group_index=0)))
+    assert quiet.status is Status.ABORTED and "shut down during generation" in quiet.metadata["generate_error"]
+    assert caplog.text == ""

@@ -64,6 +64,7 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
         return out
 
     async def close() -> None:
+        ctx.state.closing = True  # generations cut short by closing the clients are not errors
         await asyncio.gather(engine.close(), *(c.close() for c in control), ctx.aclose())
 
     parts = RolloutParts(generate_batch=generate_batch, source=source, close=close, metrics=metrics)

@@ -142,6 +142,7 @@ class RolloutState:
         self.stopped: set[int] = set()  # sample indices whose generation must not start or continue
         self.latest_weight_version: int | None = None  # highest version any engine reply reported
         self.step = 0  # rollout steps finished (numbers dump files)
+        self.closing = False  # set by `RolloutContext.aclose`: failures after it are the shutdown, not errors
         self._rid_prefix = uuid.uuid4().hex[:8]  # unique across processes sharing an engine
         self._rid_counter = itertools.count()
         self._limiter: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
@@ -237,6 +238,7 @@ class RolloutContext:
 
     async def aclose(self) -> None:
         """Close what the context built (a remote reward client) and what plug-ins put in `resources`."""
+        self.state.closing = True
         close = getattr(self.reward_fn, "aclose", None)
         if close is not None:
             await close()

@@ -47,6 +47,8 @@ async def generate_and_reward(ctx: RolloutContext, sample: Sample, *, catch_erro
         except Exception as e:
             if not catch_errors:
                 raise
+            if ctx.state.closing:  # the engine clients were closed under it: one line for the run, not each
+                return mark_aborted(sample, f"the rollout shut down during generation: {e!r}")
             logger.warning("generate fn failed for sample %d (group %d): %r", sample.index, sample.group_index, e)
             return mark_aborted(sample, f"generate fn raised {e!r}")
     if not isinstance(result, Sample):
