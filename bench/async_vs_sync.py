@@ -6,7 +6,7 @@ run to 128 tokens (ignore_eos). Prints the mean step time of each (first step ex
 (target: fully async ≥ 1.8× faster) and the engine idle fraction of each (`perf/engine_idle_fraction`:
 1 − the share of wall time the engines spent in forward steps, read from the engines themselves), and
 the fully async worker's idle slot fraction.
-Usage: .venv/bin/python bench/async_vs_sync.py [--rollouts 10] [--batch 8] [--n 4] [--max-in-flight 64]
+Usage: .venv/bin/python bench/async_vs_sync.py [--rollouts 24] [--batch 8] [--n 4] [--max-in-flight 64]
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rollouts", type=int, default=10)
+    parser.add_argument("--rollouts", type=int, default=24)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-in-flight", type=int, default=None,

@@ -1,4 +1,4 @@
-"""Procedural verifiable tasks (addition, reversal, multistep) from seeded generators, and their splits.
+"""Procedural verifiable tasks (addition, reversal, multistep, calculator) from seeded generators, and their splits.
 
 Prompts are short and plain (one user message) so a tiny model with a byte tokenizer can learn them.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from verst.data.calculator import calculator_problem
 from verst.data.loading import DataError
 
 
@@ -57,11 +58,19 @@ def multistep(rng: random.Random, min_steps: int = 2, max_steps: int = 3) -> Pro
     return Problem(f"{expression}=", str(value), {"task": "multistep", "expression": expression})
 
 
+def calculator(rng: random.Random) -> Problem:
+    """Chained arithmetic for the calculator tool: '(12+7)*3-5=' -> '52', with the tool schema in
+    metadata['tools'] and the gold tool-using conversation in metadata['conversation']."""
+    return Problem(*calculator_problem(rng))
+
+
 # name -> (generator, number of distinct prompts it can produce, or None when practically unbounded)
 TASKS: dict[str, tuple[Callable[[random.Random], Problem], int | None]] = {
     "addition": (addition, 90 * 90),
     "reversal": (reversal, None),
     "multistep": (multistep, None),
+    # operands 2..9 (8 each); operator pairs: '*' then any of 3, or '+'/'-' then '+'/'-' (no brackets)
+    "calculator": (calculator, 8**3 * (3 + 2 * 2)),
 }
 
 

@@ -1,5 +1,5 @@
-"""The text edge: a data prompt (text or chat messages) becomes prompt ids, and an SFT example
-becomes prompt + response ids with the response ending at the end-of-turn token.
+"""The text edge: a data prompt (text or chat messages) becomes prompt ids, and an SFT example (one
+reply, or a multi-turn conversation with tool calls) becomes prompt + response ids ending at end of turn.
 """
 
 from __future__ import annotations
@@ -87,3 +87,51 @@ def encode_sft_example(
         reply = target + eos
     response_ids = tokenizer.encode(reply, add_special_tokens=False)
     return prompt_ids + response_ids, len(response_ids)
+
+
+def encode_sft_conversation(
+    tokenizer: Any,
+    prompt: Prompt,
+    conversation: list[dict[str, Any]],
+    *,
+    system_prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[int]]:
+    """(prompt + response ids, response loss mask) for imitating a multi-turn `conversation` (the
+    messages after the prompt: assistant turns, tool calls, tool results) with loss on assistant turns.
+
+    The response is cut into segments by rendering growing prefixes of the conversation (the template
+    must be append-only): each assistant turn, from after its generation prompt through its eos token,
+    has mask 1 (what the model generates); everything between two assistant turns (the text after eos,
+    tool results, the next generation prompt) has mask 0. Segments are tokenized separately, as a session
+    server tokenizes appended messages, so the ids match what a rollout records. Ends at the last eos.
+    """
+    if not conversation or conversation[-1].get("role") != "assistant":
+        roles = [m.get("role") for m in conversation]
+        raise ValueError(f"an SFT conversation must end with an assistant message; got roles {roles}")
+    messages = prompt_messages(prompt, system_prompt)
+    eos = tokenizer.eos_token
+    head = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(head, add_special_tokens=False)
+    done = head  # the text encoded so far
+    response: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(conversation):
+        messages = messages + [message]
+        if message.get("role") != "assistant":
+            continue
+        before = render_chat(tokenizer, messages[:-1], tools=tools, add_generation_prompt=True)
+        full = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=False)
+        if not before.startswith(done) or not full.startswith(before):
+            raise ValueError(f"the chat template is not append-only at conversation message {i} "
+                             f"(role {message.get('role')!r}); cannot cut the turns apart")
+        turn = full[len(before):]
+        cut = turn.rfind(eos)
+        if cut < 0:
+            raise ValueError(f"the chat template's assistant turn {turn!r:.120} does not contain the eos token {eos!r}")
+        for text, flag in ((before[len(done):], 0), (turn[: cut + len(eos)], 1)):
+            ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+            response += ids
+            mask += [flag] * len(ids)
+        done = before + turn[: cut + len(eos)]
+    return prompt_ids + response, mask

@@ -18,6 +18,7 @@ from verst.config import BatchPlan, VerstConfig, batch_plan, load_object
 from verst.data import PromptSource, load_prompts_from_config
 from verst.engine.client import EngineClient
 from verst.eval import engine_greedy_generate, evaluate_greedy
+from verst.eval.agentic import evaluate_agentic
 from verst.models import load_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
@@ -137,17 +138,25 @@ class RLRun:
         # The transport reads the trainer's bucket stream in a worker thread, one bucket ahead.
         return await self.syncer.sync(self.trainer.named_weights(self.cfg.sync.bucket_bytes), self.version)
 
+    @property
+    def score_key(self) -> str:
+        """The held-out score: greedy accuracy, or, for an agent task, greedy episode success."""
+        return "eval/success" if self.cfg.rollout.agent_fn else "eval/accuracy"
+
     async def evaluate(self) -> dict[str, float]:
-        """Greedy held-out accuracy through the engines, which must all serve `version`."""
-        cfg = self.cfg
-        max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
-        generate = engine_greedy_generate(self.router_url, max_new, expect_version=str(self.syncer.version or 0))
-        metrics = await asyncio.to_thread(
-            evaluate_greedy, _test_prompts(cfg), generate, _tokenizer(cfg.model.path), cfg.reward,
-            cfg.data, max_new,
-        )
-        metrics["eval/weight_version"] = float(self.syncer.version or 0)
-        self.eval_history.append((self.version, metrics["eval/accuracy"]))
+        """Held-out greedy accuracy (or agent success) through the engines, which must all serve `version`."""
+        cfg, version = self.cfg, str(self.syncer.version or 0)
+        tokenizer, prompts = _tokenizer(cfg.model.path), _test_prompts(cfg)
+        if cfg.rollout.agent_fn:  # a tool-using task: the first reply is a tool call, so run whole episodes
+            async with EngineClient(self.router_url, affinity=True) as client:
+                metrics = await evaluate_agentic(cfg, client, tokenizer, prompts, expect_version=version)
+        else:
+            max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
+            generate = engine_greedy_generate(self.router_url, max_new, expect_version=version)
+            metrics = await asyncio.to_thread(evaluate_greedy, prompts, generate, tokenizer, cfg.reward, cfg.data,
+                                              max_new)
+        metrics["eval/weight_version"] = float(version)
+        self.eval_history.append((self.version, metrics[self.score_key]))
         return metrics
 
     def eval_due(self) -> bool:
@@ -168,14 +177,14 @@ class RLRun:
         """summary.json (accuracy before/after with the versions measured) and the HTML report."""
         (v0, before), (v1, after) = self.eval_history[0], self.eval_history[-1]
         summary = {
-            "eval/accuracy_before": before, "eval/accuracy_after": after,
+            f"{self.score_key}_before": before, f"{self.score_key}_after": after,
             "eval/version_before": v0, "eval/version_after": v1,
             "train/steps": self.version, "time/total_s": time.perf_counter() - self.started,
             "schedule": self.cfg.schedule, "sync/transport": self.cfg.sync.transport,
         }
         write_summary(self.run_dir, summary)
         report = write_report(self.run_dir)
-        print(f"[{self.cfg.schedule}] held-out greedy accuracy {before:.1%} (version {v0}) -> {after:.1%} "
+        print(f"[{self.cfg.schedule}] held-out greedy {self.score_key[5:]} {before:.1%} (version {v0}) -> {after:.1%} "
               f"(version {v1}) in {summary['time/total_s']:.0f} s; report {report}", flush=True)
         return summary
 

@@ -1,5 +1,6 @@
-"""SFT: imitate each prompt's label as the assistant reply (loss on assistant tokens only),
-evaluate held-out greedy accuracy before, during and after, save, export, summarise.
+"""SFT: imitate each prompt's label as the assistant reply, or its gold tool-using conversation (loss
+on assistant tokens only); evaluate held-out greedy accuracy (or, with `rollout.agent_fn`, greedy agent
+success through the session server) before, during and after; save, export, summarise.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from typing import Any
 
 from verst.config import VerstConfig
 from verst.data import PromptSource, load_prompts_from_config
+from verst.data.calculator import CONVERSATION_KEY
 from verst.eval import evaluate_greedy, hf_greedy_generate
+from verst.eval.agentic import evaluate_agentic_local
 from verst.models import load_model, load_tokenizer
-from verst.models.prompts import encode_sft_example
+from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.recipes.common import load_weights_into, open_trainer
 from verst.trainer import sft_loss_fn
@@ -27,9 +30,14 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     eval_model = load_model(cfg.model.path)
     max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
 
+    # A tool-using task is scored by running its agent: single-turn scoring would see only a tool call.
+    score, scored_by = ("eval/success", "agent success") if cfg.rollout.agent_fn else ("eval/accuracy", "accuracy")
+
     def evaluate(trainer=None) -> dict[str, float]:
         if trainer is not None:
             load_weights_into(eval_model, trainer.named_weights(cfg.sync.bucket_bytes))
+        if cfg.rollout.agent_fn:
+            return evaluate_agentic_local(cfg, eval_model, tokenizer, test_prompts)
         generate = hf_greedy_generate(eval_model, tokenizer, max_new, cfg.eval.batch_size)
         return evaluate_greedy(test_prompts, generate, tokenizer, cfg.reward, cfg.data, max_new)
 
@@ -39,7 +47,7 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     with logger, open_trainer(cfg, total_steps=cfg.sft.num_steps) as trainer:
         before = evaluate()
         logger.log(before, step=0)
-        print(f"[sft] step 0: held-out accuracy {before['eval/accuracy']:.1%}", flush=True)
+        print(f"[sft] step 0: held-out {scored_by} {before[score]:.1%}", flush=True)
         encoded: dict[int, Sample] = {}  # data_index -> training sample; each prompt is rendered once
         for step in range(1, cfg.sft.num_steps + 1):
             batch = [_cached(encoded, p, lambda p=p: sft_sample(tokenizer, p, cfg))
@@ -48,7 +56,7 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
             if cfg.sft.eval_interval and step % cfg.sft.eval_interval == 0 and step != cfg.sft.num_steps:
                 metrics.update(evaluate(trainer))
                 print(f"[sft] step {step}: loss {metrics['train/loss']:.3f}, "
-                      f"held-out accuracy {metrics['eval/accuracy']:.1%}", flush=True)
+                      f"held-out {scored_by} {metrics[score]:.1%}", flush=True)
             logger.log(metrics, step=step)
         after = evaluate(trainer)
         logger.log(after, step=cfg.sft.num_steps)
@@ -57,14 +65,14 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
         if cfg.checkpoint.export_hf:
             trainer.export_hf(run_dir / "hf")
     summary = {
-        "eval/accuracy_before": before["eval/accuracy"],
-        "eval/accuracy_after": after["eval/accuracy"],
+        f"{score}_before": before[score],
+        f"{score}_after": after[score],
         "train/loss": metrics["train/loss"],
         "train/steps": cfg.sft.num_steps,
         "time/total_s": time.perf_counter() - start,
     }
     write_summary(run_dir, summary)
-    print(f"[sft] held-out greedy accuracy {before['eval/accuracy']:.1%} -> {after['eval/accuracy']:.1%} "
+    print(f"[sft] held-out greedy {scored_by} {before[score]:.1%} -> {after[score]:.1%} "
           f"in {summary['time/total_s']:.0f} s; run directory {run_dir}", flush=True)
     return summary, run_dir
 
@@ -77,13 +85,24 @@ def _cached(cache: dict[int, Sample], prompt: Sample, make) -> Sample:
 
 
 def sft_sample(tokenizer: Any, prompt: Sample, cfg: VerstConfig) -> Sample:
-    """A training Sample imitating the prompt's label; every response token is a policy token."""
-    if not isinstance(prompt.label, str):
-        raise ValueError(f"SFT needs a text label to imitate; prompt {prompt.index} has label {prompt.label!r}")
-    ids, n = encode_sft_example(
-        tokenizer, prompt.prompt, prompt.label, apply_chat_template=cfg.data.apply_chat_template,
-        system_prompt=cfg.data.system_prompt, tools=prompt.metadata.get("tools"),
-    )
-    return Sample(tokens=ids, response_length=n, loss_mask=[1] * n, rollout_logprobs=[0.0] * n,
+    """A training Sample imitating the prompt's gold conversation (`metadata['conversation']`: assistant
+    turns, tool calls and tool results; loss on assistant turns only), else its label as one reply."""
+    conversation = prompt.metadata.get(CONVERSATION_KEY)
+    if conversation is not None:
+        if not cfg.data.apply_chat_template:
+            raise ValueError(f"prompt {prompt.index} carries a gold conversation; rendering its turns needs "
+                             "data.apply_chat_template = true")
+        ids, mask = encode_sft_conversation(tokenizer, prompt.prompt, conversation,
+                                            system_prompt=cfg.data.system_prompt, tools=prompt.metadata.get("tools"))
+    else:
+        if not isinstance(prompt.label, str):
+            raise ValueError(f"SFT needs a text label to imitate; prompt {prompt.index} has label {prompt.label!r}")
+        ids, n = encode_sft_example(
+            tokenizer, prompt.prompt, prompt.label, apply_chat_template=cfg.data.apply_chat_template,
+            system_prompt=cfg.data.system_prompt, tools=prompt.metadata.get("tools"),
+        )
+        mask = [1] * n
+    n = len(mask)
+    return Sample(tokens=ids, response_length=n, loss_mask=mask, rollout_logprobs=[0.0] * n,
                   status=Status.COMPLETED, index=prompt.index, group_index=prompt.group_index,
                   prompt=prompt.prompt, label=prompt.label).validate()

@@ -1,0 +1,1 @@
+"""The calculator tool task's agent fn (official `openai` client) and its final-answer reward."""
