@@ -61,3 +61,16 @@ def test_console_script_installed():
     assert exe.exists() or shutil.which("verst"), "the verst console script is not installed"
     result = subprocess.run([str(exe) if exe.exists() else "verst", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "usage: verst" in result.stdout
+
+
+def test_plugins_import_from_the_working_directory(tmp_path, monkeypatch):
+    """`verst sft recipe.toml` naming `examples.calc.agent:run` resolves it from the cwd, as `python -m` would
+    (a console script's sys.path starts at its own bin directory)."""
+    (tmp_path / "my_plugin_for_cli_test.py").write_text("VALUE = 7\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with pytest.raises(SystemExit):
+        main(["data", "--help"])
+    from verst.config import load_object
+
+    assert load_object("my_plugin_for_cli_test:VALUE", "reward.path") == 7

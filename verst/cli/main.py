@@ -6,6 +6,7 @@ Command modules import torch lazily, so `--help` and `--dry-run` stay fast and t
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"verst: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    # Recipes name plug-ins by import path ("examples.calculator.agent:run"); as with `python -m`, they
+    # resolve from the working directory, which a console script does not put on sys.path by itself.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(argv[1:]) or 0)
 
