@@ -19,9 +19,10 @@ from verst.data.calculator import (
     ToolError,
     calculate,
     calculator_problem,
-    call_operation,
+    call_expression,
     mental_last_step,
-    parse_operation,
+    parse_expression,
+    step,
 )
 from verst.rewards import RewardError
 from verst.types import Sample
@@ -35,32 +36,42 @@ def evaluate_expression(text: str) -> int:
     def walk(node):
         if isinstance(node, ast.BinOp):
             return _AST_OPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
         assert isinstance(node, ast.Constant) and isinstance(node.value, int), ast.dump(node)
         return node.value
 
     return walk(ast.parse(text, mode="eval").body)
 
 
-@pytest.mark.parametrize("brackets", [False, True])
-def test_gold_conversation_computes_the_label(brackets):
+def test_gold_conversation_steps_the_calculator_to_the_label():
     rng = random.Random(3)
-    for _ in range(200):
-        text, label, meta = calculator_problem(rng, min_steps=2, max_steps=3, max_operand=20, brackets=brackets)
+    for _ in range(300):
+        text, label, meta = calculator_problem(rng, min_steps=2, max_steps=4, max_operand=20)
         assert text.endswith("=") and evaluate_expression(text[:-1]) == int(label), text
         conversation = meta[CONVERSATION_KEY]
         calls, results = conversation[0:-1:2], conversation[1:-1:2]
-        assert len(calls) == len(results) in (2, 3)
-        value = None
+        assert len(calls) == len(results) == len(parse_expression(text[:-1])[1])  # one call per operation
+        left = text[:-1]
         for call, result in zip(calls, results):
             (tool_call,) = call["tool_calls"]
-            a, _, _ = call_operation(call)
-            assert value is None or a == value  # each step starts from the last result
-            content = str(calculate(tool_call["function"]["arguments"]))
-            assert result == {"role": "tool", "tool_call_id": tool_call["id"], "content": content}
-            value = int(result["content"])
-        assert conversation[-1] == {"role": "assistant", "content": label} and value == int(label)
-        assert meta["tools"] == [CALCULATOR_TOOL] and meta["task"] == "calculator"
-        assert brackets or "(" not in text
+            assert call_expression(call) == left  # each call sends what the calculator left
+            assert result == {"role": "tool", "tool_call_id": tool_call["id"], "content": step(left)}
+            left = result["content"]
+        assert conversation[-1] == {"role": "assistant", "content": label} and left == label
+        assert meta["tools"] == [CALCULATOR_TOOL] and meta["task"] == "calculator" and "(" not in text
+
+
+@pytest.mark.parametrize("expression, after", [
+    ("7*3-5", "21-5"), ("21-5", "16"), ("2+3*4", "2+12"), ("3*4*5", "12*5"), ("9-8-5", "1-5"),
+    ("-4+5", "1"), (" -3 - -2 ", "-1"), ("-4*-2", "8"), ("7", "7"),
+])
+def test_step_carries_out_one_operation(expression, after):
+    assert step(expression) == after
+    left = expression
+    while parse_expression(left)[1]:
+        left = step(left)
+    assert int(left) == evaluate_expression(expression.strip())
 
 
 def test_default_problems_are_short_two_step_single_digit():
@@ -81,16 +92,17 @@ def test_task_splits_round_trip_through_jsonl(tmp_path):
 
 
 def test_calculate_accepts_json_text_and_objects():
-    assert calculate('{"expression": "7*6"}') == 42
-    assert calculate({"expression": " -3 - 9 "}) == -12
-    assert parse_operation("21-5") == (21, "-", 5)
+    assert calculate('{"expression": "7*6-2"}') == "42-2"
+    assert calculate({"expression": " -3 - 9 "}) == "-12"
+    assert parse_expression("21-5*2") == ([21, 5, 2], ["-", "*"])
 
 
 @pytest.mark.parametrize("arguments, names", [
     ('{"expression": "1/2"}', "expression = '1/2'"),
-    ({"expression": "1+2*3"}, "expression = '1+2*3'"),  # one operation per call
+    ({"expression": "(1+2)*3"}, "expression = '(1+2)*3'"),  # no brackets
     ({"expression": "2**9"}, "expression = '2**9'"),
     ({"expression": "1234567890*2"}, "expression = '1234567890*2'"),
+    ({"expression": "+".join("1" * 10)}, "at most 8 operations"),
     ({"expression": 12}, "expression = 12"),
     ({}, "expression = None"),
     ({"expression": "1+2", "x": 3}, "unknown arguments ['x']"),
@@ -104,6 +116,7 @@ def test_calculate_refuses_bad_arguments_by_name(arguments, names):
 
 def test_agent_tool_step_reports_errors_to_the_model():
     assert run_tool("calculator", '{"expression": "2+3"}') == ("5", True)
+    assert run_tool("calculator", '{"expression": "2*3+1"}') == ("6+1", True)
     text, ok = run_tool("calculator", '{"expression": "2^3"}')
     assert not ok and text.startswith("error:") and "'2^3'" in text
     text, ok = run_tool("search", "{}")
@@ -134,13 +147,13 @@ def test_mental_last_step_teacher_skips_only_the_last_addition():
     changed = 0
     for before, after in zip(train, taught):
         gold, demo = before.metadata[CONVERSATION_KEY], after.metadata[CONVERSATION_KEY]
-        last_op = call_operation(gold[-3])[1]
+        last_op = parse_expression(call_expression(gold[-3]))[1][0]
         if "teacher" in after.metadata:
             changed += 1
             assert last_op == "+" and demo == gold[:2] + gold[-1:]  # one call, its result, the right answer
         else:
             assert demo == gold
-    ends_with_add = sum(call_operation(p.metadata[CONVERSATION_KEY][-3])[1] == "+" for p in train)
+    ends_with_add = sum(parse_expression(p.metadata["expression"])[1][-1] == "+" for p in train)
     assert 0.6 * ends_with_add < changed < 0.9 * ends_with_add
     assert mental_last_step(train, rate=0.75, ops="+")[5] == taught[5]  # seeded
     with pytest.raises(ValueError, match="rate must be in"):

@@ -1,8 +1,11 @@
-"""The calculator tool task: chained integer arithmetic solved one binary operation per tool call,
-with the tool's schema, its safe evaluator, and the gold tool-using conversation for SFT.
+"""The calculator tool task: chained integer arithmetic solved one operation per tool call, with the
+tool's schema, its safe evaluator, and the gold tool-using conversation for SFT.
 
-The tool computes one operation ('7*3'), so every problem needs several calls and a model that cannot
-multiply by itself must use it. No `eval`: the expression is matched by a pattern, dispatched by operator.
+The tool is a stepping calculator: given an expression it carries out one operation (the first product,
+else the leftmost sum or difference) and returns the rest ('7*3-5' -> '21-5' -> '16'), so a problem
+takes one call per operation. Each call's argument is a span the model copies from the last message,
+which a tiny model learns far sooner than assembling operands. No `eval`: the expression is matched by
+a pattern and reduced by operator.
 """
 
 from __future__ import annotations
@@ -22,15 +25,17 @@ TOOL_NAME = "calculator"
 OPERATIONS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 CONVERSATION_KEY = "conversation"  # metadata: the gold messages that follow the prompt (SFT target)
 MAX_DIGITS = 9
-_OPERATION = re.compile(rf"\s*(-?\d{{1,{MAX_DIGITS}}})\s*([-+*])\s*(-?\d{{1,{MAX_DIGITS}}})\s*")
+MAX_OPERATIONS = 8
+_NUMBER = rf"-?\d{{1,{MAX_DIGITS}}}"
+_EXPRESSION = re.compile(rf"\s*{_NUMBER}(?:\s*[-+*]\s*{_NUMBER}){{0,{MAX_OPERATIONS}}}\s*")
+_FIRST = re.compile(rf"\s*({_NUMBER})")
+_TERM = re.compile(rf"\s*([-+*])\s*({_NUMBER})")
 
-# One string argument rather than (a, op, b): the call copies a span of the prompt ('7*3' from '7*3-5='),
-# which a tiny model learns several times faster than three separate JSON fields.
 CALCULATOR_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": TOOL_NAME,
-        "description": "a op b",
+        "description": "Does one step of an expression",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     },
 }
@@ -40,17 +45,30 @@ class ToolError(ValueError):
     """A tool call the calculator cannot run; the message names the argument and its value."""
 
 
-def parse_operation(expression: Any) -> tuple[int, str, int]:
-    """(a, op, b) of one operation 'a op b' (integers of up to 9 digits, op one of + - *)."""
-    match = _OPERATION.fullmatch(expression) if isinstance(expression, str) else None
-    if match is None:
-        raise ToolError(f"{TOOL_NAME}: expression = {expression!r:.80}; expected one operation 'a op b' of "
-                        f"integers with op one of {sorted(OPERATIONS)}, e.g. '7*3'")
-    return int(match.group(1)), match.group(2), int(match.group(3))
+def parse_expression(expression: Any) -> tuple[list[int], list[str]]:
+    """(numbers, operators) of 'a op b op c ...': integers of up to 9 digits, op one of + - *, at most
+    8 operations, no brackets."""
+    if not isinstance(expression, str) or _EXPRESSION.fullmatch(expression) is None:
+        raise ToolError(f"{TOOL_NAME}: expression = {expression!r:.80}; expected integers joined by + - * "
+                        f"(at most {MAX_OPERATIONS} operations, no brackets), e.g. '7*3-5'")
+    first = _FIRST.match(expression)
+    terms = _TERM.findall(expression, first.end())
+    return [int(first.group(1))] + [int(n) for _, n in terms], [op for op, _ in terms]
 
 
-def calculate(arguments: Any) -> int:
-    """The value of one call's arguments {"expression": "a op b"} (an object or its JSON text)."""
+def step(expression: Any) -> str:
+    """One operation of `expression` carried out: the first product, else the leftmost sum or difference
+    ('7*3-5' -> '21-5', '2+3*4' -> '2+12', '21-5' -> '16'); a lone number comes back as it is."""
+    numbers, ops = parse_expression(expression)
+    if not ops:
+        return str(numbers[0])
+    i = ops.index("*") if "*" in ops else 0
+    numbers[i : i + 2] = [OPERATIONS[ops.pop(i)](numbers[i], numbers[i + 1])]
+    return str(numbers[0]) + "".join(f"{op}{n}" for op, n in zip(ops, numbers[1:]))
+
+
+def calculate(arguments: Any) -> str:
+    """The tool's reply to one call's arguments {"expression": "..."} (an object or its JSON text)."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -61,53 +79,52 @@ def calculate(arguments: Any) -> int:
     unknown = sorted(set(arguments) - {"expression"})
     if unknown:
         raise ToolError(f"{TOOL_NAME}: unknown arguments {unknown}; expected expression")
-    a, op, b = parse_operation(arguments.get("expression"))
-    return OPERATIONS[op](a, b)
+    return step(arguments.get("expression"))
 
 
-def tool_call_message(step: int, a: int, op: str, b: int) -> dict[str, Any]:
+def tool_call_message(index: int, expression: str) -> dict[str, Any]:
     """An assistant message with one calculator call, in the OpenAI shape (arguments as JSON text)."""
-    arguments = json.dumps({"expression": f"{a}{op}{b}"})
-    call = {"id": f"call_{step}", "type": "function", "function": {"name": TOOL_NAME, "arguments": arguments}}
+    arguments = json.dumps({"expression": expression})
+    call = {"id": f"call_{index}", "type": "function", "function": {"name": TOOL_NAME, "arguments": arguments}}
     return {"role": "assistant", "content": "", "tool_calls": [call]}
 
 
-def call_operation(message: dict[str, Any]) -> tuple[int, str, int]:
-    """(a, op, b) of a gold assistant message's calculator call."""
-    return parse_operation(json.loads(message["tool_calls"][0]["function"]["arguments"])["expression"])
+def gold_conversation(expression: str) -> list[dict[str, Any]]:
+    """Call the calculator on what is left until one number remains, then state it."""
+    conversation: list[dict[str, Any]] = []
+    while parse_expression(expression)[1]:
+        index = len(conversation) // 2 + 1
+        reply = step(expression)
+        conversation += [tool_call_message(index, expression),
+                         {"role": "tool", "tool_call_id": f"call_{index}", "content": reply}]
+        expression = reply
+    return conversation + [{"role": "assistant", "content": expression}]
 
 
 def calculator_problem(
-    rng: random.Random, min_steps: int = 2, max_steps: int = 2, max_operand: int = 9, brackets: bool = False
+    rng: random.Random, min_steps: int = 2, max_steps: int = 2, max_operand: int = 9
 ) -> tuple[str, str, dict[str, Any]]:
     """(prompt text, answer, metadata) for one chained expression such as '3*7-5=' -> '16'.
 
-    Operations apply left to right. Without `brackets`, a product never follows a sum or difference,
-    so the written precedence agrees with no brackets at all (and prompts have a fixed layout, which a
-    tiny model copies from more easily); with them, '(3+7)*5=' style prompts appear too. The gold
-    conversation makes one calculator call per operation, then states the final value.
+    A product never follows a sum or difference, so the operations apply left to right as written,
+    without brackets, and prompts have a fixed layout. The gold conversation makes one calculator call
+    per operation, then states the final value.
     """
-    value = rng.randint(2, max_operand)
-    expression, additive = str(value), False
-    conversation: list[dict[str, Any]] = []
-    for step in range(1, rng.randint(min_steps, max_steps) + 1):
-        op, n = rng.choice("+-" if additive and not brackets else "+-*"), rng.randint(2, max_operand)
-        expression = f"({expression})*{n}" if op == "*" and additive else f"{expression}{op}{n}"
+    expression, additive = str(rng.randint(2, max_operand)), False
+    for _ in range(rng.randint(min_steps, max_steps)):
+        op = rng.choice("+-" if additive else "+-*")
+        expression += f"{op}{rng.randint(2, max_operand)}"
         additive = op != "*"
-        result = OPERATIONS[op](value, n)
-        conversation.append(tool_call_message(step, value, op, n))
-        conversation.append({"role": "tool", "tool_call_id": f"call_{step}", "content": str(result)})
-        value = result
-    conversation.append({"role": "assistant", "content": str(value)})
+    conversation = gold_conversation(expression)
     metadata = {"task": "calculator", "expression": expression, "tools": [CALCULATOR_TOOL],
                 CONVERSATION_KEY: conversation}
-    return f"{expression}=", str(value), metadata
+    return f"{expression}=", conversation[-1]["content"], metadata
 
 
 def mental_last_step(problems: list[Problem], rate: float, ops: str = "+", seed: int = 0) -> list[Problem]:
     """Demonstrations from a teacher who does an easy last step in their head: in `rate` of the problems
-    whose last operation is one of `ops`, the conversation answers right after the previous tool result,
-    without the last calculator call. Every answer stays correct.
+    whose last operation is one of `ops`, the conversation answers as soon as the calculator has left
+    that one operation ('21+5'), without the last call. Every answer stays correct.
 
     A student that cannot add in its head, imitating this teacher, skips the call it needs there once
     `rate` > 0.5; an outcome reward shows that calling the tool pays. Altered rows record
@@ -125,10 +142,15 @@ def mental_last_step(problems: list[Problem], rate: float, ops: str = "+", seed:
             raise ValueError(f"mental_last_step needs calculator problems with a gold conversation, got task "
                              f"{problem.metadata.get('task')!r} for prompt {problem.text!r}")
         calls = [m for m in conversation if m.get("tool_calls")]
-        last_op = call_operation(calls[-1])[1]
+        last_op = parse_expression(call_expression(calls[-1]))[1][0]
         if len(calls) > 1 and last_op in ops and rng.random() < rate:
             hasty = conversation[:-3] + [conversation[-1]]  # drop the last call and its result
             metadata = {**problem.metadata, CONVERSATION_KEY: hasty, "teacher": "mental last step"}
             problem = dataclasses.replace(problem, metadata=metadata)
         out.append(problem)
     return out
+
+
+def call_expression(message: dict[str, Any]) -> str:
+    """The expression of an assistant message's (first) calculator call."""
+    return json.loads(message["tool_calls"][0]["function"]["arguments"])["expression"]

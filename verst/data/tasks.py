@@ -59,7 +59,7 @@ def multistep(rng: random.Random, min_steps: int = 2, max_steps: int = 3) -> Pro
 
 
 def calculator(rng: random.Random) -> Problem:
-    """Chained arithmetic for the calculator tool: '(12+7)*3-5=' -> '52', with the tool schema in
+    """Chained arithmetic for the calculator tool: '7*3-5=' -> '16', with the tool schema in
     metadata['tools'] and the gold tool-using conversation in metadata['conversation']."""
     return Problem(*calculator_problem(rng))
 
