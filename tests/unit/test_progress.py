@@ -48,3 +48,12 @@ def test_off_mode_writes_nothing_and_bad_arguments_are_refused():
         RunProgress("sync", 2, mode="fancy")
     with pytest.raises(ValueError, match="line_every must be >= 1, got 0"):
         RunProgress("sync", 2, line_every=0)
+
+
+def test_agent_success_is_shown_and_kept_until_the_next_evaluation():
+    out = io.StringIO()
+    with RunProgress("sft", 3, stream=out, line_every=1) as progress:
+        progress.step(1, {"train/loss": 0.5, "eval/success": 0.25})
+        progress.step(2, {"train/loss": 0.4})
+    assert out.getvalue().splitlines() == ["[sft] step 1/3: loss 0.5000, success 25.0%", "[sft] step 2/3: loss 0.4000"]
+    assert headline({"train/loss": 0.4}, progress.last_eval) == "loss 0.4000, success 25.0%"

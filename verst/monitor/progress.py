@@ -16,6 +16,7 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("rollout/reward_mean", "reward", "{:.3f}"),
     ("train/loss", "loss", "{:.4f}"),
     ("eval/accuracy", "eval", "{:.1%}"),
+    ("eval/success", "success", "{:.1%}"),  # agent tasks: held-out episode success
     ("buffer/staleness_max", "stale", "{:.0f}"),
     ("buffer/queue_size", "queue", "{:.0f}"),
     ("perf/rollout_tokens_per_s", "tok/s", "{:.0f}"),
@@ -23,13 +24,17 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def headline(metrics: dict[str, Any], last_eval: float | None = None) -> str:
-    """`reward 0.512, loss 0.0031, eval 61.0%, ...` for the metrics a step logged."""
+EVAL_KEYS = ("eval/accuracy", "eval/success")
+
+
+def headline(metrics: dict[str, Any], last_eval: dict[str, float] | None = None) -> str:
+    """`reward 0.512, loss 0.0031, eval 61.0%, ...` for the metrics a step logged; a held-out score
+    missing from this step is taken from `last_eval`."""
     parts = []
     for key, label, fmt in HEADLINE:
         value = metrics.get(key)
-        if key == "eval/accuracy" and value is None:
-            value = last_eval
+        if key in EVAL_KEYS and value is None:
+            value = (last_eval or {}).get(key)
         if isinstance(value, int | float) and math.isfinite(value):
             parts.append(f"{label} {fmt.format(value)}")
     return ", ".join(parts)
@@ -55,7 +60,7 @@ class RunProgress:
         if mode == "auto":
             mode = "live" if self.stream.isatty() else "lines"
         self.mode = mode
-        self.last_eval: float | None = None
+        self.last_eval: dict[str, float] = {}  # the latest held-out scores, shown until the next evaluation
         self._progress: Progress | None = None
         self._task: Any = None
 
@@ -73,12 +78,13 @@ class RunProgress:
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
         """Show step `step` (1-based) of `total` with its metrics."""
-        if isinstance(metrics.get("eval/accuracy"), int | float):
-            self.last_eval = float(metrics["eval/accuracy"])
+        for key in EVAL_KEYS:
+            if isinstance(metrics.get(key), int | float):
+                self.last_eval[key] = float(metrics[key])
         if self.mode == "live" and self._progress is not None:
             self._progress.update(self._task, completed=step, headline=headline(metrics, self.last_eval))
         elif self.mode == "lines" and (
-            step % self.line_every == 0 or step == self.total or "eval/accuracy" in metrics
+            step % self.line_every == 0 or step == self.total or any(key in metrics for key in EVAL_KEYS)
         ):
             print(f"[{self.title}] step {step}/{self.total}: {headline(metrics)}", file=self.stream, flush=True)
 

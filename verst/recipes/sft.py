@@ -17,6 +17,7 @@ from verst.eval.agentic import evaluate_agentic_local
 from verst.models import load_model, load_tokenizer
 from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
+from verst.monitor.progress import RunProgress
 from verst.recipes.common import load_weights_into, open_trainer
 from verst.trainer import sft_loss_fn
 from verst.types import Sample, Status
@@ -44,20 +45,25 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     start = time.perf_counter()
     logger = MetricsLogger.for_run(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                    wandb_project=cfg.logging.wandb_project, name=cfg.name)
+    # Off a terminal, a line every 5% of the run (and at each evaluation).
+    progress = RunProgress("sft", cfg.sft.num_steps, mode="auto" if cfg.logging.progress else "off",
+                           line_every=max(1, cfg.sft.num_steps // 20))
     with logger, open_trainer(cfg, total_steps=cfg.sft.num_steps) as trainer:
         before = evaluate()
         logger.log(before, step=0)
         print(f"[sft] step 0: held-out {scored_by} {before[score]:.1%}", flush=True)
         encoded: dict[int, Sample] = {}  # data_index -> training sample; each prompt is rendered once
-        for step in range(1, cfg.sft.num_steps + 1):
-            batch = [_cached(encoded, p, lambda p=p: sft_sample(tokenizer, p, cfg))
-                     for p in source.next_prompts(cfg.sft.batch_size)]
-            metrics = trainer.train_step(batch, sft_loss_fn)
-            if cfg.sft.eval_interval and step % cfg.sft.eval_interval == 0 and step != cfg.sft.num_steps:
-                metrics.update(evaluate(trainer))
-                print(f"[sft] step {step}: loss {metrics['train/loss']:.3f}, "
-                      f"held-out {scored_by} {metrics[score]:.1%}", flush=True)
-            logger.log(metrics, step=step)
+        with progress:
+            for step in range(1, cfg.sft.num_steps + 1):
+                started = time.perf_counter()
+                batch = [_cached(encoded, p, lambda p=p: sft_sample(tokenizer, p, cfg))
+                         for p in source.next_prompts(cfg.sft.batch_size)]
+                metrics = trainer.train_step(batch, sft_loss_fn)
+                if cfg.sft.eval_interval and step % cfg.sft.eval_interval == 0 and step != cfg.sft.num_steps:
+                    metrics.update(evaluate(trainer))
+                metrics["perf/step_time_s"] = time.perf_counter() - started
+                logger.log(metrics, step=step)
+                progress.step(step, metrics)
         after = evaluate(trainer)
         logger.log(after, step=cfg.sft.num_steps)
         if cfg.checkpoint.save:
