@@ -238,3 +238,26 @@ def test_a_weight_update_during_a_pause_is_seen_in_the_oldest_version(engine, mo
                                "tokenizer": type("Tok", (), {"decode": lambda self, ids, **kw: ""})()})()
         record_result(ctx, sample, PROMPT, result)
         assert sample.weight_versions == [f"old-{mode}"]
+
+
+def test_batched_generate_matches_single_requests_and_isolates_a_bad_prompt(engine):
+    prompts = [PROMPT, PROMPT[:5], PROMPT[3:], PROMPT]
+    params = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+
+    async def main():
+        async with EngineClient(engine.url) as single, EngineClient(engine.url, max_batch=8) as batched:
+            alone = [await single.generate(ids, {**params, "sampling_seed": i}, rid=f"one{i}")
+                     for i, ids in enumerate(prompts)]
+            together = await asyncio.gather(*(batched.generate(ids, {**params, "sampling_seed": i}, rid=f"bat{i}")
+                                              for i, ids in enumerate(prompts)))
+            mixed = await asyncio.gather(batched.generate(PROMPT, params), batched.generate([10**6], params),
+                                         return_exceptions=True)
+            return alone, together, mixed, batched._batcher.requests_sent
+
+    alone, together, (good, bad), requests = asyncio.run(main())
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+    for a, b in zip(together, alone):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert [r.rid for r in together] == [f"bat{i}" for i in range(4)]
+    assert len(good.output_ids) == 6 and bad.status == 400 and "input_ids" in str(bad)
+    assert requests == 1 + 1 + 2  # one batch of four; then a batch of two refused and retried one by one

@@ -120,6 +120,11 @@ BAD_INPUTS = [
     ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, 422, "sampling_params"),
     ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [999]}}, 400,
      "sampling_params.stop_token_ids"),
+    ("/generate", {"input_ids": [[1], [1, "x"]]}, 422, "input_ids.1.1"),  # a batch
+    ("/generate", {"input_ids": [[1], [2]], "rid": ["a"]}, 422, "body"),
+    ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}, {"temperature": -1}]}, 422,
+     "sampling_params.1.temperature"),
+    ("/generate", {"input_ids": [[1], [1, 265]]}, 400, "input_ids"),  # the whole batch is refused
     ("/pause_generation", {"mode": "sideways"}, 422, "mode"),
     ("/abort_request", {"rid": 5}, 422, "rid"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, 400, "model_path"),

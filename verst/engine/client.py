@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from verst.engine.batching import RequestBatcher
+
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
 # concurrent generations (seconds of client CPU for 256); generations are therefore spread over several
@@ -99,12 +101,15 @@ class EngineClient:
     """Talks to one base URL (an engine or a router). Use as `async with EngineClient(url) as c: ...`.
 
     `affinity=True` marks every generate as needing session affinity (multi-turn work behind a router
-    in manual policy): a call without `routing_key` then raises `RoutingKeyError`.
+    in manual policy): a call without `routing_key` then raises `RoutingKeyError`. `max_batch > 1` sends
+    generate calls made in the same event-loop turn as batched requests of up to that many prompts
+    (`RequestBatcher`); the server must accept SGLang's batch form (the embedded engine and SGLang do).
     """
 
     def __init__(
         self, base_url: str, *, timeouts: Timeouts | None = None, affinity: bool = False,
         max_connections: int = 1024, get_retries: int = 3, transport: httpx.AsyncBaseTransport | None = None,
+        max_batch: int = 1,
     ):
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts or Timeouts()
@@ -117,6 +122,8 @@ class EngineClient:
         self._ssl = httpx.create_ssl_context() if self.base_url.startswith("https") else False
         self._next_pool = itertools.cycle(range(len(self._pools)))
         self._http = self._pool(0)  # control calls and GETs
+        # max_batch > 1: generate calls made together share batched /generate requests (SGLang's list form)
+        self._batcher = RequestBatcher(self._send_generate, max_batch) if max_batch > 1 else None
 
     def _pool(self, index: int) -> httpx.AsyncClient:
         pool = self._pools[index]
@@ -163,9 +170,13 @@ class EngineClient:
         if top_logprobs_num:
             body["top_logprobs_num"] = top_logprobs_num
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        if self._batcher is not None:
+            return GenerateResult.from_reply(await self._batcher.submit(body, headers))
+        return GenerateResult.from_reply(await self._send_generate(body, headers))
+
+    async def _send_generate(self, body: dict[str, Any], headers: dict[str, str] | None) -> Any:
         pool = self._pool(next(self._next_pool))
-        reply = await self._post("/generate", body, self.timeouts.generate, headers=headers, pool=pool)
-        return GenerateResult.from_reply(reply)
+        return await self._post("/generate", body, self.timeouts.generate, headers=headers, pool=pool)
 
     async def abort(self, rid: str) -> None:
         await self._post("/abort_request", {"rid": rid}, self.timeouts.control)

@@ -6,7 +6,7 @@ their default value (sglang-router re-serialises requests with those defaults fi
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -114,13 +114,9 @@ class SamplingParams(WireModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class GenerateRequest(WireModel):
-    """SGLang `POST /generate`: one prompt (text or token ids) per request."""
+class _GenerateOptions(WireModel):
+    """The fields of `POST /generate` that apply to every prompt of a request."""
 
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    rid: str | None = Field(None, min_length=1, max_length=256)
     return_logprob: bool = False
     logprob_start_len: int | None = Field(None, ge=-1, le=-1, description="Only -1 (output logprobs only).")
     top_logprobs_num: int | None = Field(None, ge=0, le=64)
@@ -137,12 +133,73 @@ class GenerateRequest(WireModel):
                 data.pop(name, None)
         return data
 
+
+class GenerateRequest(_GenerateOptions):
+    """SGLang `POST /generate` with one prompt (text or token ids)."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    rid: str | None = Field(None, min_length=1, max_length=256)
+
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             given = "both" if self.text is not None else "neither"
             raise ValueError(f"give exactly one of text or input_ids ({given} given)")
         return self
+
+
+class BatchGenerateRequest(_GenerateOptions):
+    """SGLang `POST /generate` with a batch of prompts: lists of texts or of token-id lists, one sampling
+    params object for all or one per prompt, one rid per prompt; answered with a list of replies in order."""
+
+    text: list[str] | None = None
+    input_ids: list[list[int]] | None = None
+    sampling_params: list[SamplingParams] | None = None
+    rid: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shared_sampling(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("sampling_params"), dict):
+            inputs = data.get("text") if data.get("text") is not None else data.get("input_ids")
+            data = {**data, "sampling_params": [data["sampling_params"]] * len(inputs or [])}
+        return data
+
+    @model_validator(mode="after")
+    def _one_list(self) -> BatchGenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            given = "both" if self.text is not None else "neither"
+            raise ValueError(f"give exactly one of text or input_ids ({given} given)")
+        n = len(self.text if self.text is not None else self.input_ids)
+        if n == 0:
+            raise ValueError("a batch needs at least one prompt (text or input_ids is an empty list)")
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{name} is a list of {len(value)} for a batch of {n} prompts; give one per prompt")
+        if self.stream:
+            raise ValueError(f"stream = true is for a single prompt, not a batch of {n}")
+        return self
+
+    def prompts(self) -> list[GenerateRequest]:
+        """Each prompt as a single-prompt request with the shared options."""
+        options = self.model_dump(include=set(_GenerateOptions.model_fields))
+        inputs = self.text if self.text is not None else self.input_ids
+        key = "text" if self.text is not None else "input_ids"
+        return [GenerateRequest.model_validate({
+            **options, key: inputs[i], "rid": self.rid[i] if self.rid else None,
+            **({"sampling_params": self.sampling_params[i]} if self.sampling_params else {}),
+        }) for i in range(len(inputs))]
+
+
+def is_batch(body: Any) -> bool:
+    """Whether a raw /generate body is SGLang's batch form (a list of texts or of token-id lists)."""
+    if not isinstance(body, dict):
+        return False
+    ids = body.get("input_ids")
+    return isinstance(body.get("text"), list) or isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
 class AbortRequest(WireModel):

@@ -20,10 +20,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from verst.engine import weights
 from verst.engine.protocol import (
     AbortRequest,
+    BatchGenerateRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     PauseRequest,
@@ -31,6 +33,7 @@ from verst.engine.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
+    is_batch,
 )
 from verst.engine.request import InvalidRequest, generate_reply
 from verst.engine.service import (
@@ -72,20 +75,49 @@ def create_app(state: ServerState) -> FastAPI:
 
 def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request) -> Response:
-        ids = body.input_ids if body.input_ids is not None else state.encode(body.text or "")
-        req = build_request(
-            state, ids, sampling_from_wire(body.sampling_params), rid=body.rid,
-            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num or 0,
-            return_routed_experts=body.return_routed_experts,
-        )
+    async def generate(request: Request) -> Response:
+        raw = await _json_body(request)
+        batch = is_batch(raw)
+        body = _validated(BatchGenerateRequest if batch else GenerateRequest, raw)
+        # Every prompt of a batch is validated before any is scheduled: a bad one fails the request whole.
+        reqs = [_engine_request(state, one) for one in (body.prompts() if batch else [body])]
         text_fn = state.token_text if body.return_text_in_logprobs else None
         if body.stream:
-            return StreamingResponse(_stream(state, req, text_fn), media_type="text/event-stream")
-        done = await run_to_completion(state, req, request.is_disconnected)
-        if done is None:
+            return StreamingResponse(_stream(state, reqs[0], text_fn), media_type="text/event-stream")
+        done = await asyncio.gather(*(run_to_completion(state, req, request.is_disconnected) for req in reqs))
+        if any(req is None for req in done):
             return Response(status_code=499)
-        return JSONResponse(generate_reply(done, done.text or "", return_text=text_fn))
+        replies = [generate_reply(req, req.text or "", return_text=text_fn) for req in done]
+        return JSONResponse(replies if batch else replies[0])
+
+
+async def _json_body(request: Request) -> Any:
+    """The parsed JSON body; invalid JSON is answered as FastAPI answers it for a typed body (422)."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": str(exc)}}]) from None
+
+
+def _validated(model: type[BaseModel], raw: Any) -> Any:
+    """`model` from a raw body; errors answered as for a typed FastAPI body (422 naming the field)."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+def _engine_request(state: ServerState, body: GenerateRequest):
+    """The engine request of a single-prompt /generate body."""
+    ids = body.input_ids if body.input_ids is not None else state.encode(body.text or "")
+    return build_request(
+        state, ids, sampling_from_wire(body.sampling_params), rid=body.rid,
+        return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num or 0,
+        return_routed_experts=body.return_routed_experts,
+    )
 
 
 async def _stream(state: ServerState, req, text_fn):

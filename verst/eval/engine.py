@@ -17,13 +17,14 @@ class MixedVersionError(RuntimeError):
 
 
 def engine_greedy_generate(
-    url: str, max_new_tokens: int, *, expect_version: str | None = None, concurrency: int = 64
+    url: str, max_new_tokens: int, *, expect_version: str | None = None, concurrency: int = 64, max_batch: int = 1
 ) -> GenerateFn:
-    """A GenerateFn over `/generate` at temperature 0; raises MixedVersionError on a version mismatch."""
+    """A GenerateFn over `/generate` at temperature 0; raises MixedVersionError on a version mismatch.
+    `max_batch > 1` sends the prompts as batched requests (an engine, not sglang-router)."""
 
     async def run(prompts: list[list[int]]) -> list[list[int]]:
         semaphore = asyncio.Semaphore(concurrency)
-        async with EngineClient(url) as client:
+        async with EngineClient(url, max_batch=max_batch) as client:
 
             async def one(ids: list[int]):
                 async with semaphore:
