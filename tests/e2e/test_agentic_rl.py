@@ -1,5 +1,5 @@
 """Agentic RL end to end on Ray: the calculator agent (official openai client) runs each episode against
-the session server, whose engine calls go through sglang-router to the embedded engines; GRPO trains on
+the session server, whose engine calls go through sglang-router (kept here for one engine) to the embedded engine; GRPO trains on
 the assembled trajectories; held-out success is measured by greedy agent episodes.
 
 The fast test runs two sync steps from the untrained tiny model. The slow one is the whole demo: the
@@ -42,7 +42,7 @@ def test_agentic_sync_steps_with_session_server(ray_session, tiny_model_dir, cal
         "--data.train-path", str(calculator_data["train"]), "--data.test-path", str(calculator_data["test"]),
         "--rollout.batch-size", "2", "--rollout.n-samples-per-prompt", "4", "--rollout.num-rollouts", "2",
         "--rollout.max-response-tokens", "12", "--rollout.dynamic-filter", "null",
-        "--eval.max-prompts", "6", "--eval.interval", "0", *QUIET,
+        "--eval.max-prompts", "6", "--eval.interval", "0", "--cluster.router", "always", *QUIET,
     ])
     summary = asyncio.run(SCHEDULES[cfg.schedule](cfg))
     assert summary["train/steps"] == 2 and (summary["eval/version_before"], summary["eval/version_after"]) == (0, 2)

@@ -1,5 +1,5 @@
 """A few steps of each schedule with each weight transport that applies to it, on Ray, with the tiny
-model: engines behind sglang-router, FSDP2 trainer rank actors, weight sync, held-out evaluation."""
+model: engines (behind sglang-router when there are two), FSDP2 trainer rank actors, weight sync, held-out evaluation."""
 
 from __future__ import annotations
 

@@ -87,6 +87,10 @@ class RolloutConfig(Section):
     abort_timeout_s: float = Field(10.0, gt=0, description="Wait for aborted requests to end before cancelling them.")
     dump_dir: str | None = Field(None, description="Rollout-only debugging: write every step's samples here.")
     concurrency: int = Field(256, ge=1, description="Concurrent requests to the engines.")
+    request_batch: int = Field(
+        64, ge=1, description="Generate calls started together go to an engine as batched requests of up to this "
+        "many prompts (1: one HTTP request per call). Only without a router: sglang-router 0.3 takes one rid per request."
+    )
 
 
 class RewardConfig(Section):
@@ -202,6 +206,10 @@ class ClusterConfig(Section):
     engine: Literal["embedded", "sglang", "vllm"] = Field("embedded", description="Inference engine type.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device; auto picks cuda when available.")
     ray_address: str | None = Field(None, description="Join an existing Ray cluster; None starts one locally.")
+    router: Literal["auto", "always"] = Field(
+        "auto", description="sglang-router in front of the engines: auto uses it for two or more engines and calls "
+        "a single engine directly (a router hop there costs throughput and routes nothing); always uses it anyway."
+    )
 
 
 class EvalConfig(Section):

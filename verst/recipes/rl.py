@@ -48,7 +48,10 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
     """Data source, rollout context, and (fully async) the buffer and worker, from the config."""
     tokenizer = load_tokenizer(cfg.model.path)
     source = load_object(cfg.data.source, "data.source")(cfg.data) if cfg.data.source else PromptSource.from_config(cfg.data)
-    engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency)
+    # Batched requests save most of the per-request cost, but sglang-router cannot forward them.
+    batch = cfg.rollout.request_batch if endpoints.router_url is None else 1
+    engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency,
+                          max_batch=batch)
     control = [EngineClient(url) for url in endpoints.engine_urls]  # the router has no abort route
     ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control)
     last: dict[str, float] = {}
@@ -95,7 +98,7 @@ class RLRun:
     engines: Any  # EngineActorGroup
     rollout: Any  # RolloutManagerHandle
     syncer: Any  # WeightSyncer
-    router_url: str
+    router_url: str  # the router, or the one engine when there is no router (cluster.router)
     idle_meter: IdleMeter
     progress: RunProgress
     version: int = 0
@@ -152,7 +155,8 @@ class RLRun:
                 metrics = await evaluate_agentic(cfg, client, tokenizer, prompts, expect_version=version)
         else:
             max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
-            generate = engine_greedy_generate(self.router_url, max_new, expect_version=version)
+            batch = cfg.rollout.request_batch if self.router_url in self.engines.urls else 1  # no router between
+            generate = engine_greedy_generate(self.router_url, max_new, expect_version=version, max_batch=batch)
             metrics = await asyncio.to_thread(evaluate_greedy, prompts, generate, tokenizer, cfg.reward, cfg.data,
                                               max_new)
         metrics["eval/weight_version"] = float(version)
@@ -200,23 +204,30 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     temperature = cfg.rollout.sampling.temperature or 1.0  # greedy rollouts: logprobs of the raw distribution
     logger = MetricsLogger.for_run(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                    wandb_project=cfg.logging.wandb_project, name=cfg.name)
+    clock = StartupClock(started)
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs") as orch:
+        clock.lap("ray")
         engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0"], wait=False)
         trainer = orch.start_trainer(functools.partial(
             FSDP2Backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps, temperature=temperature,
             device=orch.device, ref_model_path=cfg.model.path if cfg.algorithm.kl_loss_coef > 0 else None,
         ))
+        clock.lap("trainer")
         urls = engines.wait_ready().urls
-        affinity = cfg.rollout.agent_fn is not None
-        router = RouterSpec() if affinity else RouterSpec(policy="round_robin", assignment_mode="min_load")
-        rollout = orch.start_rollout_manager(urls, functools.partial(build_rollout_parts, cfg), router=router)
+        clock.lap("engines")  # beyond the trainer: they start at the same time
+        rollout = orch.start_rollout_manager(urls, functools.partial(build_rollout_parts, cfg),
+                                             router=router_spec(cfg, len(urls)))
+        clock.lap("rollout_manager")
         progress = RunProgress(cfg.schedule, plan.total_train_steps, mode="auto" if cfg.logging.progress else "off")
         async with EngineFleet(urls) as fleet:
             syncer = build_syncer(cfg.sync, fleet, logprobs_fn=trainer.logprobs, temperature=temperature,
                                   device=orch.device, snapshot_dir=run_dir / "weights", source_model=cfg.model.path)
-            run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url,
+            run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started)
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
+            clock.lap("syncer")
+            logger.log(clock.metrics(), step=0)
+            print(f"[{cfg.schedule}] started in {clock.summary()}", flush=True)
             try:
                 with progress:
                     yield run
@@ -225,6 +236,29 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+class StartupClock:
+    """Seconds spent in each start-up phase of a run, since `started` (perf_counter), as `time/startup/`
+    metrics: the first thing to look at when a short run is slow."""
+
+    def __init__(self, started: float):
+        self.started = self._last = started
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/startup/{phase}_s": seconds for phase, seconds in self.phases.items()}
+        out["time/startup_s"] = self._last - self.started
+        return out
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.phases.items())
+        return f"{self._last - self.started:.1f} s ({parts})"
+
+
 def absolute_paths(cfg: VerstConfig) -> VerstConfig:
     """The config with every file path made absolute: Ray actors do not share the driver's directory."""
 
@@ -240,6 +274,16 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
         "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
         "rollout": cfg.rollout.model_copy(update={"dump_dir": absolute(cfg.rollout.dump_dir)}),
     })
+
+
+def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:
+    """The router in front of the engines: manual + min_load affinity for agent sessions, round robin for
+    single-turn work; none for a single engine unless `cluster.router = 'always'`."""
+    if cfg.cluster.router == "auto" and num_engines == 1:
+        return None
+    if cfg.rollout.agent_fn is not None:
+        return RouterSpec()
+    return RouterSpec(policy="round_robin", assignment_mode="min_load")
 
 
 def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:

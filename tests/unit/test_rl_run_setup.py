@@ -1,0 +1,42 @@
+"""How an RL run is set up before any actor starts: the router in front of the engines, and the clock
+that reports the start-up phases."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from verst.config import load_config
+from verst.recipes.rl import StartupClock, router_spec
+
+
+@pytest.mark.parametrize("overrides, engines, expected", [
+    ([], 1, None),  # one engine: called directly
+    ([], 2, ("round_robin", "min_load")),
+    (["--cluster.router", "always"], 1, ("round_robin", "min_load")),
+    (["--rollout.agent-fn", "examples.calculator.agent:run"], 1, None),
+    (["--rollout.agent-fn", "examples.calculator.agent:run"], 4, ("manual", "min_load")),  # session affinity
+    (["--rollout.agent-fn", "examples.calculator.agent:run", "--cluster.router", "always"], 1, ("manual", "min_load")),
+])
+def test_router_only_in_front_of_several_engines_unless_asked(overrides, engines, expected):
+    spec = router_spec(load_config(None, overrides), engines)
+    assert (spec and (spec.policy, spec.assignment_mode)) == expected
+
+
+def test_router_setting_is_checked_by_name():
+    with pytest.raises(Exception, match="cluster.router"):
+        load_config(None, ["--cluster.router", "never"])
+
+
+def test_startup_clock_reports_each_phase_and_the_total():
+    started = time.perf_counter()
+    clock = StartupClock(started)
+    time.sleep(0.02)
+    clock.lap("ray")
+    clock.lap("engines")
+    metrics = clock.metrics()
+    assert set(metrics) == {"time/startup/ray_s", "time/startup/engines_s", "time/startup_s"}
+    assert metrics["time/startup/ray_s"] >= 0.02 and metrics["time/startup/engines_s"] < metrics["time/startup/ray_s"]
+    assert metrics["time/startup_s"] == pytest.approx(metrics["time/startup/ray_s"] + metrics["time/startup/engines_s"])
+    assert clock.summary().startswith(f"{metrics['time/startup_s']:.1f} s (ray ")
