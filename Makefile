@@ -6,7 +6,7 @@ STAMP := $(VENV)/.verst-installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-slow test-gpu bench clean
+.PHONY: install demo demo-agentic test test-slow test-gpu bench clean
 
 install: $(STAMP)
 
@@ -20,6 +20,15 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(PY) -m verst.recipes.demo
+
+# The agentic demo (~30 min on 2 cores): calculator tool-use data, SFT on a teacher's tool calls, then
+# GRPO on whole agent episodes through the session server; prints held-out success before and after.
+demo-agentic: $(STAMP)
+	test -f artifacts/models/tiny-qwen3/config.json || \
+		$(PY) -m verst.cli.main model init --arch qwen3 --size tiny --out artifacts/models/tiny-qwen3
+	$(PY) -m examples.calculator.make_data --out artifacts/data/calculator
+	$(PY) -m verst.cli.main sft recipes/sft_calculator.toml
+	$(PY) -m verst.cli.main train recipes/grpo_calculator.toml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check verst tests bench

@@ -14,6 +14,9 @@ import openai
 from verst.data.calculator import TOOL_NAME, ToolError, calculate
 
 MAX_TURNS = 5  # model calls per episode: a 2-step problem needs 3 (two tool calls, then the answer)
+# The session server shares its process with every other episode of the rollout, on 2 busy cores: the
+# client's default 5 s connect timeout was measured to cut off whole groups under load.
+TIMEOUT = openai.Timeout(600.0, connect=60.0)
 
 
 async def run(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
@@ -25,7 +28,7 @@ async def run(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metada
     tools = metadata.get("tools")
     result: dict[str, Any] = {"final_answer": None, "agent_turns": 0, "tool_calls": 0, "tool_errors": 0,
                               "agent_end": "max_turns"}
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=TIMEOUT) as client:
         for _ in range(MAX_TURNS):
             completion = await client.chat.completions.create(
                 model="verst", messages=messages, tools=tools, **request_kwargs
