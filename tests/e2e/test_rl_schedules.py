@@ -68,6 +68,10 @@ def check_run(cfg, summary, steps):
         assert "rollout/reward_mean" in r and "perf/step_time_s" in r
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["eval/weight_version"] for r in evals] == [0, steps]
+    phases = {f"time/startup/{p}_s" for p in ("ray", "trainer", "engines", "rollout_manager", "syncer")}
+    first = records[0]  # start-up is logged with the step-0 evaluation, in the same record
+    assert first["step"] == 0 and "eval/accuracy" in first and phases <= set(first), sorted(first)
+    assert first["time/startup_s"] == pytest.approx(sum(first[k] for k in phases))
     assert (run_dir / "report.html").exists()
     return records
 

@@ -15,7 +15,7 @@ from verst.recipes.rl import open_rl_run
 
 async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
-        run.logger.log(await run.evaluate(), step=0)
+        run.logger.log({**run.startup_metrics, **await run.evaluate()}, step=0)
         await asyncio.to_thread(run.rollout.start_async)
         try:
             for _ in range(run.plan.total_train_steps):

@@ -16,7 +16,7 @@ from verst.recipes.rl import open_rl_run
 
 async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
-        run.logger.log(await run.evaluate(), step=0)
+        run.logger.log({**run.startup_metrics, **await run.evaluate()}, step=0)
         per_step = run.plan.groups_per_train_step
         next_batch = asyncio.create_task(run.generate(0))
         for rollout_id in range(cfg.rollout.num_rollouts):

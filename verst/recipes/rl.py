@@ -103,6 +103,7 @@ class RLRun:
     progress: RunProgress
     version: int = 0
     eval_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    startup_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # time/startup/*
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     # -- named steps ---------------------------------------------------------------------------
@@ -226,7 +227,7 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
                         IdleMeter(fleet), progress, started=started)
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
             clock.lap("syncer")
-            logger.log(clock.metrics(), step=0)
+            run.startup_metrics = clock.metrics()  # logged with the step-0 evaluation
             print(f"[{cfg.schedule}] started in {clock.summary()}", flush=True)
             try:
                 with progress:

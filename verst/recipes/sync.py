@@ -15,7 +15,7 @@ from verst.recipes.rl import open_rl_run
 
 async def run_sync(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
-        run.logger.log(await run.evaluate(), step=0)
+        run.logger.log({**run.startup_metrics, **await run.evaluate()}, step=0)
         per_step = run.plan.groups_per_train_step
         for rollout_id in range(cfg.rollout.num_rollouts):
             start = time.perf_counter()
