@@ -59,6 +59,7 @@ def test_agentic_sync_steps_with_session_server(ray_session, tiny_model_dir, cal
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # ~15 min of SFT and ~15 min of GRPO on 2 cores
 def test_calculator_demo_raises_success(ray_session, tiny_model_dir, tmp_path):
     """SFT warm start on the teacher's conversations, then GRPO: held-out greedy success goes up."""
     from verst.recipes.sft import run_sft
