@@ -120,3 +120,22 @@ def test_a_failing_parts_factory_is_reported_and_nothing_stays_up():
             await manager.metrics()
 
     asyncio.run(main())
+
+
+def test_engine_urls_may_arrive_at_start_but_must_arrive_once():
+    async def main():
+        seen = []
+        late = RolloutManager(None, parts_factory(seen), router=None)
+        assert await late.engine_urls() == []
+        with pytest.raises(ValueError, match="needs at least one engine URL: pass engine_urls"):
+            await late.start()
+        await late.start(["http://127.0.0.1:2/"])
+        assert seen == [RolloutEndpoints(router_url=None, engine_urls=["http://127.0.0.1:2"])]
+        assert await late.start(["http://127.0.0.1:2"]) is None  # idempotent with the same engines
+        with pytest.raises(ValueError, match=r"engine_urls \['http://other'\] differ"):
+            await late.start(["http://other"])
+        with pytest.raises(ValueError, match="at least one engine URL, got \\[\\]"):
+            RolloutManager([], parts_factory(seen), router=None)
+        await late.shutdown()
+
+    asyncio.run(main())

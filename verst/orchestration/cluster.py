@@ -3,8 +3,9 @@ from `ClusterConfig` and shut down together in reverse order, even on failure.
 
     with Orchestration(cfg.cluster, schedule=cfg.schedule) as orch:
         engines = orch.start_engines(cfg.model.path, wait=False)  # servers start while the trainer does
+        rollout = orch.start_rollout_manager(None, parts_factory)  # so does the manager's process
         trainer = orch.start_trainer(functools.partial(FSDP2Backend, cfg.model, cfg.trainer, device=orch.device))
-        rollout = orch.start_rollout_manager(engines.wait_ready().urls, parts_factory)
+        rollout.start(engines.wait_ready().urls)
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ class Orchestration:
         return group
 
     def start_rollout_manager(
-        self, engine_urls: list[str], parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec()
+        self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec()
     ) -> RolloutManagerHandle:
-        """The rollout manager actor in front of `engine_urls`, started (router up, parts built)."""
+        """The rollout manager actor in front of `engine_urls`, started (router up, parts built). With
+        `engine_urls=None` the actor only starts its process (imports) until `handle.start(urls)`."""
         self._placed()
         handle = RolloutManagerHandle(engine_urls, parts_factory, router=router, timeout_s=self.timeout_s,
                                       start_timeout_s=self.start_timeout_s)
@@ -155,19 +157,29 @@ class RolloutManagerHandle:
     """The driver's handle of the rollout manager actor: blocking calls with a timeout. Await
     `handle.actor.<method>.remote(...)` instead from an asyncio driver."""
 
-    def __init__(self, engine_urls: list[str], parts_factory: PartsFactory, *, router: RouterSpec | None,
+    def __init__(self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None,
                  timeout_s: float = 600.0, start_timeout_s: float = 300.0):
         self.timeout_s = timeout_s
         self._closed = False
         self.actor = _RemoteRolloutManager.options(num_cpus=MANAGER_CPUS).remote(
-            list(engine_urls), parts_factory, router=router)
+            list(engine_urls) if engine_urls is not None else None, parts_factory, router=router)
+        self.router_url: str | None = None
+        self.pids: dict[str, int | None] = {}
+        self._start_timeout_s = start_timeout_s
+        if engine_urls is not None:
+            self.start()
+
+    def start(self, engine_urls: list[str] | None = None) -> str | None:
+        """Start the router and build the parts (in front of `engine_urls` when not given before);
+        returns the router URL. A failure shuts the actor down."""
         try:
-            self.router_url: str | None = self._call("start", timeout_s=start_timeout_s)
-            self.pids: dict[str, int | None] = self._call("pids")
+            self.router_url = self._call("start", engine_urls, timeout_s=self._start_timeout_s)
+            self.pids = self._call("pids")
         except BaseException:
             with contextlib.suppress(Exception):  # the start-up error is the one to report
                 self.shutdown()
             raise
+        return self.router_url
 
     def generate_batch(self, rollout_id: int, weight_version: int) -> list[Group]:
         return self._call("generate_batch", rollout_id, weight_version)

@@ -61,14 +61,15 @@ class RouterSpec:
 
 
 class RolloutManager:
-    """Host of the rollout side. Call `start()` first and `shutdown()` last (both idempotent)."""
+    """Host of the rollout side. Call `start()` first and `shutdown()` last (both idempotent).
+
+    `engine_urls` may come late, to `start()`: an actor created before the engines are up does its
+    imports (the parts factory's modules) while they start."""
 
     def __init__(
-        self, engine_urls: list[str], parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec()
+        self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec()
     ):
-        if not engine_urls:
-            raise ValueError("RolloutManager needs at least one engine URL")
-        self._engine_urls = [u.rstrip("/") for u in engine_urls]
+        self._engine_urls = _checked_urls(engine_urls) if engine_urls is not None else None
         self._factory, self._router_spec = parts_factory, router
         self._router: RouterManager | None = None
         self._parts: RolloutParts | None = None
@@ -76,8 +77,17 @@ class RolloutManager:
         self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------
-    async def start(self) -> str | None:
+    async def start(self, engine_urls: list[str] | None = None) -> str | None:
         """Start the router (unless `router=None`), then build the parts; returns the router URL."""
+        if engine_urls is not None:
+            urls = _checked_urls(engine_urls)
+            if self._engine_urls is not None and urls != self._engine_urls:
+                raise ValueError(f"RolloutManager.start: engine_urls {urls} differ from the {self._engine_urls} "
+                                 "it was given before")
+            self._engine_urls = urls
+        if self._engine_urls is None:
+            raise ValueError("RolloutManager needs at least one engine URL: pass engine_urls to the constructor "
+                             "or to start()")
         if self._parts is not None:
             return await self.router_url()
         if self._router_spec is not None:
@@ -169,7 +179,7 @@ class RolloutManager:
         return out
 
     async def engine_urls(self) -> list[str]:
-        return list(self._engine_urls)
+        return list(self._engine_urls or [])
 
     async def router_url(self) -> str | None:
         return self._router.url if self._router is not None else None
@@ -205,3 +215,9 @@ class RolloutManager:
         if worker is None:
             raise RuntimeError(f"{what}: the rollout parts have no fully async worker")
         return worker
+
+
+def _checked_urls(engine_urls: list[str]) -> list[str]:
+    if not engine_urls:
+        raise ValueError(f"RolloutManager needs at least one engine URL, got {engine_urls!r}")
+    return [u.rstrip("/") for u in engine_urls]

@@ -208,17 +208,19 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     clock = StartupClock(started)
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs") as orch:
         clock.lap("ray")
+        # Engines, the rollout manager's process and the trainer ranks start at the same time.
         engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0"], wait=False)
+        rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
+                                             router=router_spec(cfg, cfg.cluster.num_engines))
         trainer = orch.start_trainer(functools.partial(
             FSDP2Backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps, temperature=temperature,
             device=orch.device, ref_model_path=cfg.model.path if cfg.algorithm.kl_loss_coef > 0 else None,
         ))
         clock.lap("trainer")
         urls = engines.wait_ready().urls
-        clock.lap("engines")  # beyond the trainer: they start at the same time
-        rollout = orch.start_rollout_manager(urls, functools.partial(build_rollout_parts, cfg),
-                                             router=router_spec(cfg, len(urls)))
-        clock.lap("rollout_manager")
+        clock.lap("engines")  # beyond the trainer
+        rollout.start(urls)
+        clock.lap("rollout_manager")  # router, data source and rollout fn, once the engines are up
         progress = RunProgress(cfg.schedule, plan.total_train_steps, mode="auto" if cfg.logging.progress else "off")
         async with EngineFleet(urls) as fleet:
             syncer = build_syncer(cfg.sync, fleet, logprobs_fn=trainer.logprobs, temperature=temperature,
