@@ -8,7 +8,8 @@ import time
 import pytest
 
 from verst.config import load_config
-from verst.recipes.rl import StartupClock, router_spec
+from verst.eval.agentic import score_key
+from verst.recipes.rl import StartupClock, request_batch, router_spec
 
 
 @pytest.mark.parametrize("overrides, engines, expected", [
@@ -40,3 +41,10 @@ def test_startup_clock_reports_each_phase_and_the_total():
     assert metrics["time/startup/ray_s"] >= 0.02 and metrics["time/startup/engines_s"] < metrics["time/startup/ray_s"]
     assert metrics["time/startup_s"] == pytest.approx(metrics["time/startup/ray_s"] + metrics["time/startup/engines_s"])
     assert clock.summary().startswith(f"{metrics['time/startup_s']:.1f} s (ray ")
+
+
+def test_requests_are_batched_only_straight_to_an_engine_and_agent_runs_score_success():
+    cfg = load_config(None, ["--rollout.request-batch", "32"])
+    assert request_batch(cfg, None) == 32 and request_batch(cfg, "http://127.0.0.1:9/") == 1
+    assert score_key(cfg) == "eval/accuracy"
+    assert score_key(load_config(None, ["--rollout.agent-fn", "examples.calculator.agent:run"])) == "eval/success"

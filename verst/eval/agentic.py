@@ -63,6 +63,12 @@ async def evaluate_agentic(
     return metrics
 
 
+def score_key(cfg: VerstConfig) -> str:
+    """The held-out score of a run: greedy agent success for a tool-using task (`rollout.agent_fn`),
+    whose first reply is a tool call, else single-turn greedy accuracy."""
+    return "eval/success" if cfg.rollout.agent_fn else "eval/accuracy"
+
+
 def check_versions(samples: Sequence[Sample], expect_version: str | None) -> None:
     """A score must name its weights: every engine reply of every episode came from `expect_version`."""
     if expect_version is None:

@@ -18,7 +18,7 @@ from verst.config import BatchPlan, VerstConfig, batch_plan, load_object
 from verst.data import PromptSource, load_prompts_from_config
 from verst.engine.client import EngineClient
 from verst.eval import engine_greedy_generate, evaluate_greedy
-from verst.eval.agentic import evaluate_agentic
+from verst.eval.agentic import evaluate_agentic, score_key
 from verst.models import load_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
@@ -48,10 +48,8 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
     """Data source, rollout context, and (fully async) the buffer and worker, from the config."""
     tokenizer = load_tokenizer(cfg.model.path)
     source = load_object(cfg.data.source, "data.source")(cfg.data) if cfg.data.source else PromptSource.from_config(cfg.data)
-    # Batched requests save most of the per-request cost, but sglang-router cannot forward them.
-    batch = cfg.rollout.request_batch if endpoints.router_url is None else 1
     engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency,
-                          max_batch=batch)
+                          max_batch=request_batch(cfg, endpoints.router_url))
     control = [EngineClient(url) for url in endpoints.engine_urls]  # the router has no abort route
     ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control)
     last: dict[str, float] = {}
@@ -144,8 +142,7 @@ class RLRun:
 
     @property
     def score_key(self) -> str:
-        """The held-out score: greedy accuracy, or, for an agent task, greedy episode success."""
-        return "eval/success" if self.cfg.rollout.agent_fn else "eval/accuracy"
+        return score_key(self.cfg)
 
     async def evaluate(self) -> dict[str, float]:
         """Held-out greedy accuracy (or agent success) through the engines, which must all serve `version`."""
@@ -156,8 +153,8 @@ class RLRun:
                 metrics = await evaluate_agentic(cfg, client, tokenizer, prompts, expect_version=version)
         else:
             max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
-            batch = cfg.rollout.request_batch if self.router_url in self.engines.urls else 1  # no router between
-            generate = engine_greedy_generate(self.router_url, max_new, expect_version=version, max_batch=batch)
+            generate = engine_greedy_generate(self.router_url, max_new, expect_version=version,
+                                              max_batch=request_batch(cfg, self.rollout.router_url))
             metrics = await asyncio.to_thread(evaluate_greedy, prompts, generate, tokenizer, cfg.reward, cfg.data,
                                               max_new)
         metrics["eval/weight_version"] = float(version)
@@ -277,6 +274,12 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
         "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
         "rollout": cfg.rollout.model_copy(update={"dump_dir": absolute(cfg.rollout.dump_dir)}),
     })
+
+
+def request_batch(cfg: VerstConfig, router_url: str | None) -> int:
+    """Prompts per /generate request: batched straight to an engine; one at a time through sglang-router,
+    which cannot forward SGLang's batch form (0.3 takes one rid per request)."""
+    return cfg.rollout.request_batch if router_url is None else 1
 
 
 def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:

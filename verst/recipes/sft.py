@@ -13,7 +13,7 @@ from verst.config import VerstConfig
 from verst.data import PromptSource, load_prompts_from_config
 from verst.data.calculator import CONVERSATION_KEY
 from verst.eval import evaluate_greedy, hf_greedy_generate
-from verst.eval.agentic import evaluate_agentic_local
+from verst.eval.agentic import evaluate_agentic_local, score_key
 from verst.models import load_model, load_tokenizer
 from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
@@ -31,8 +31,8 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     eval_model = load_model(cfg.model.path)
     max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
 
-    # A tool-using task is scored by running its agent: single-turn scoring would see only a tool call.
-    score, scored_by = ("eval/success", "agent success") if cfg.rollout.agent_fn else ("eval/accuracy", "accuracy")
+    score = score_key(cfg)
+    scored_by = "agent success" if score == "eval/success" else "accuracy"
 
     def evaluate(trainer=None) -> dict[str, float]:
         if trainer is not None:
