@@ -1,13 +1,16 @@
 """The RL train step over a real 1-rank backend: on-policy invariants and metric wiring."""
 
+import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from verst.config import load_config
+from verst.config import batch_plan, load_config
 from verst.recipes.common import open_trainer
-from verst.recipes.rl_steps import train_on_groups
+from verst.recipes.rl import RLRun
+from verst.recipes.rl_steps import old_logprob_source, old_logprobs, train_on_groups
 from verst.types import Sample, Status
 
 
@@ -44,3 +47,80 @@ def test_first_step_is_on_policy_and_updates(tiny_model_dir, estimator):
     assert metrics["train/entropy"] > 0 and metrics["train/grad_norm"] > 0
     assert metrics["train/advantage_abs_mean"] > 0
     assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for b in trainer.named_weights(1 << 30) for n, t in b}
+
+
+def _on_policy(trainer, groups) -> None:
+    """Give the samples the logprobs the engine would have reported for the trainer's weights."""
+    samples = [s for g in groups for s in g]
+    for s, lp in zip(samples, trainer.logprobs(samples)):
+        s.rollout_logprobs = lp.tolist()
+
+
+@pytest.mark.parametrize("extra", [[], ["--algorithm.entropy-coef", "0.01", "--algorithm.policy-loss", "gspo"]])
+def test_reading_old_logprobs_off_the_step_forward_equals_recomputing_them(tiny_model_dir, extra):
+    """`auto` with one step per batch reads the old policy off the train forward; the step (weights and
+    metrics) must equal the one with a separate recompute pass."""
+    base = ["--model.path", str(tiny_model_dir), "--trainer.lr", "1e-3", *extra]
+    groups = make_groups(4, 4, seed=1)
+    results = {}
+    for mode in ("auto", "recompute"):
+        cfg = load_config(None, base + ["--algorithm.old-logprobs", mode])
+        with open_trainer(cfg, total_steps=2) as trainer:
+            _on_policy(trainer, groups)
+            metrics = train_on_groups(trainer, groups, cfg)
+            results[mode] = (metrics, _weights(trainer))
+    assert old_logprob_source(load_config(None, base)) == "forward"
+    (forward, w_forward), (recompute, w_recompute) = results["auto"], results["recompute"]
+    assert forward["time/logprob_s"] < recompute["time/logprob_s"]  # no pass at all vs one forward
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff"):
+        assert forward[key] == pytest.approx(recompute[key], rel=1e-4, abs=1e-6), key
+    for name in w_forward:
+        torch.testing.assert_close(w_forward[name], w_recompute[name], rtol=1e-5, atol=1e-6)
+
+
+def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_model_dir):
+    """Two optimizer steps per rollout batch: the old logprobs are taken once, before the first step,
+    so the second step's importance ratios differ from 1 (PPO's clip can act), as in Miles."""
+    cfg = load_config(None, ["--model.path", str(tiny_model_dir), "--trainer.lr", "3e-2",
+                             "--rollout.batch-size", "4", "--rollout.n-samples-per-prompt", "4",
+                             "--trainer.global-batch-size", "8"])
+    assert old_logprob_source(cfg) == "recompute"
+    groups = make_groups(4, 4, seed=2)
+    run = SimpleNamespace(cfg=cfg, plan=batch_plan(cfg), trainer=None, engines=None, version=0)
+
+    async def steps() -> list[dict[str, float]]:
+        return [m async for m in RLRun.train(run, groups)]
+
+    with open_trainer(cfg, total_steps=2) as trainer:
+        run.trainer = trainer
+        _on_policy(trainer, groups)
+        first, second = asyncio.run(steps())
+    assert run.version == 2
+    assert first["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy has not moved yet
+    assert abs(second["train/ppo_kl"]) > 1e-4  # it has, by the first step (a per-step recompute gives 0 here)
+    assert second["train/train_rollout_logprob_abs_diff"] < 1e-5  # old policy = the sampling policy
+    assert first["time/logprob_s"] > 0
+
+
+def test_old_logprobs_from_the_rollout_are_the_engines(tiny_model_dir):
+    cfg = load_config(None, ["--model.path", str(tiny_model_dir), "--algorithm.old-logprobs", "rollout"])
+    groups = make_groups(2, 4, seed=3)
+    old = old_logprobs(None, groups, cfg)  # no trainer needed: nothing is recomputed
+    assert [o.tolist() for o in old] == [s.rollout_logprobs for g in groups for s in g]
+
+
+def test_old_logprob_source_resolution():
+    def source(*args: str, schedule: str = "sync") -> str:
+        return old_logprob_source(load_config(None, ["--model.path", "m", "--schedule", schedule, *args]))
+
+    assert source() == "forward"
+    assert source("--rollout.batch-size", "4", "--trainer.global-batch-size", "8") == "recompute"  # 4 steps
+    assert source("--rollout.batch-size", "4", "--trainer.global-batch-size", "8", schedule="fully_async") == "forward"
+    assert source("--algorithm.advantage-estimator", "reinforce_plus_plus", "--algorithm.kl-penalty-coef", "0.1") \
+        == "recompute"  # the penalty reads the old logprobs before the step
+    assert source("--algorithm.old-logprobs", "recompute") == "recompute"
+    assert source("--algorithm.old-logprobs", "rollout") == "rollout"

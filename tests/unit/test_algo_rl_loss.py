@@ -165,8 +165,8 @@ def test_missing_inputs_and_contradictions_fail_loudly():
         rl_loss(AlgorithmConfig(distill_coef=1.0), *args)
     with pytest.raises(ValueError, match="'tis' needs rollout_logprobs"):
         rl_loss(AlgorithmConfig(mismatch_correction="tis"), *args)
-    with pytest.raises(ValueError, match="use_rollout_logprobs = true"):
-        rl_loss(AlgorithmConfig(mismatch_correction="tis", use_rollout_logprobs=True), *args,
+    with pytest.raises(ValueError, match="old_logprobs = .rollout."):
+        rl_loss(AlgorithmConfig(mismatch_correction="tis", old_logprobs="rollout"), *args,
                 rollout_logprobs=x["rollout_logprobs"])  # fmt: skip
     with pytest.raises(ValueError, match="values, old_values and returns together"):
         rl_loss(AlgorithmConfig(), *args, values=x["values"])

@@ -85,7 +85,7 @@ def test_bad_config_names_field_and_value(overrides, message):
         (["--schedule", "fully_async", "--cluster.placement", "colocated"], "'fully_async' with cluster.placement = 'colocated' is refused"),
         (["--reward.type", "custom"], "reward.type = 'custom' needs reward.path"),
         (["--reward.type", "remote"], "reward.type = 'remote' needs reward.url"),
-        (["--algorithm.mismatch-correction", "tis", "--algorithm.use-rollout-logprobs"], "cannot be combined with algorithm.use_rollout_logprobs"),
+        (["--algorithm.mismatch-correction", "tis", "--algorithm.old-logprobs", "rollout"], "cannot be combined with algorithm.old_logprobs = 'rollout'"),
         (["--algorithm.kl-penalty-coef", "0.1"], "algorithm.kl_penalty_coef = 0.1 needs a token-level estimator"),
         (["--algorithm.tis-clip-low", "3"], "algorithm.tis_clip_low = 3.0 must be < algorithm.tis_clip = 2.0"),
     ],

@@ -57,9 +57,9 @@ def _check_needed(cfg: AlgorithmConfig, **given: torch.Tensor | None) -> None:
     if cfg.mismatch_correction != "none":
         if given["rollout_logprobs"] is None:
             raise ValueError(f"mismatch_correction = {cfg.mismatch_correction!r} needs rollout_logprobs")
-        if cfg.use_rollout_logprobs:
+        if cfg.old_logprobs == "rollout":
             raise ValueError(
-                f"mismatch_correction = {cfg.mismatch_correction!r} with use_rollout_logprobs = true: the old policy "
+                f"mismatch_correction = {cfg.mismatch_correction!r} with old_logprobs = 'rollout': the old policy "
                 "is then the rollout policy and there is no mismatch to correct; turn one off"
             )
     value_inputs = [given["values"], given["old_values"], given["returns"]]

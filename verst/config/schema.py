@@ -130,15 +130,25 @@ class AlgorithmConfig(Section):
     )
     tis_clip: float = Field(2.0, gt=0, description="Upper bound of the truncated importance weight / band.")
     tis_clip_low: float = Field(0.0, ge=0, description="Lower bound of the importance weight / band.")
-    use_rollout_logprobs: bool = Field(False, description="Use rollout logprobs as the old policy (skip recompute).")
+    old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
+        "auto",
+        description="The old policy's logprobs: recompute (a forward pass over the rollout batch before its first "
+        "optimizer step), rollout (the engine's, no extra pass), or auto: the train step's own forward, detached, "
+        "where that is exact (one optimizer step per rollout batch and kl_penalty_coef = 0), else recompute.",
+    )
     distill_coef: float = Field(0.0, ge=0, description="Weight of the on-policy distillation (reverse KL) term.")
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL loss or a KL penalty needs the frozen reference model's logprobs."""
+        return self.kl_loss_coef > 0 or self.kl_penalty_coef > 0
 
     @model_validator(mode="after")
     def _consistent(self) -> AlgorithmConfig:
-        if self.mismatch_correction != "none" and self.use_rollout_logprobs:
+        if self.mismatch_correction != "none" and self.old_logprobs == "rollout":
             raise ValueError(
                 f"algorithm.mismatch_correction = {self.mismatch_correction!r} corrects rollout vs trainer "
-                "logprobs; it cannot be combined with algorithm.use_rollout_logprobs = true"
+                "logprobs; it cannot be combined with algorithm.old_logprobs = 'rollout'"
             )
         token_kl = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
         if self.kl_penalty_coef > 0 and self.advantage_estimator not in token_kl:

@@ -21,7 +21,8 @@ async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:
             for _ in range(run.plan.total_train_steps):
                 start = time.perf_counter()
                 groups, metrics = await run.take()
-                metrics.update(await run.train(groups))
+                async for step_metrics in run.train(groups):  # the groups of one step
+                    metrics.update(step_metrics)
                 metrics.update(await run.sync_weights())  # generation pauses only for the push itself
                 if run.eval_due():
                     metrics.update(await run.evaluate())

@@ -17,7 +17,6 @@ from verst.recipes.rl import open_rl_run
 async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
         run.logger.log({**run.startup_metrics, **await run.evaluate()}, step=0)
-        per_step = run.plan.groups_per_train_step
         next_batch = asyncio.create_task(run.generate(0))
         for rollout_id in range(cfg.rollout.num_rollouts):
             start = time.perf_counter()
@@ -25,8 +24,8 @@ async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
             wait_s = time.perf_counter() - start
             if rollout_id + 1 < cfg.rollout.num_rollouts:
                 next_batch = asyncio.create_task(run.generate(rollout_id + 1))  # overlaps the training below
-            for i in range(0, len(groups), per_step):
-                metrics = {**rollout_metrics, **await run.train(groups[i : i + per_step]), "perf/trainer_wait_s": wait_s}
+            async for step_metrics in run.train(groups):
+                metrics = {**rollout_metrics, **step_metrics, "perf/trainer_wait_s": wait_s}
                 metrics.update(await run.sync_weights())
                 if run.eval_due():
                     metrics.update(await run.evaluate())

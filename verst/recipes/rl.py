@@ -24,7 +24,7 @@ from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import Orchestration, RolloutEndpoints, RolloutParts, RouterSpec
-from verst.recipes.rl_steps import train_on_groups
+from verst.recipes.rl_steps import old_logprobs, train_on_groups
 from verst.rollout import (
     AsyncRolloutWorker,
     RolloutContext,
@@ -122,16 +122,31 @@ class RLRun:
         metrics["perf/trainer_wait_s"] = time.perf_counter() - start
         return groups, metrics
 
-    async def train(self, groups: list[Group]) -> dict[str, float]:
-        if self.cfg.cluster.placement == "colocated":
-            await asyncio.to_thread(self.engines.release_memory)
-        try:
-            metrics = await asyncio.to_thread(train_on_groups, self.trainer, groups, self.cfg)
-        finally:
+    async def train(self, groups: list[Group]) -> AsyncIterator[dict[str, float]]:
+        """The optimizer steps on one rollout batch, `plan.groups_per_train_step` groups each, yielding each
+        step's metrics (the caller pushes weights in between). With more than one step, the old policy's
+        logprobs are taken before the first (see `rl_steps`). Colocated engines free memory meanwhile."""
+        per_step, old, offset = self.plan.groups_per_train_step, None, 0
+        for first in range(0, len(groups), per_step):
+            step_groups = groups[first : first + per_step]
+            n_samples = sum(len(g) for g in step_groups)
             if self.cfg.cluster.placement == "colocated":
-                await asyncio.to_thread(self.engines.resume_memory)
-        self.version += 1
-        return metrics
+                await asyncio.to_thread(self.engines.release_memory)
+            try:
+                start = time.perf_counter()
+                if first == 0 and len(groups) > per_step:
+                    old = await asyncio.to_thread(old_logprobs, self.trainer, groups, self.cfg)
+                old_s = time.perf_counter() - start
+                rows = None if old is None else old[offset : offset + n_samples]
+                metrics = await asyncio.to_thread(train_on_groups, self.trainer, step_groups, self.cfg, rows)
+            finally:
+                if self.cfg.cluster.placement == "colocated":
+                    await asyncio.to_thread(self.engines.resume_memory)
+            metrics["time/logprob_s"] += old_s
+            metrics["time/train_s"] += old_s
+            offset += n_samples
+            self.version += 1
+            yield metrics
 
     async def sync_weights(self) -> dict[str, float]:
         """Push the trainer's weights as `version` when the interval says so (pause → push → continue)."""
@@ -211,7 +226,7 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
                                              router=router_spec(cfg, cfg.cluster.num_engines))
         trainer = orch.start_trainer(functools.partial(
             FSDP2Backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps, temperature=temperature,
-            device=orch.device, ref_model_path=cfg.model.path if cfg.algorithm.kl_loss_coef > 0 else None,
+            device=orch.device, ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
         ))
         clock.lap("trainer")
         urls = engines.wait_ready().urls

@@ -1,5 +1,10 @@
-"""The named RL steps every schedule calls: turn finished groups into a train batch (old and
-reference logprobs, advantages), run one optimizer step with the configured loss.
+"""The named RL steps every schedule calls: the old policy's logprobs of a rollout batch, then per
+optimizer step a train batch (reference logprobs, advantages) and one step with the configured loss.
+
+The old policy is the one that existed before the rollout batch's first optimizer step: its logprobs
+are recomputed once per rollout batch (every later step of the batch then sees a real importance
+ratio and PPO's clip), taken from the engine, or (`auto`, one step per batch) read off the train
+step's own forward pass, detached, which is the same number without a second pass.
 """
 
 from __future__ import annotations
@@ -11,18 +16,46 @@ from collections.abc import Sequence
 import torch
 
 from verst.algo import aggregation_normalizer, compute_advantages, rl_loss
-from verst.config import AlgorithmConfig, VerstConfig
+from verst.config import AlgorithmConfig, VerstConfig, batch_plan
 from verst.trainer import ROLLOUT_LOGPROBS, ForwardOutputs, MicroBatch, TrainBackend, make_items
 from verst.types import Group, Sample
 
+OldLogprobs = list[torch.Tensor] | None  # per sample of a rollout batch; None: each step's own forward
+
+
+def old_logprob_source(cfg: VerstConfig) -> str:
+    """`algorithm.old_logprobs` resolved: "recompute", "rollout" or "forward" (the train step's own
+    detached forward). `auto` is "forward" only where it is exact: every rollout batch gets one
+    optimizer step (so the old policy is the current one) and no KL penalty needs the old logprobs
+    before the step; else "recompute"."""
+    algo = cfg.algorithm
+    if algo.old_logprobs != "auto":
+        return algo.old_logprobs
+    one_step = batch_plan(cfg).train_steps_per_rollout == 1 or cfg.schedule == "fully_async"
+    return "forward" if one_step and algo.kl_penalty_coef == 0 else "recompute"
+
+
+def old_logprobs(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig) -> OldLogprobs:
+    """The old policy's logprobs of every sample of a rollout batch, in order; call it before the
+    batch's first optimizer step. None when each step reads them off its own forward pass."""
+    samples = [s for g in groups for s in g]
+    source = old_logprob_source(cfg)
+    if source == "rollout":
+        return [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
+    if source == "recompute":
+        return trainer.logprobs(samples)
+    return None
+
 
 def rl_loss_fn(
-    algo: AlgorithmConfig, outputs: ForwardOutputs, batch: MicroBatch, normalizer: float
+    algo: AlgorithmConfig, old_from_forward: bool, outputs: ForwardOutputs, batch: MicroBatch, normalizer: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The backend's loss fn for RL: `algo.rl_loss` over one micro-batch (picklable via partial)."""
+    """The backend's loss fn for RL: `algo.rl_loss` over one micro-batch (picklable via partial). The old
+    logprobs are the batch's `old_logprobs`, or with `old_from_forward` this forward's own, detached."""
     extras = batch.extras
+    old = outputs.logprobs.detach() if old_from_forward else batch["old_logprobs"]
     return rl_loss(
-        algo, outputs.logprobs, batch["old_logprobs"], batch["advantages"], batch.loss_mask,
+        algo, outputs.logprobs, old, batch["advantages"], batch.loss_mask,
         rollout_logprobs=extras.get(ROLLOUT_LOGPROBS), ref_logprobs=extras.get("ref_logprobs"),
         entropy=outputs.entropy, normalizer=normalizer,
     )
@@ -36,18 +69,22 @@ def _pad(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor]) -> torch.Tens
     return out
 
 
-def train_on_groups(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig) -> dict[str, float]:
-    """One optimizer step on whole groups: logprobs (old, reference) → advantages → loss → step."""
+def train_on_groups(
+    trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig, old: OldLogprobs = None
+) -> dict[str, float]:
+    """One optimizer step on whole groups: reference logprobs → advantages → loss → step. `old` are the
+    groups' old-policy logprobs from `old_logprobs` (computed here when None and the source is not the
+    step's own forward: a batch that gets one step)."""
     algo = cfg.algorithm
     samples: list[Sample] = [s for g in groups for s in g]
     start = time.perf_counter()
-    extras: dict[str, list] = {}
-    if algo.use_rollout_logprobs:
-        old = [torch.tensor(s.rollout_logprobs) for s in samples]
-    else:
-        old = trainer.logprobs(samples)
-    extras["old_logprobs"] = old
-    ref = trainer.logprobs(samples, reference=True) if algo.kl_loss_coef > 0 or algo.kl_penalty_coef > 0 else None
+    from_forward = old_logprob_source(cfg) == "forward"
+    if old is None and not from_forward:
+        old = old_logprobs(trainer, groups, cfg)
+    if old is not None and len(old) != len(samples):
+        raise ValueError(f"train_on_groups: {len(old)} old logprob rows for {len(samples)} samples")
+    extras: dict[str, list] = {} if old is None else {"old_logprobs": old}
+    ref = trainer.logprobs(samples, reference=True) if algo.needs_reference else None
     if ref is not None:
         extras["ref_logprobs"] = ref
     logprob_s = time.perf_counter() - start
@@ -55,13 +92,15 @@ def train_on_groups(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstCo
     rewards = torch.tensor([s.reward_value(cfg.reward.key) for s in samples])
     group_ids = torch.tensor([s.group_index for s in samples])
     advantages, _ = compute_advantages(
-        algo, rewards, group_ids, mask, logprobs=_pad(old), ref_logprobs=_pad(ref) if ref is not None else None
+        algo, rewards, group_ids, mask, logprobs=_pad(old) if old is not None else None,
+        ref_logprobs=_pad(ref) if ref is not None else None,
     )
     extras["advantages"] = [advantages[i, : s.response_length] for i, s in enumerate(samples)]
     items = make_items(samples, **extras)
     normalizer = functools.partial(aggregation_normalizer, algo.loss_aggregation)
     metrics = trainer.train_step(
-        items, functools.partial(rl_loss_fn, algo), normalizer=normalizer, with_entropy=algo.entropy_coef > 0
+        items, functools.partial(rl_loss_fn, algo, from_forward), normalizer=normalizer,
+        with_entropy=algo.entropy_coef > 0,
     )
     metrics["time/logprob_s"] = logprob_s
     metrics["time/train_s"] = time.perf_counter() - start

@@ -16,12 +16,11 @@ from verst.recipes.rl import open_rl_run
 async def run_sync(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
         run.logger.log({**run.startup_metrics, **await run.evaluate()}, step=0)
-        per_step = run.plan.groups_per_train_step
         for rollout_id in range(cfg.rollout.num_rollouts):
             start = time.perf_counter()
             groups, rollout_metrics = await run.generate(rollout_id)
-            for i in range(0, len(groups), per_step):
-                metrics = {**rollout_metrics, **await run.train(groups[i : i + per_step])}
+            async for step_metrics in run.train(groups):
+                metrics = {**rollout_metrics, **step_metrics}
                 metrics.update(await run.sync_weights())
                 if run.eval_due():
                     metrics.update(await run.evaluate())
