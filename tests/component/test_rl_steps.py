@@ -124,3 +124,18 @@ def test_old_logprob_source_resolution():
         == "recompute"  # the penalty reads the old logprobs before the step
     assert source("--algorithm.old-logprobs", "recompute") == "recompute"
     assert source("--algorithm.old-logprobs", "rollout") == "rollout"
+
+
+def test_kl_penalty_reads_recomputed_old_and_reference_logprobs(tiny_model_dir):
+    """A KL penalty folded into the rewards needs the reference model (so the run builds one) and the
+    old logprobs before the step (so `auto` recomputes them)."""
+    cfg = load_config(None, ["--model.path", str(tiny_model_dir), "--trainer.lr", "1e-3",
+                             "--algorithm.advantage-estimator", "reinforce_plus_plus",
+                             "--algorithm.kl-penalty-coef", "0.1"])
+    assert cfg.algorithm.needs_reference and old_logprob_source(cfg) == "recompute"
+    groups = make_groups(2, 4, seed=4)
+    with open_trainer(cfg, total_steps=1, ref_model_path=str(tiny_model_dir)) as trainer:
+        _on_policy(trainer, groups)
+        metrics = train_on_groups(trainer, groups, cfg)
+    assert metrics["time/logprob_s"] > 0 and metrics["train/grad_norm"] > 0
+    assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-6)  # policy = reference before the first step
