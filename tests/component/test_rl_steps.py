@@ -29,26 +29,6 @@ def make_groups(n_groups: int, n: int, seed: int = 0) -> list[list[Sample]]:
     return groups
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
-def test_first_step_is_on_policy_and_updates(tiny_model_dir, estimator):
-    cfg = load_config(None, ["--model.path", str(tiny_model_dir), "--trainer.lr", "1e-3",
-                             "--algorithm.advantage-estimator", estimator, "--algorithm.entropy-coef", "0.01"])
-    groups = make_groups(4, 4)
-    with open_trainer(cfg, total_steps=2) as trainer:
-        samples = [s for g in groups for s in g]
-        for s, lp in zip(samples, trainer.logprobs(samples)):  # the engine would report these
-            s.rollout_logprobs = lp.tolist()
-        before = {n: t.clone() for b in trainer.named_weights(1 << 30) for n, t in b}
-        metrics = train_on_groups(trainer, groups, cfg)
-        after = {n: t for b in trainer.named_weights(1 << 30) for n, t in b}
-    assert metrics["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
-    assert metrics["train/pg_clipfrac"] == 0.0
-    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
-    assert metrics["train/entropy"] > 0 and metrics["train/grad_norm"] > 0
-    assert metrics["train/advantage_abs_mean"] > 0
-    assert any(not torch.equal(before[n], after[n]) for n in before)
-
-
 def _weights(trainer) -> dict[str, torch.Tensor]:
     return {n: t.clone() for b in trainer.named_weights(1 << 30) for n, t in b}
 
@@ -58,6 +38,24 @@ def _on_policy(trainer, groups) -> None:
     samples = [s for g in groups for s in g]
     for s, lp in zip(samples, trainer.logprobs(samples)):
         s.rollout_logprobs = lp.tolist()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_first_step_is_on_policy_and_updates(tiny_model_dir, estimator):
+    cfg = load_config(None, ["--model.path", str(tiny_model_dir), "--trainer.lr", "1e-3",
+                             "--algorithm.advantage-estimator", estimator, "--algorithm.entropy-coef", "0.01"])
+    groups = make_groups(4, 4)
+    with open_trainer(cfg, total_steps=2) as trainer:
+        _on_policy(trainer, groups)
+        before = _weights(trainer)
+        metrics = train_on_groups(trainer, groups, cfg)
+        after = _weights(trainer)
+    assert metrics["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["train/pg_clipfrac"] == 0.0
+    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert metrics["train/entropy"] > 0 and metrics["train/grad_norm"] > 0
+    assert metrics["train/advantage_abs_mean"] > 0
+    assert any(not torch.equal(before[n], after[n]) for n in before)
 
 
 @pytest.mark.parametrize("extra", [[], ["--algorithm.entropy-coef", "0.01", "--algorithm.policy-loss", "gspo"]])
