@@ -1,22 +1,28 @@
 """verst (sync and fully async) vs TRL's GRPOTrainer: wall time to the same held-out greedy accuracy,
 measured in one run. Target: verst fully async >= 2x faster than TRL (start-up included).
 
-All three sides start from the same SFT checkpoint and read recipes/grpo_addition.toml at run time:
+Two tasks (--task): `addition`, make demo's (recipes/grpo_addition.toml: answers of 2-4 tokens), and
+`chain_addition`, its long-tailed variant (recipes/grpo_chain_addition.toml: '12+34+56=' -> '46,102', 80%
+two terms, 5% 8-12 terms, answers of 2 to ~45 tokens), the workload asynchronous RL is built for.
+All three sides start from the same SFT checkpoint and read the task's RL recipe at run time:
 model, prompts (raw text), reward, 16 prompts x 8 samples, one optimizer step per batch, lr and warm-up
 (TRL steps with verst's own AdamW and schedule), temperature, max response tokens, no KL. Every side
 measures the same 200 held-out prompts greedily every --eval-interval steps (verst through its engines,
 TRL with HF `generate`, both scored by verst's reward fn) and stops at the first evaluation after step 0
 that reaches the target (default: the SFT checkpoint's accuracy + 15 points), or at --max-steps /
 --time-cap ("not reached"). The differences that remain are each system's own: verst's recipe filters
-zero-variance groups (DAPO) and, fully async, trains on groups up to one version stale; TRL trains on
-every group of each batch, on-policy, generating with HF `generate` in the training process.
-Threads: every verst process (driver, engine, trainer, rollout manager) uses 1 torch thread; TRL's single
-process gets --trl-threads (default 2, the machine's cores). TRL is pip-installed into this venv when
-missing, with torch and transformers pinned to the installed versions (a bench dependency only).
-The SFT checkpoint (--sft-checkpoint, else make demo's runs/sft-addition/hf, else one trained here into
---work-dir/sft) is copied into --work-dir first, so a concurrent `make demo` cannot change it mid-run.
+zero-variance groups (DAPO), trains in token-budget micro-batches and, fully async, trains on groups up
+to one version stale; TRL trains on every group of each batch, on-policy, padded to the longest
+completion, generating with HF `generate` in the training process.
+Clock: each side's starts when its process is launched, so imports count on both sides (verst's actors
+import torch and transformers too). Threads: every verst process (driver, engine, trainer, rollout
+manager) uses 1 torch thread; TRL's single process gets --trl-threads (default 2, the machine's cores).
+TRL is pip-installed into this venv when missing, with torch and transformers pinned to the installed
+versions (a bench dependency only). The SFT checkpoint (--sft-checkpoint, else the task's last SFT
+recipe's run, runs/sft-addition/hf for addition, else the task's SFT stages trained here into
+--work-dir) is copied into --work-dir first, so a concurrent `make demo` cannot change it mid-run.
 
-    .venv/bin/python bench/vs_trl.py [--sft-checkpoint runs/sft-addition/hf] [--target 0.62]
+    .venv/bin/python bench/vs_trl.py [--task addition|chain_addition] [--sft-checkpoint DIR] [--target 0.62]
         [--eval-interval 5] [--max-steps 100] [--time-cap 900] [--sides trl,sync,fully_async] [--out r.json]
 """
 
@@ -40,16 +46,20 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
-RL_RECIPE = ROOT / "recipes" / "grpo_addition.toml"
-SFT_RECIPE = ROOT / "recipes" / "sft_addition.toml"
-DEFAULT_SFT_CHECKPOINT = ROOT / "runs" / "sft-addition" / "hf"
+# task -> (RL recipe, SFT stages, each starting from the previous stage's export): addition is make demo's
+# task (answers of 2-4 tokens); chain_addition its long-tailed variant (answers of 2 to ~45 tokens), the
+# workload asynchronous RL is built for, whose warm start first learns 2-term sums.
+TASKS = {
+    "addition": ("grpo_addition.toml", ("sft_addition.toml",)),
+    "chain_addition": ("grpo_chain_addition.toml", ("sft_addition.toml", "sft_chain_addition.toml")),
+}
 SIDES = ("trl", "sync", "fully_async")
 SPEEDUP_TARGET = 2.0  # verst fully async vs TRL, wall time to target with start-up
 
 
 # ---- pure helpers (tested in tests/unit/test_bench_vs_trl.py) -------------------------------------
 def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
-    """When a side first reached `target`: steps, wall seconds from its start (start-up included) and
+    """When a side first reached `target`: steps, wall seconds from its launch (start-up included) and
     from the end of its step-0 evaluation (start-up excluded), plus start-up and seconds per step (the
     evaluations in between included). Step 0 never counts as reaching it."""
     evals = sorted(result["evals"], key=lambda e: e["step"])
@@ -61,7 +71,8 @@ def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
     last = hit or evals[-1]
     trained = last["time"] - first["time"]
     out = {
-        "accuracy_step0": first["accuracy"], "startup_s": startup, "steps_run": result["steps"],
+        "accuracy_step0": first["accuracy"], "startup_s": startup, "imports_s": result.get("imports_s"),
+        "steps_run": result["steps"],
         "best_accuracy": max(e["accuracy"] for e in evals), "reached": hit is not None,
         "s_per_step": trained / last["step"] if last["step"] else None,
         "eval_s_to_target": sum(e.get("eval_s", 0.0) for e in evals if e["step"] <= last["step"]),
@@ -149,20 +160,33 @@ def ensure_trl(spec: str) -> str:
     return trl_v
 
 
-def sft_checkpoint(path: str | None, work_dir: Path) -> Path:
-    """A private copy (work_dir/checkpoint) of the SFT export every side starts from: `path`, else the
-    demo's runs/sft-addition/hf, else one this bench trains into work_dir/sft with the demo's SFT recipe.
-    The copy keeps the sides on one checkpoint while `make demo` may rewrite the demo's."""
-    source = Path(path) if path else DEFAULT_SFT_CHECKPOINT
-    if path is None and not (source / "config.json").exists():
-        source = work_dir / "sft" / "hf"
-        if not (source / "config.json").exists():
-            from verst.config import load_config
-            from verst.recipes.demo import make_artifacts
-            from verst.recipes.sft import run_sft
+def recipes(task: str) -> tuple[Path, list[Path]]:
+    """The task's RL recipe file and its SFT stages' recipe files, in order."""
+    rl, sft = TASKS[task]
+    return ROOT / "recipes" / rl, [ROOT / "recipes" / name for name in sft]
 
-            make_artifacts()
-            run_sft(load_config(SFT_RECIPE, ["--run-dir", str(work_dir / "sft"), "--logging.tensorboard", "false"]))
+
+def sft_checkpoint(path: str | None, work_dir: Path, task: str) -> Path:
+    """A private copy (work_dir/checkpoint) of the SFT export every side starts from: `path`, else the last
+    SFT stage's own run (runs/sft-addition/hf for make demo's), else the stages this bench trains into
+    work_dir/sft-<stage> (each from the previous one's export, the first from the recipe's model). The copy
+    keeps the sides on one checkpoint while `make demo` may rewrite the demo's."""
+    from verst.config import load_config
+
+    stages = recipes(task)[1]
+    source = Path(path) if path else ROOT / "runs" / load_config(stages[-1]).name / "hf"
+    if path is None and not (source / "config.json").exists():
+        from verst.recipes.demo import make_artifacts
+        from verst.recipes.sft import run_sft
+
+        make_artifacts("addition")
+        make_artifacts(task)
+        previous: list[str] = []
+        for stage in stages:
+            run_dir = work_dir / load_config(stage).name
+            if not (run_dir / "hf" / "config.json").exists():
+                run_sft(load_config(stage, previous + ["--run-dir", str(run_dir), "--logging.tensorboard", "false"]))
+            previous, source = ["--model.path", str(run_dir / "hf")], run_dir / "hf"
     if not (source / "config.json").exists() or not list(source.glob("*.safetensors")):
         raise FileNotFoundError(f"SFT checkpoint {source}: no config.json or *.safetensors (expected an HF export)")
     copy = work_dir / "checkpoint"
@@ -178,14 +202,15 @@ def side_config(side: str, checkpoint: Path, args: argparse.Namespace):
 
     overrides = ["--model.path", str(checkpoint), "--eval.interval", str(args.eval_interval),
                  "--logging.progress", "false", "--logging.tensorboard", "false"]
-    cfg = load_config(RL_RECIPE, overrides)
+    rl_recipe = recipes(args.task)[0]
+    cfg = load_config(rl_recipe, overrides)
     per_rollout = batch_plan(cfg).train_steps_per_rollout
     if args.max_steps % per_rollout:
         raise ValueError(f"--max-steps {args.max_steps} is not a multiple of the recipe's {per_rollout} train "
                          "steps per rollout")
     schedule = side if side != "trl" else cfg.schedule
     run_dir = Path(args.work_dir).resolve() / side
-    return load_config(RL_RECIPE, overrides + [
+    return load_config(rl_recipe, overrides + [
         "--schedule", schedule, "--name", f"vs-trl-{side}", "--run-dir", str(run_dir),
         "--rollout.num-rollouts", str(args.max_steps // per_rollout)])
 
@@ -218,10 +243,12 @@ def run_side(side: str, checkpoint: Path, target: float, args: argparse.Namespac
            "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore::FutureWarning"}
     cmd = [sys.executable, __file__, "--side", side, "--side-out", str(out), "--sft-checkpoint", str(checkpoint),
            "--target", str(target), "--eval-interval", str(args.eval_interval), "--max-steps", str(args.max_steps),
-           "--time-cap", str(args.time_cap), "--trl-threads", str(args.trl_threads), "--work-dir", args.work_dir]
+           "--time-cap", str(args.time_cap), "--trl-threads", str(args.trl_threads), "--work-dir", args.work_dir,
+           "--task", args.task]
     load = os.getloadavg()[0]
     log = out.with_suffix(".log")
     print(f"[vs_trl] == {side} (load average {load:.2f}; log {log})", flush=True)
+    launched = time.time()  # every side's clock starts at its launch: imports count, on both sides
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         # A last resort for a side that hangs past its own time cap (e.g. in teardown).
@@ -237,6 +264,7 @@ def run_side(side: str, checkpoint: Path, target: float, args: argparse.Namespac
         tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
         raise RuntimeError(f"side {side} exited with {code}; last lines of {log}:\n{tail}")
     result = json.loads(out.read_text())
+    result["imports_s"], result["started"] = result["started"] - launched, launched
     result["load_before"], result["load_after"] = load, os.getloadavg()[0]
     return result
 
@@ -275,11 +303,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ",".join(SIDES))
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
     parser.add_argument("--trl-spec", default="trl", help="pip requirement installed when trl is missing")
-    parser.add_argument("--work-dir", default=str(ROOT / "runs" / "vs-trl"), help="run directories of the sides")
+    parser.add_argument("--task", choices=sorted(TASKS), default="addition",
+                        help="addition: make demo's task (2-4 answer tokens); chain_addition: its long-tailed "
+                        "variant (2 to ~45 answer tokens)")
+    parser.add_argument("--work-dir", help="run directories of the sides (default: runs/vs-trl/TASK)")
     parser.add_argument("--out", help="write the measurements as JSON here")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # child-process mode
     parser.add_argument("--side-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.work_dir = args.work_dir or str(ROOT / "runs" / "vs-trl" / args.task)
     unknown = set(args.sides.split(",")) - set(SIDES)
     if unknown:
         parser.error(f"--sides: unknown {sorted(unknown)}; choose from {list(SIDES)}")
@@ -298,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     trl_version = ensure_trl(args.trl_spec) if "trl" in sides else None
     work_dir = Path(args.work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = sft_checkpoint(args.sft_checkpoint, work_dir)
+    checkpoint = sft_checkpoint(args.sft_checkpoint, work_dir, args.task)
     sft_accuracy = measure_accuracy(checkpoint, args)
     target = args.target if args.target is not None else sft_accuracy + 0.15
     print(f"[vs_trl] SFT held-out greedy accuracy {sft_accuracy:.1%}; target {target:.1%}", flush=True)
@@ -307,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = speedups(summary)
     cfg = side_config("trl", checkpoint, args)
     r = cfg.rollout
-    print(f"\nverst vs TRL on {RL_RECIPE.name}: {r.batch_size} prompts x {r.n_samples_per_prompt} samples, "
+    print(f"\nverst vs TRL on {recipes(args.task)[0].name}: {r.batch_size} prompts x {r.n_samples_per_prompt} samples, "
           f"lr {cfg.trainer.lr:g} (warm-up {cfg.trainer.warmup_steps}), max {r.max_response_tokens} response tokens; "
           f"target {target:.1%} held-out greedy accuracy (SFT {sft_accuracy:.1%}), eval every {args.eval_interval} "
           f"steps, caps {args.max_steps} steps / {args.time_cap:.0f} s; {trl_version and 'trl ' + trl_version}")

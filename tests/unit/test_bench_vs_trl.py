@@ -115,3 +115,19 @@ def test_trl_prompts_are_the_text_verst_encodes(tmp_path, chat):
         assert rows[0]["prompt"] == "12+34="
     verst_ids = encode_prompt(tokenizer, [{"role": "user", "content": "12+34="}], apply_chat_template=chat)
     assert tokenizer(text=rows[0]["prompt"])["input_ids"] == verst_ids
+
+
+@pytest.mark.parametrize("task", sorted(bench.TASKS))
+def test_each_task_pairs_sft_recipes_with_an_rl_recipe_the_trl_side_reproduces(task):
+    rl, stages = bench.recipes(task)
+    rl_cfg, sft_cfg = load_config(rl), load_config(stages[-1])
+    trl_side.check_supported(rl_cfg)
+    assert rl_cfg.model.path == f"runs/{sft_cfg.name}/hf"  # the RL recipe starts from its SFT recipe's export
+    assert (rl_cfg.data.test_path, rl_cfg.data.apply_chat_template) == (sft_cfg.data.test_path, False)
+
+
+def test_the_task_option_names_the_work_dir_and_refuses_unknown_tasks():
+    args = bench.parse_args(["--task", "chain_addition"])
+    assert args.work_dir.endswith("vs-trl/chain_addition")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--task", "division"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import re
 import subprocess
@@ -272,6 +274,18 @@ def test_reversal_and_multistep_labels():
         assert re.fullmatch(r"[\d+\-*()]+", expression) and p.text == f"{expression}="
         assert p.label == str(eval(expression, {"__builtins__": {}}))  # digits and + - * ( ) only
     assert any("(" in p.metadata["expression"] for p in train)
+
+
+def test_chain_addition_labels_are_running_sums_with_a_long_tail_of_terms():
+    train, _ = make_splits("chain_addition", 2000, 0, seed=2)
+    counts = collections.Counter()
+    for p in train:
+        terms = [int(t) for t in re.fullmatch(r"(\d\d(?:\+\d\d)+)=", p.text).group(1).split("+")]
+        assert [int(x) for x in p.label.split(",")] == list(itertools.accumulate(terms))[1:]
+        counts[len(terms)] += 1
+    assert set(counts) == {2, 3, 4, 5, 8, 9, 10, 11, 12}  # CHAIN_TERMS: 2, 3-5 or 8-12 terms
+    assert 0.70 < counts[2] / len(train) < 0.85  # 80% drawn, fewer after duplicate 2-term prompts are skipped
+    assert 0.02 < sum(counts[k] for k in range(8, 13)) / len(train) < 0.08
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

@@ -1,5 +1,7 @@
 """The imperfect teacher behind the demo's SFT data: which labels it changes, how, and its refusals."""
 
+import dataclasses
+
 import pytest
 
 from verst.data import DataError, make_splits
@@ -24,6 +26,22 @@ def test_only_carry_problems_change_and_they_lose_exactly_the_carry():
     assert all("teacher_error" not in p.metadata for p in train)  # the inputs are not modified
 
 
+def test_in_a_chain_each_running_sum_may_drop_its_carry_and_the_next_builds_on_it():
+    chain = [Problem("18+18+2+11=", "36,38,49", {"task": "chain_addition"})]
+    assert forgets_carry(chain, 0.0) == chain
+    always = forgets_carry(chain, 1.0)[0]
+    # 18+18 drops its carry (26); 26+2 and 28+11 have none
+    assert (always.label, always.metadata["teacher_error"]) == ("26,28,39", "dropped 1 carry")
+    twice = forgets_carry([Problem("19+19+19=", "38,57", {"task": "chain_addition"})], 1.0)[0]
+    assert (twice.label, twice.metadata["teacher_error"]) == ("28,37", "dropped 2 carries")  # 28+19 carries too
+
+
+def test_on_two_terms_chain_addition_is_the_addition_teacher():
+    train, _ = make_splits("addition", n_train=300, n_test=10, seed=1)
+    as_chains = [dataclasses.replace(p, metadata={"task": "chain_addition"}) for p in train]
+    assert [p.label for p in forgets_carry(as_chains, 0.7)] == [p.label for p in forgets_carry(train, 0.7)]
+
+
 def test_rate_bounds_and_determinism():
     train, _ = make_splits("addition", n_train=300, n_test=10, seed=1)
     assert forgets_carry(train, 0.0) == train
@@ -36,5 +54,7 @@ def test_rate_bounds_and_determinism():
 def test_refuses_problems_that_are_not_addition():
     with pytest.raises(DataError, match="needs addition problems, got task 'reversal'"):
         forgets_carry([Problem("reverse abc=", "cba", {"task": "reversal"})], 0.5)
-    with pytest.raises(DataError, match="'1\\*2=' is not 'A\\+B='"):
+    with pytest.raises(DataError, match="'1\\*2=' is not 'A\\+B=' or 'A\\+B\\+...='"):
         forgets_carry([Problem("1*2=", "2", {"task": "addition"})], 0.5)
+    with pytest.raises(DataError, match="'12=' has fewer than two terms"):
+        forgets_carry([Problem("12=", "12", {"task": "chain_addition"})], 0.5)

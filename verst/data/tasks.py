@@ -1,4 +1,4 @@
-"""Procedural verifiable tasks (addition, reversal, multistep, calculator) from seeded generators, and their splits.
+"""Procedural verifiable tasks (addition, chain addition, reversal, multistep, calculator) from seeded generators, and their splits.
 
 Prompts are short and plain (one user message) so a tiny model with a byte tokenizer can learn them.
 """
@@ -36,6 +36,34 @@ def addition(rng: random.Random) -> Problem:
     return Problem(f"{a}+{b}=", str(a + b), {"task": "addition"})
 
 
+# (% of problems, fewest terms, most terms): most chains are a plain sum, a few are long. Response lengths
+# follow (one running sum per extra term), the long tail that RL on reasoning tasks sees.
+CHAIN_TERMS = ((80, 2, 2), (15, 3, 5), (5, 8, 12))
+
+
+def chain_addition(rng: random.Random) -> Problem:
+    """A sum of 2-digit numbers answered with its running sums: '12+34+56=' -> '46,102'. Two terms are
+    the addition task; the number of terms is long-tailed (CHAIN_TERMS), and so is the answer's length."""
+    u, edge = rng.randrange(100), 0
+    for share, fewest, most in CHAIN_TERMS:
+        edge += share
+        if u < edge:
+            terms = [rng.randint(10, 99) for _ in range(rng.randint(fewest, most))]
+            break
+    else:
+        raise AssertionError(f"CHAIN_TERMS shares sum to {edge}, not 100")
+    return Problem("+".join(map(str, terms)) + "=", running_sums(terms), {"task": "chain_addition"})
+
+
+def running_sums(terms: list[int]) -> str:
+    """'46,102' for [12, 34, 56]: the partial sums after the second term on."""
+    sums, total = [], terms[0]
+    for term in terms[1:]:
+        total += term
+        sums.append(str(total))
+    return ",".join(sums)
+
+
 def reversal(rng: random.Random, min_len: int = 3, max_len: int = 6) -> Problem:
     """A short lowercase string: 'reverse abcd=' -> 'dcba'."""
     word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(min_len, max_len)))
@@ -67,6 +95,7 @@ def calculator(rng: random.Random) -> Problem:
 # name -> (generator, number of distinct prompts it can produce, or None when practically unbounded)
 TASKS: dict[str, tuple[Callable[[random.Random], Problem], int | None]] = {
     "addition": (addition, 90 * 90),
+    "chain_addition": (chain_addition, None),
     "reversal": (reversal, None),
     "multistep": (multistep, None),
     # operands 2..9 (8 each); operator pairs: '*' then any of 3, or '+'/'-' then '+'/'-' (no brackets)

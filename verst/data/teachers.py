@@ -12,8 +12,9 @@ from verst.data.tasks import Problem
 
 
 def forgets_carry(problems: list[Problem], rate: float, seed: int = 0) -> list[Problem]:
-    """Addition demonstrations from a teacher who drops the units carry in `rate` of the problems that
-    have one ('18+18=' -> '26' instead of '36'); other problems keep their correct label.
+    """Addition demonstrations from a teacher who drops the units carry in `rate` of the additions that
+    have one ('18+18=' -> '26' instead of '36'); other problems keep their correct label. In a chain
+    ('18+18+5=' -> '36,41') each running sum is one addition, taken from the teacher's own previous sum.
 
     A model imitating this teacher learns both the right sum and the slip, and its greedy answer follows
     the slip wherever `rate` > 0.5; an exact-match reward tells the two apart. Prompts and their order are
@@ -24,21 +25,32 @@ def forgets_carry(problems: list[Problem], rate: float, seed: int = 0) -> list[P
     rng = random.Random(f"verst.teachers/forgets_carry/{seed}")
     out = []
     for problem in problems:
-        a, b = _operands(problem)
-        if (a % 10 + b % 10) >= 10 and rng.random() < rate:
+        terms = _operands(problem)
+        total, sums, dropped = terms[0], [], 0
+        for term in terms[1:]:
+            carry = (total % 10 + term % 10) >= 10
+            slip = carry and rng.random() < rate
+            total += term - (10 if slip else 0)
+            dropped += slip
+            sums.append(str(total))
+        if dropped:
+            noun = "carry" if dropped == 1 else "carries"
+            error = "dropped carry" if len(terms) == 2 else f"dropped {dropped} {noun}"
             problem = dataclasses.replace(
-                problem, label=str(a + b - 10), metadata={**problem.metadata, "teacher_error": "dropped carry"}
+                problem, label=",".join(sums), metadata={**problem.metadata, "teacher_error": error}
             )
         out.append(problem)
     return out
 
 
-def _operands(problem: Problem) -> tuple[int, int]:
-    if problem.metadata.get("task") != "addition":
+def _operands(problem: Problem) -> list[int]:
+    if problem.metadata.get("task") not in ("addition", "chain_addition"):
         raise DataError(f"forgets_carry needs addition problems, got task {problem.metadata.get('task')!r} "
                         f"for prompt {problem.text!r}")
-    left, _, right = problem.text.rstrip("=").partition("+")
     try:
-        return int(left), int(right)
+        terms = [int(t) for t in problem.text.rstrip("=").split("+")]
     except ValueError:
-        raise DataError(f"forgets_carry: prompt {problem.text!r} is not 'A+B='") from None
+        raise DataError(f"forgets_carry: prompt {problem.text!r} is not 'A+B=' or 'A+B+...='") from None
+    if len(terms) < 2:
+        raise DataError(f"forgets_carry: prompt {problem.text!r} has fewer than two terms")
+    return terms

@@ -20,28 +20,36 @@ from typing import Any
 from verst.config import VerstConfig, load_config
 
 MODEL_DIR = Path("artifacts/models/tiny-qwen3")
-DATA_DIR = Path("artifacts/data/addition")
-SFT_DATA = DATA_DIR / "sft_teacher.jsonl"  # the train prompts with the teacher's labels
+# task -> its data folder: train.jsonl and test.jsonl (true labels) and sft_teacher.jsonl (the train
+# prompts with the teacher's labels). `chain_addition` is bench/vs_trl.py's long-tailed variant.
+TASK_DATA = {"addition": Path("artifacts/data/addition"), "chain_addition": Path("artifacts/data/chain_addition")}
+DATA_DIR = TASK_DATA["addition"]
+SFT_DATA_NAME = "sft_teacher.jsonl"
 TEACHER_CARRY_ERROR_RATE = 0.7
 SFT_RECIPE = Path("recipes/sft_addition.toml")
 RL_RECIPE = Path("recipes/grpo_addition.toml")
 
 
-def make_artifacts() -> None:
-    """The tiny model, the addition splits and the teacher's SFT data, unless they exist already."""
+def make_artifacts(task: str = "addition") -> Path:
+    """The tiny model, the task's splits and the teacher's SFT data, unless they exist already; returns
+    the task's data folder."""
     from verst.data import make_splits, write_jsonl
     from verst.data.teachers import forgets_carry
     from verst.models.factory import init_model
 
+    if task not in TASK_DATA:
+        raise ValueError(f"make_artifacts: unknown task {task!r}; choose from {sorted(TASK_DATA)}")
     if not (MODEL_DIR / "config.json").exists():
         init_model("qwen3", "tiny", MODEL_DIR, seed=0)
         print(f"[demo] model: {MODEL_DIR}", flush=True)
-    if not all((DATA_DIR / name).exists() for name in ("train.jsonl", "test.jsonl", SFT_DATA.name)):
-        train, test = make_splits("addition", n_train=4000, n_test=200, seed=0)
-        write_jsonl(train, DATA_DIR / "train.jsonl")
-        write_jsonl(test, DATA_DIR / "test.jsonl")
-        write_jsonl(forgets_carry(train, TEACHER_CARRY_ERROR_RATE, seed=0), SFT_DATA)
-        print(f"[demo] data: {DATA_DIR}", flush=True)
+    data_dir = TASK_DATA[task]
+    if not all((data_dir / name).exists() for name in ("train.jsonl", "test.jsonl", SFT_DATA_NAME)):
+        train, test = make_splits(task, n_train=4000, n_test=200, seed=0)
+        write_jsonl(train, data_dir / "train.jsonl")
+        write_jsonl(test, data_dir / "test.jsonl")
+        write_jsonl(forgets_carry(train, TEACHER_CARRY_ERROR_RATE, seed=0), data_dir / SFT_DATA_NAME)
+        print(f"[demo] data: {data_dir}", flush=True)
+    return data_dir
 
 
 def rl_config(sft_run_dir: Path) -> VerstConfig:
