@@ -3,6 +3,7 @@ modes, abort, weight loads, stop conditions and MoE routed experts, on tiny mode
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,6 +115,25 @@ def test_group_samples_share_the_prompt_prefill(qwen):
     prompt = prompts(1, seed=4, lo=48, hi=48)[0]
     group = run(core, [req(f"g{i}", prompt, max_new=3, seed=i) for i in range(4)])
     assert group[0].cached_tokens == 0 and all(g.cached_tokens == len(prompt) - 1 for g in group[1:])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+def test_samples_of_one_prompt_admitted_together_prefill_it_once(model_dirs, arch):
+    model_and_tokenizer = load_model_and_tokenizer(model_dirs[arch])
+    prompt, other = prompts(2, seed=11, lo=30, hi=30)
+    group = [req(f"g{i}", prompt, max_new=5, seed=i) for i in range(6)] + [req("o", other, max_new=5, seed=9)]
+    core = make_core(model_and_tokenizer, max_running_requests=8, prefix_cache_tokens=0)
+    done = run(core, group)
+    assert core.counters["prefill_tokens"] == 2 * 30  # the shared prompt once, the other prompt once
+    assert [r.cached_tokens for r in done] == [0] + [29] * 5 + [0]
+    for r in done:  # each sample as if it ran alone: same tokens, logprobs and routed experts
+        alone = run(make_core(model_and_tokenizer, prefix_cache_tokens=0), [req(r.rid, r.prompt_ids, max_new=5,
+                                                                             seed=r.sampling.sampling_seed)])[0]
+        assert alone.output_ids == r.output_ids, r.rid
+        assert torch.allclose(torch.tensor(alone.output_logprobs), torch.tensor(r.output_logprobs), atol=1e-5)
+        if arch == "qwen3-moe":
+            assert np.array_equal(alone.experts_array(), r.experts_array()), r.rid
+    assert len({tuple(r.output_ids) for r in done[:6]}) > 1  # the samples are not copies of each other
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])

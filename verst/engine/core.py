@@ -125,9 +125,9 @@ class EngineCore:
             if self.running:
                 produced += self._decode()
             self._release_finished()
-            batch = self._admit()
-            if batch:
-                produced += self._prefill(batch)
+            fed, followers = self._admit()
+            if fed:
+                produced += self._prefill(fed, followers)
             self._release_finished()
         self.counters["steps"] += 1
         self.counters["generated_tokens"] += produced
@@ -228,42 +228,65 @@ class EngineCore:
         }
 
     # ---- scheduling ----------------------------------------------------------------------------
-    def _admit(self) -> list[tuple[Request, list[int]]]:
-        """Move waiting requests into free slots (prefix-cache KV copied in) within the prefill budget."""
-        batch: list[tuple[Request, list[int]]] = []
+    def _admit(self) -> tuple[list[tuple[Request, list[int]]], list[tuple[Request, Request]]]:
+        """Move waiting requests into free slots (prefix-cache KV copied in) within the prefill budget.
+
+        Returns the rows to prefill (request, tokens to feed) and the followers (request, leader): a
+        request whose tokens equal an admitted row's takes a copy of that row's KV and logits instead of
+        a row of its own, so the n samples of one prompt, which arrive together, prefill it once.
+        """
+        fed: list[tuple[Request, list[int]]] = []
+        followers: list[tuple[Request, Request]] = []
         free = self.config.max_running_requests - len(self.running)
         if self.running and free < min(len(self.waiting), self.config.min_prefill_batch):
-            return batch
+            return fed, followers
+        leaders: dict[tuple[int, ...], Request] = {}
+        hits: list[tuple[Any, int]] = []
         longest = 0
-        while self.waiting and len(self.running) + len(batch) < self.config.max_running_requests:
+        while self.waiting and len(self.running) + len(fed) + len(followers) < self.config.max_running_requests:
             req = self.waiting[0]
             tokens = req.tokens()
+            leader = leaders.get(tuple(tokens))
+            if leader is not None:
+                self.waiting.popleft()
+                followers.append((req, leader))
+                continue
             entry, hit = self.prefix_cache.match(tokens)
             hit = min(hit, len(tokens) - 1)  # the last token is always fed: its logits pick the next one
             pending = tokens[hit:]
             longest_if_added = max(longest, len(pending))
-            if batch and (len(batch) + 1) * longest_if_added > self.config.max_prefill_tokens:
+            if fed and (len(fed) + 1) * longest_if_added > self.config.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            slot = len(self.running) + len(batch)
+            leaders[tuple(tokens)] = req
+            longest = longest_if_added
+            fed.append((req, pending))
+            hits.append((entry, hit))
+        # Slots: the fed rows first (one forward over contiguous slots), then their followers.
+        first = len(self.running)
+        for i, ((req, _), (entry, hit)) in enumerate(zip(fed, hits)):
             req.routed_experts = []
             if entry is not None and hit > 0:
-                self.runner.cache.write_row(slot, entry.kv, hit)
+                self.runner.cache.write_row(first + i, entry.kv, hit)
                 if entry.experts is not None:
                     req.routed_experts.append(entry.experts[:hit])
-            req.kv_len, req.slot, req.phase = hit, slot, Phase.RUNNING
-            if req.cached_tokens < 0:
-                req.cached_tokens = hit
-            self.counters["cached_tokens"] += hit
-            longest = longest_if_added
-            batch.append((req, pending))
-        return batch
+            self._place(req, first + i, hit, hit)
+        for j, (req, leader) in enumerate(followers):
+            # KV filled by `_prefill`; all but the last token count as cached, as for a prefix-cache hit
+            self._place(req, first + len(fed) + j, 0, len(leader.tokens()) - 1)
+        return fed, followers
 
-    def _prefill(self, batch: list[tuple[Request, list[int]]]) -> int:
-        reqs = [req for req, _ in batch]
+    def _place(self, req: Request, slot: int, kv_len: int, cached: int) -> None:
+        req.kv_len, req.slot, req.phase = kv_len, slot, Phase.RUNNING
+        if req.cached_tokens < 0:
+            req.cached_tokens = cached
+        self.counters["cached_tokens"] += cached
+
+    def _prefill(self, fed: list[tuple[Request, list[int]]], followers: list[tuple[Request, Request]]) -> int:
+        reqs = [req for req, _ in fed]
         first = len(self.running)
         self.running.extend(reqs)
-        pending = [p for _, p in batch]
+        pending = [p for _, p in fed]
         logits, experts = self.runner.forward(first, pending, [r.kv_len for r in reqs])
         for i, req in enumerate(reqs):
             req.kv_len += len(pending[i])
@@ -272,7 +295,14 @@ class EngineCore:
             # the prompt's KV, so that later requests with this prefix (a group's samples) reuse it
             self._remember(req)
         self.counters["prefill_tokens"] += sum(len(p) for p in pending)
-        return self._sample_and_append(reqs, logits)
+        row = {id(req): i for i, req in enumerate(reqs)}
+        for req, leader in followers:
+            self.running.append(req)
+            self.runner.cache.copy_row(leader.slot, req.slot, leader.kv_len)
+            req.kv_len, req.routed_experts = leader.kv_len, list(leader.routed_experts)
+        if followers:
+            logits = torch.cat([logits, logits[[row[id(leader)] for _, leader in followers]]])  # [rows, vocab]
+        return self._sample_and_append(reqs + [req for req, _ in followers], logits)
 
     def _decode(self) -> int:
         rows = self.running

@@ -90,6 +90,10 @@ class SlotKVCache(Cache):
                 if t is not None and length:
                     t[dst, :, :length] = t[src, :, :length]
 
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot `src` into slot `dst`, growing the storage if needed."""
+        self.write_row(dst, self.read_row(src, length), length)
+
     def read_row(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the first `length` positions of a slot, per layer: ([kv_heads, length, head_dim],) * 2."""
         out = []
