@@ -1,13 +1,15 @@
 """Generation throughput: the embedded engine (continuous batching) against Hugging Face `generate` in
 static batches of the same size, on the same requests, in one run. Target: engine >= 2x HF generate.
 
-256 requests with prompts of 16-48 tokens and long-tailed output lengths (4-128 tokens, log-normal).
+256 requests with prompts of 16-48 tokens and long-tailed output lengths (4-128 tokens, log-normal);
+`--samples-per-prompt 8` asks each prompt 8 times in a row, as GRPO does.
 Every request generates exactly its length (EOS ignored), so both sides produce the same useful tokens;
 a static batch runs until its longest request is done, as `generate` does. Temperature 1 sampling.
 The engine is measured in-process (`EngineCore.step`) and served over HTTP (`verst serve engine` in a
 child process, 256 concurrent requests through the async client); RSS is the served engine's.
 
-    .venv/bin/python bench/engine_throughput.py [--sizes tiny,small] [--requests 256] [--batch 64] [--no-http]
+    .venv/bin/python bench/engine_throughput.py [--sizes tiny,small] [--requests 256] [--batch 64]
+        [--samples-per-prompt 8] [--no-http]
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ from verst.models.factory import init_model  # noqa: E402
 from verst.models.loader import load_model_and_tokenizer  # noqa: E402
 
 
-def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt ids, output length) pairs: prompts 16-48 bytes, outputs log-normal (median 16) in [4, 128]."""
+def workload(n: int, seed: int, per_prompt: int = 1) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs: prompts 16-48 bytes, each asked `per_prompt` times in a row (a
+    GRPO group), outputs log-normal (median 16) in [4, 128]."""
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
+    while len(out) < n:
         prompt = [rng.randrange(256) for _ in range(rng.randint(16, 48))]
-        length = min(128, max(4, round(math.exp(rng.gauss(math.log(16), 0.9)))))
-        out.append((prompt, length))
+        for _ in range(min(per_prompt, n - len(out))):
+            out.append((prompt, min(128, max(4, round(math.exp(rng.gauss(math.log(16), 0.9)))))))
     return out
 
 
@@ -110,7 +113,7 @@ def _rss_mib(pid: int | str = "self") -> float:
 def bench_size(size: str, args, root: Path) -> None:
     path = init_model("qwen3", size, root / f"qwen3-{size}", seed=0)
     model, tokenizer = load_model_and_tokenizer(path)
-    work = workload(args.requests, args.seed)
+    work = workload(args.requests, args.seed, args.samples_per_prompt)
     total = sum(n for _, n in work)
     warm = workload(args.batch, args.seed + 1)
     run_hf(model, warm[: args.batch // 4], args.batch // 4, args.seed)
@@ -118,8 +121,8 @@ def bench_size(size: str, args, root: Path) -> None:
     hf_s, hf_tokens = run_hf(model, work, args.batch, args.seed)
     eng_s, eng_tokens, steps = run_engine(model, tokenizer, work, args.batch, args.seed)
     hf_tps, eng_tps = hf_tokens / hf_s, eng_tokens / eng_s
-    print(f"\n== qwen3-{size}: {args.requests} requests, {total} output tokens "
-          f"(lengths 4-128, mean {total / len(work):.1f}), batch {args.batch}")
+    print(f"\n== qwen3-{size}: {args.requests} requests ({args.samples_per_prompt} per prompt), {total} output "
+          f"tokens (lengths 4-128, mean {total / len(work):.1f}), batch {args.batch}")
     print(f"HF generate (static batches)   {hf_tps:8.1f} tok/s   {hf_s:6.2f} s")
     print(f"engine, in-process             {eng_tps:8.1f} tok/s   {eng_s:6.2f} s   {steps} steps")
     print(f"ratio engine / HF              {eng_tps / hf_tps:8.2f}x   (target >= 2x)")
@@ -136,6 +139,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--batch", type=int, default=64, help="engine max running requests = HF static batch size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="requests per distinct prompt, sent together (8: a GRPO group; the engine prefills it once)")
     p.add_argument("--no-http", action="store_true", help="skip the served (child process) measurement")
     args = p.parse_args()
     torch.set_num_threads(1)
