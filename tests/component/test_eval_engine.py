@@ -24,3 +24,47 @@ def test_engine_eval_matches_hf_and_checks_version(tiny_model_dir, addition_data
         assert metrics["eval/n_prompts"] == 12
         with pytest.raises(MixedVersionError, match="expected weight version '3' on every reply, got versions \\['0'\\]"):
             engine_greedy_generate(engine.url, 6, expect_version="3")(prompt_ids[:2])
+
+
+def test_evaluation_goes_ahead_of_queued_rollout_requests(tiny_model_dir):
+    """Eval requests carry EVAL_PRIORITY: with the engine's two slots busy and 14 rollout requests
+    queued, the evaluation is answered while most of them still wait (an order, not a timing)."""
+    import asyncio
+    import threading
+    import time
+
+    from verst.engine.client import EngineClient
+
+    with EngineProcess(tiny_model_dir, args=["--max-running-requests", "2"]) as engine:
+        finished = []
+
+        async def rollouts():
+            async with EngineClient(engine.url) as client:
+                async def one(i):
+                    await client.generate([1 + i, 2, 3], {"max_new_tokens": 48, "ignore_eos": True})
+                    finished.append(i)
+                await asyncio.gather(*(one(i) for i in range(16)))
+
+        background = threading.Thread(target=asyncio.run, args=(rollouts(),))
+        background.start()
+        try:
+            for _ in range(1200):  # until the rollout requests queue behind the two busy slots (<= 60 s)
+                if asyncio.run(_engine_waiting(engine.url)) >= 12:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("the rollout requests never queued in the engine")
+            replies = engine_greedy_generate(engine.url, 4)([[5, 6], [7, 8]])
+            done_at_eval = len(finished)
+        finally:
+            background.join(timeout=120)
+        assert [len(r) for r in replies] == [4, 4]
+        assert done_at_eval <= 4, f"{done_at_eval} of 16 rollout requests finished before the evaluation"
+        assert len(finished) == 16
+
+
+async def _engine_waiting(url: str) -> int:
+    from verst.engine.client import EngineClient
+
+    async with EngineClient(url) as client:
+        return sum(int(rank["num_waiting_reqs"]) for rank in await client.get_load())

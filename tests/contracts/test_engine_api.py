@@ -125,6 +125,7 @@ BAD_INPUTS = [
     ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}, {"temperature": -1}]}, 422,
      "sampling_params.1.temperature"),
     ("/generate", {"input_ids": [[1], [1, 265]]}, 400, "input_ids"),  # the whole batch is refused
+    ("/generate", {"input_ids": [1], "priority": "high"}, 422, "priority"),
     ("/pause_generation", {"mode": "sideways"}, 422, "mode"),
     ("/abort_request", {"rid": 5}, 422, "rid"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, 400, "model_path"),

@@ -64,12 +64,14 @@ def test_batches_are_capped_and_split_by_headers_and_flags():
         calls = [batcher.submit(body([i], f"a{i}")) for i in range(1, 8)]  # 7 alike: 3 + 3 + 1
         calls += [batcher.submit(body([9], "k"), {"X-SMG-Routing-Key": "s1"})]
         calls += [batcher.submit(body([9], "f", top_logprobs_num=2))]
+        calls += [batcher.submit(body([9], f"p{i}", priority=1)) for i in range(2)]  # a batch of their own
         await asyncio.gather(*calls)
         return batcher
 
     batcher = asyncio.run(main())
     sizes = sorted(len(b["input_ids"]) if isinstance(b["input_ids"][0], list) else 1 for b, _ in engine.bodies)
-    assert sizes == [1, 1, 1, 3, 3] and batcher.requests_sent == 5
+    assert sizes == [1, 1, 1, 2, 3, 3] and batcher.requests_sent == 6
+    assert [b["rid"] for b, _ in engine.bodies if b.get("priority") == 1] == [["p0", "p1"]]
     assert [h for b, h in engine.bodies if h] == [{"X-SMG-Routing-Key": "s1"}]
 
 
@@ -145,11 +147,15 @@ def test_the_wire_model_splits_a_batch_and_checks_per_prompt_lists_by_name():
     shared = BatchGenerateRequest.model_validate({"text": ["x", "y"], "sampling_params": {"temperature": 0}})
     assert is_batch({"text": ["x", "y"]}) and [p.text for p in shared.prompts()] == ["x", "y"]
     assert [p.sampling_params.temperature for p in shared.prompts()] == [0, 0]
+    urgent = BatchGenerateRequest.model_validate({"input_ids": [[1], [2]], "priority": 3})
+    assert [p.priority for p in urgent.prompts()] == [3, 3]
     for bad, message in [
         ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid is a list of 1 for a batch of 2 prompts"),
         ({"input_ids": [[1], [2]], "stream": True}, "stream = true is for a single prompt, not a batch of 2"),
         ({"text": []}, "at least one prompt"),
         ({"input_ids": [[1], [2]], "sampling_params": [{}, {"n": 2}]}, "sampling_params.n = 2 is not supported"),
+        ({"input_ids": [[1], [2]], "priority": [1, 2]}, "priority"),
+        ({"input_ids": [[1], [2]], "priority": 2**31}, "priority"),
     ]:
         with pytest.raises(ValueError, match=message):
             BatchGenerateRequest.model_validate(bad)

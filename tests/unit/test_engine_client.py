@@ -47,6 +47,18 @@ def test_generate_sends_sglang_fields_and_the_routing_key_header():
     assert result.routed_experts(top_k=2).shape == (4, 2, 2)  # prompt 3 + output 2 - 1 rows
 
 
+def test_a_priority_travels_as_sglangs_top_level_field():
+    transport, calls = fake(lambda req, n: httpx.Response(200, json=REPLY))
+
+    async def main():
+        async with EngineClient("http://engine", transport=transport) as client:
+            await client.generate([1], {"max_new_tokens": 2}, priority=1)
+            await client.generate([1], {"max_new_tokens": 2})
+
+    asyncio.run(main())
+    assert [json.loads(c.content).get("priority") for c in calls] == [1, None]
+
+
 def test_affinity_without_a_routing_key_is_an_error_not_a_fallback():
     transport, calls = fake(lambda req, n: httpx.Response(200, json=REPLY))
 

@@ -136,6 +136,21 @@ def test_samples_of_one_prompt_admitted_together_prefill_it_once(model_dirs, arc
     assert len({tuple(r.output_ids) for r in done[:6]}) > 1  # the samples are not copies of each other
 
 
+def test_waiting_requests_are_admitted_by_priority_then_in_arrival_order(qwen):
+    core = make_core(qwen, max_running_requests=1, prefix_cache_tokens=0)
+    finished = []
+    busy = req("busy", [1, 2, 3], max_new=2)
+    busy.on_finish = lambda done: finished.append(done.rid)
+    core.add_request(busy)
+    core.step()  # busy holds the only slot; the others queue behind it
+    queued = [req(rid, [4, 5], max_new=1, seed=0) for rid in ("low-a", "high-a", "low-b", "high-b", "top")]
+    for r, priority in zip(queued, (0, 1, 0, 1, 5)):
+        r.priority = priority
+        r.on_finish = lambda done: finished.append(done.rid)
+    run(core, queued)
+    assert finished == ["busy", "top", "high-a", "high-b", "low-a", "low-b"]
+
+
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_pause_mid_generation_then_continue_loses_and_duplicates_no_token(qwen, mode):
     batch = lambda: [req(f"p{i}", p, max_new=10, seed=100 + i) for i, p in enumerate(prompts(5, seed=5))]  # noqa: E731

@@ -149,9 +149,10 @@ class EngineClient:
         self, input_ids: list[int] | None = None, sampling_params: dict[str, Any] | None = None, *,
         text: str | None = None, rid: str | None = None, return_logprob: bool = True,
         routing_key: str | None = None, needs_affinity: bool | None = None, return_routed_experts: bool = False,
-        top_logprobs_num: int = 0,
+        top_logprobs_num: int = 0, priority: int | None = None,
     ) -> GenerateResult:
-        """One generation. Aborted requests return normally with `finish_reason == "abort"`."""
+        """One generation. Aborted requests return normally with `finish_reason == "abort"`. `priority`:
+        SGLang's scheduling priority (higher first; SGLang needs --enable-priority-scheduling)."""
         if (needs_affinity if needs_affinity is not None else self.affinity) and not routing_key:
             raise RoutingKeyError(
                 "this generate needs session affinity (the router pins a session to the engine holding its "
@@ -169,6 +170,8 @@ class EngineClient:
             body["return_routed_experts"] = True
         if top_logprobs_num:
             body["top_logprobs_num"] = top_logprobs_num
+        if priority is not None:
+            body["priority"] = priority  # shared by a batch: calls of other priorities batch apart
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         if self._batcher is not None:
             return GenerateResult.from_reply(await self._batcher.submit(body, headers))

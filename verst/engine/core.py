@@ -108,7 +108,15 @@ class EngineCore:
             self._complete(req)
             return
         self.requests[req.rid] = req
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Behind every waiting request of the same or a higher priority (FIFO within a priority)."""
+        if not self.waiting or self.waiting[-1].priority >= req.priority:
+            self.waiting.append(req)
+            return
+        at = next(i for i, other in enumerate(self.waiting) if other.priority < req.priority)
+        self.waiting.insert(at, req)
 
     def has_work(self) -> bool:
         return not self.paused and bool(self.waiting or self.running)

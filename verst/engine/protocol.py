@@ -28,7 +28,6 @@ _GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "video_data": (None,),
     "audio_data": (None,),
     "extra_key": (None,),
-    "priority": (None,),
     "data_parallel_rank": (None, 0),
     "routed_dp_rank": (None, 0),
     "routed_experts_start_len": (0,),
@@ -123,6 +122,9 @@ class _GenerateOptions(WireModel):
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
     stream: bool = False
+    # SGLang's priority scheduling (higher values first): waiting requests are admitted by priority, then
+    # in arrival order; running requests are not preempted.
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
 
     @model_validator(mode="before")
     @classmethod

@@ -87,6 +87,7 @@ class Request:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_routed_experts: bool = False
+    priority: int = 0  # admission order among waiting requests: higher first, then arrival
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)

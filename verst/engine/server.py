@@ -116,7 +116,7 @@ def _engine_request(state: ServerState, body: GenerateRequest):
     return build_request(
         state, ids, sampling_from_wire(body.sampling_params), rid=body.rid,
         return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num or 0,
-        return_routed_experts=body.return_routed_experts,
+        return_routed_experts=body.return_routed_experts, priority=body.priority or 0,
     )
 
 

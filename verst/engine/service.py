@@ -60,6 +60,7 @@ def sampling_from_wire(params: SamplingParams) -> Sampling:
 def build_request(
     state: ServerState, input_ids: list[int], sampling: Sampling, *, rid: str | None = None,
     return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
+    priority: int = 0,
 ) -> Request:
     """An engine request from wire values, validated against the model (vocabulary, context, MoE)."""
     core = state.core
@@ -69,6 +70,7 @@ def build_request(
     req = Request(
         rid=rid or uuid.uuid4().hex, prompt_ids=input_ids, sampling=sampling, return_logprob=return_logprob,
         top_logprobs_num=top_logprobs_num, return_routed_experts=return_routed_experts or always_experts,
+        priority=priority,
     )
     core.validate(req)
     return req

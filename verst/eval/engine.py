@@ -11,6 +11,11 @@ import asyncio
 from verst.engine.client import EngineClient
 from verst.eval.greedy import GenerateFn
 
+# Evaluation blocks the training loop while rollouts (fully async) keep the engines busy: its requests
+# go ahead of waiting rollout requests (engines that schedule by priority: verst's, SGLang with
+# --enable-priority-scheduling; sglang-router forwards the field).
+EVAL_PRIORITY = 1
+
 
 class MixedVersionError(RuntimeError):
     """An evaluation's replies came from weights other than the ones it was meant to measure."""
@@ -29,7 +34,8 @@ def engine_greedy_generate(
             async def one(ids: list[int]):
                 async with semaphore:
                     return await client.generate(
-                        ids, {"temperature": 0.0, "max_new_tokens": max_new_tokens}, return_logprob=False
+                        ids, {"temperature": 0.0, "max_new_tokens": max_new_tokens}, return_logprob=False,
+                        priority=EVAL_PRIORITY,
                     )
 
             replies = await asyncio.gather(*(one(p) for p in prompts))
