@@ -9,7 +9,8 @@ import pytest
 
 from verst.config import load_config
 from verst.eval.agentic import score_key
-from verst.recipes.rl import StartupClock, request_batch, router_spec
+from verst.recipes.rl import StartupClock, router_spec
+from verst.recipes.rollout_side import request_batch
 
 
 @pytest.mark.parametrize("overrides, engines, expected", [
@@ -48,3 +49,15 @@ def test_requests_are_batched_only_straight_to_an_engine_and_agent_runs_score_su
     assert request_batch(cfg, None) == 32 and request_batch(cfg, "http://127.0.0.1:9/") == 1
     assert score_key(cfg) == "eval/accuracy"
     assert score_key(load_config(None, ["--rollout.agent-fn", "examples.calculator.agent:run"])) == "eval/success"
+
+
+def test_the_rollout_side_module_loads_without_the_trainer_stack():
+    # The rollout manager actor unpickles build_rollout_parts while the engine and trainer processes start
+    # on the same cores: its module must not pull in torch, FSDP2, the weight transports or Ray (the
+    # tokenizer it loads later still brings torch in through transformers).
+    import subprocess
+    import sys
+
+    code = ("import sys, verst.recipes.rollout_side; "
+            "print(sorted(m for m in ('torch', 'ray', 'verst.trainer', 'verst.sync') if m in sys.modules))")
+    assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "[]"

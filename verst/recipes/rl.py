@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from verst.config import BatchPlan, VerstConfig, batch_plan, load_object
-from verst.data import PromptSource, load_prompts_from_config
+from verst.config import BatchPlan, VerstConfig, batch_plan
+from verst.data import load_prompts_from_config
 from verst.engine.client import EngineClient
 from verst.eval import engine_greedy_generate, evaluate_greedy
 from verst.eval.agentic import evaluate_agentic, score_key
@@ -23,63 +23,16 @@ from verst.models import load_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
-from verst.orchestration import Orchestration, RolloutEndpoints, RolloutParts, RouterSpec
+from verst.orchestration import Orchestration, RouterSpec
 from verst.recipes.rl_steps import old_logprobs, train_on_groups
-from verst.rollout import (
-    AsyncRolloutWorker,
-    RolloutContext,
-    build_buffer,
-    discard_handler,
-    prefix_cache_metrics,
-    run_rollout,
-    sample_metrics,
-    worker_hooks,
-)
+from verst.recipes.rollout_side import build_rollout_parts, request_batch
+from verst.rollout import prefix_cache_metrics, sample_metrics
 from verst.router.fleet import EngineFleet, IdleMeter
 from verst.sync import build_syncer
 from verst.trainer import FSDP2Backend
 from verst.types import Group
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
-
-
-# ---- the rollout side, built inside the rollout manager actor ------------------------------------
-async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> RolloutParts:
-    """Data source, rollout context, and (fully async) the buffer and worker, from the config."""
-    tokenizer = load_tokenizer(cfg.model.path)
-    source = load_object(cfg.data.source, "data.source")(cfg.data) if cfg.data.source else PromptSource.from_config(cfg.data)
-    engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency,
-                          max_batch=request_batch(cfg, endpoints.router_url))
-    control = [EngineClient(url) for url in endpoints.engine_urls]  # the router has no abort route
-    ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control)
-    last: dict[str, float] = {}
-
-    async def generate_batch(rollout_id: int, weight_version: int) -> list[Group]:
-        batch = await run_rollout(ctx, cfg.rollout.batch_size)
-        last.clear()
-        last.update(batch.metrics)
-        return batch.groups
-
-    def metrics() -> dict[str, float]:
-        out = dict(last)
-        last.clear()
-        return out
-
-    async def close() -> None:
-        ctx.state.closing = True  # generations cut short by closing the clients are not errors
-        await asyncio.gather(engine.close(), *(c.close() for c in control), ctx.aclose())
-
-    parts = RolloutParts(generate_batch=generate_batch, source=source, close=close, metrics=metrics)
-    if cfg.schedule == "fully_async":
-        plan = batch_plan(cfg)
-        on_discard = discard_handler(cfg.buffer.unused, source.return_prompts)
-        parts.buffer = build_buffer(cfg.buffer, plan.buffer_capacity_groups, on_discard, group_filter=ctx.group_filter)
-        hooks = worker_hooks(ctx)
-        parts.worker = AsyncRolloutWorker.from_config(
-            cfg.rollout, source, parts.buffer, generate_sample=hooks.generate_sample, finish_group=hooks.finish_group,
-            on_leftover=source.return_prompts if cfg.buffer.unused == "return" else None,
-        )
-    return parts
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -289,12 +242,6 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
         "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
         "rollout": cfg.rollout.model_copy(update={"dump_dir": absolute(cfg.rollout.dump_dir)}),
     })
-
-
-def request_batch(cfg: VerstConfig, router_url: str | None) -> int:
-    """Prompts per /generate request: batched straight to an engine; one at a time through sglang-router,
-    which cannot forward SGLang's batch form (0.3 takes one rid per request)."""
-    return cfg.rollout.request_batch if router_url is None else 1
 
 
 def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:

@@ -1,0 +1,67 @@
+"""The rollout side of an RL run, built inside the rollout manager's actor: data source, rollout
+context and (fully async) the buffer and worker. Apart from `rl`, so that actor does not load the
+trainer's stack (torch.distributed, FSDP2, the weight transports) while the others start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from verst.config import VerstConfig, batch_plan, load_object
+from verst.data import PromptSource
+from verst.engine.client import EngineClient
+from verst.models import load_tokenizer
+from verst.orchestration.rollout_manager import RolloutEndpoints, RolloutParts
+from verst.rollout import (
+    AsyncRolloutWorker,
+    RolloutContext,
+    build_buffer,
+    discard_handler,
+    run_rollout,
+    worker_hooks,
+)
+from verst.types import Group
+
+
+async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> RolloutParts:
+    """Data source, rollout context, and (fully async) the buffer and worker, from the config."""
+    tokenizer = load_tokenizer(cfg.model.path)
+    source = load_object(cfg.data.source, "data.source")(cfg.data) if cfg.data.source else PromptSource.from_config(cfg.data)
+    engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency,
+                          max_batch=request_batch(cfg, endpoints.router_url))
+    control = [EngineClient(url) for url in endpoints.engine_urls]  # the router has no abort route
+    ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control)
+    last: dict[str, float] = {}
+
+    async def generate_batch(rollout_id: int, weight_version: int) -> list[Group]:
+        batch = await run_rollout(ctx, cfg.rollout.batch_size)
+        last.clear()
+        last.update(batch.metrics)
+        return batch.groups
+
+    def metrics() -> dict[str, float]:
+        out = dict(last)
+        last.clear()
+        return out
+
+    async def close() -> None:
+        ctx.state.closing = True  # generations cut short by closing the clients are not errors
+        await asyncio.gather(engine.close(), *(c.close() for c in control), ctx.aclose())
+
+    parts = RolloutParts(generate_batch=generate_batch, source=source, close=close, metrics=metrics)
+    if cfg.schedule == "fully_async":
+        plan = batch_plan(cfg)
+        on_discard = discard_handler(cfg.buffer.unused, source.return_prompts)
+        parts.buffer = build_buffer(cfg.buffer, plan.buffer_capacity_groups, on_discard, group_filter=ctx.group_filter)
+        hooks = worker_hooks(ctx)
+        parts.worker = AsyncRolloutWorker.from_config(
+            cfg.rollout, source, parts.buffer, generate_sample=hooks.generate_sample, finish_group=hooks.finish_group,
+            on_leftover=source.return_prompts if cfg.buffer.unused == "return" else None,
+        )
+    return parts
+
+
+def request_batch(cfg: VerstConfig, router_url: str | None) -> int:
+    """Prompts per /generate request: batched straight to an engine; one at a time through sglang-router,
+    which cannot forward SGLang's batch form (0.3 takes one rid per request)."""
+    return cfg.rollout.request_batch if router_url is None else 1
