@@ -136,6 +136,23 @@ def test_samples_of_one_prompt_admitted_together_prefill_it_once(model_dirs, arc
     assert len({tuple(r.output_ids) for r in done[:6]}) > 1  # the samples are not copies of each other
 
 
+def test_a_failed_prefill_forward_leaves_no_follower_behind(qwen):
+    core = make_core(qwen, max_running_requests=8)
+    group = [req(f"g{i}", [7, 8, 9], max_new=3, seed=i) for i in range(4)]
+    for r in group:
+        core.add_request(r)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("forward failed")
+
+    core.runner.forward = broken
+    with pytest.raises(RuntimeError, match="forward failed"):
+        core.step()
+    core.abort_all("engine step failed")  # what the engine thread does after a failed step
+    assert [r.finish.type for r in group] == ["abort"] * 4
+    assert not core.running and not core.waiting and not core.requests
+
+
 def test_waiting_requests_are_admitted_by_priority_then_in_arrival_order(qwen):
     core = make_core(qwen, max_running_requests=1, prefix_cache_tokens=0)
     finished = []

@@ -254,7 +254,8 @@ class EngineCore:
         while self.waiting and len(self.running) + len(fed) + len(followers) < self.config.max_running_requests:
             req = self.waiting[0]
             tokens = req.tokens()
-            leader = leaders.get(tuple(tokens))
+            key = tuple(tokens)
+            leader = leaders.get(key)
             if leader is not None:
                 self.waiting.popleft()
                 followers.append((req, leader))
@@ -266,7 +267,7 @@ class EngineCore:
             if fed and (len(fed) + 1) * longest_if_added > self.config.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            leaders[tuple(tokens)] = req
+            leaders[key] = req
             longest = longest_if_added
             fed.append((req, pending))
             hits.append((entry, hit))
@@ -293,7 +294,9 @@ class EngineCore:
     def _prefill(self, fed: list[tuple[Request, list[int]]], followers: list[tuple[Request, Request]]) -> int:
         reqs = [req for req, _ in fed]
         first = len(self.running)
-        self.running.extend(reqs)
+        # followers hold the slots after the fed rows; in `running` before the forward, so a failed
+        # forward ends them with the rest
+        self.running.extend(reqs + [req for req, _ in followers])
         pending = [p for _, p in fed]
         logits, experts = self.runner.forward(first, pending, [r.kv_len for r in reqs])
         for i, req in enumerate(reqs):
@@ -305,7 +308,6 @@ class EngineCore:
         self.counters["prefill_tokens"] += sum(len(p) for p in pending)
         row = {id(req): i for i, req in enumerate(reqs)}
         for req, leader in followers:
-            self.running.append(req)
             self.runner.cache.copy_row(leader.slot, req.slot, leader.kv_len)
             req.kv_len, req.routed_experts = leader.kv_len, list(leader.routed_experts)
         if followers:
