@@ -169,8 +169,8 @@ def recipes(task: str) -> tuple[Path, list[Path]]:
 def sft_checkpoint(path: str | None, work_dir: Path, task: str) -> Path:
     """A private copy (work_dir/checkpoint) of the SFT export every side starts from: `path`, else the last
     SFT stage's own run (runs/sft-addition/hf for make demo's), else the stages this bench trains into
-    work_dir/sft-<stage> (each from the previous one's export, the first from the recipe's model). The copy
-    keeps the sides on one checkpoint while `make demo` may rewrite the demo's."""
+    work_dir/<stage's run name> (each from the previous one's export, the first from its recipe's model).
+    The copy keeps the sides on one checkpoint while `make demo` may rewrite the demo's."""
     from verst.config import load_config
 
     stages = recipes(task)[1]
@@ -179,8 +179,8 @@ def sft_checkpoint(path: str | None, work_dir: Path, task: str) -> Path:
         from verst.recipes.demo import make_artifacts
         from verst.recipes.sft import run_sft
 
-        make_artifacts("addition")
-        make_artifacts(task)
+        for data in dict.fromkeys(("addition", task)):  # every task's first stage is sft_addition
+            make_artifacts(data)
         previous: list[str] = []
         for stage in stages:
             run_dir = work_dir / load_config(stage).name

@@ -23,7 +23,6 @@ MODEL_DIR = Path("artifacts/models/tiny-qwen3")
 # task -> its data folder: train.jsonl and test.jsonl (true labels) and sft_teacher.jsonl (the train
 # prompts with the teacher's labels). `chain_addition` is bench/vs_trl.py's long-tailed variant.
 TASK_DATA = {"addition": Path("artifacts/data/addition"), "chain_addition": Path("artifacts/data/chain_addition")}
-DATA_DIR = TASK_DATA["addition"]
 SFT_DATA_NAME = "sft_teacher.jsonl"
 TEACHER_CARRY_ERROR_RATE = 0.7
 SFT_RECIPE = Path("recipes/sft_addition.toml")
