@@ -13,7 +13,7 @@ from verst.eval.greedy import GenerateFn
 
 # Evaluation blocks the training loop while rollouts (fully async) keep the engines busy: its requests
 # go ahead of waiting rollout requests (engines that schedule by priority: verst's, SGLang with
-# --enable-priority-scheduling; sglang-router forwards the field).
+# --enable-priority-scheduling; sglang-router 0.3.2 parses it as an i32, refusing other types).
 EVAL_PRIORITY = 1
 
 
