@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from verst.engine.model_runner import ModelRunner
+from verst.engine.model_runner import IMPLS, ModelRunner
 from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, InvalidRequest, Phase, Request
 from verst.engine.sampling import RowSampling, sample
@@ -39,6 +39,9 @@ class EngineConfig:
     prefix_cache_tokens: int = 32768  # 0 disables prefix caching
     return_routed_experts: bool = False  # MoE: return routed experts on every reply (the router drops the field)
     seed: int = 0  # seed of the sampling generator used by requests without sampling_seed
+    # The model's forward: "native" (verst.engine.native, dense Llama-family), "transformers", or "auto"
+    # (native where it applies). SGLang and vLLM call this choice model_impl too.
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.min_prefill_batch is None:
@@ -46,6 +49,8 @@ class EngineConfig:
         for name in ("max_running_requests", "max_prefill_tokens", "min_prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.model_impl not in IMPLS:
+            raise ValueError(f"EngineConfig.model_impl must be one of {list(IMPLS)}, got {self.model_impl!r}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"EngineConfig.context_length must be >= 2, got {self.context_length}")
 
@@ -62,7 +67,7 @@ class EngineCore:
         self.config = config or EngineConfig()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, impl=self.config.model_impl)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.context_length = self.config.context_length or getattr(self.runner.config, "max_position_embeddings", None)
         if not self.context_length:
@@ -232,6 +237,7 @@ class EngineCore:
             "prefix_cache_tokens": self.prefix_cache.num_tokens,
             "prefix_cache_sequences": len(self.prefix_cache),
             "kv_cache_bytes": self.runner.cache.nbytes(),
+            "model_impl": self.runner.impl,
             **{f"total_{k}": v for k, v in self.counters.items()},
         }
 

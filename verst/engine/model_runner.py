@@ -8,18 +8,32 @@ every fed token for MoE models (top-k of the router logits, as the model itself 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 
 from verst.engine.kv_cache import SlotKVCache
+from verst.engine.native import CHECK_TOLERANCE, NativeForward, unsupported_reason
+
+log = logging.getLogger(__name__)
+
+
+IMPLS = ("auto", "native", "transformers")
 
 
 class ModelRunner:
-    """Owns the model's forward and the slot KV cache; knows nothing about requests."""
+    """Owns the model's forward and the slot KV cache; knows nothing about requests.
 
-    def __init__(self, model: Any):
+    `impl`: "native" runs `verst.engine.native`'s forward (dense Llama-family models), "transformers"
+    the model's own, "auto" native where it applies. A native forward is checked against transformers
+    once (`check`) and refused when they differ.
+    """
+
+    def __init__(self, model: Any, impl: str = "auto", check: bool = True):
+        if impl not in IMPLS:
+            raise ValueError(f"model_impl must be one of {list(IMPLS)}, got {impl!r}")
         self.model = model
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
@@ -40,6 +54,22 @@ class ModelRunner:
         self._sliding_window = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
+        self.native = self._native_forward(impl, check)
+        self.impl = "native" if self.native else "transformers"
+
+    def _native_forward(self, impl: str, check: bool) -> NativeForward | None:
+        reason = unsupported_reason(self.model)
+        if impl == "transformers" or (impl == "auto" and reason is not None):
+            if impl == "auto":
+                log.info("model_impl auto: transformers' forward (native: %s)", reason)
+            return None
+        native = NativeForward(self.model)  # raises with the reason for an unsupported model
+        if check:
+            diff = native.check(int(self.model.get_input_embeddings().num_embeddings))
+            if not diff <= CHECK_TOLERANCE:
+                raise RuntimeError(f"the native forward differs from transformers' by {diff:.2e} in logits "
+                                   f"(tolerance {CHECK_TOLERANCE:.0e}); use model_impl = 'transformers'")
+        return native
 
     def forward(
         self, first_slot: int, pending: list[list[int]], starts: list[int]
@@ -58,13 +88,12 @@ class ModelRunner:
         if self._keep_last:
             kwargs["logits_to_keep"] = 1
         self._router_outputs.clear()
-        out = self.model(
-            input_ids=ids.to(self.device),
-            position_ids=positions.clamp(min=0).to(self.device),
-            attention_mask=self._mask(positions, width_kv),
-            **kwargs,
-        )
-        logits = out.logits[:, -1, :].float().cpu()  # sampling runs on the CPU with CPU generators
+        ids, mask, positions = ids.to(self.device), self._mask(positions, width_kv), positions.clamp(min=0).to(self.device)
+        if self.native is not None:
+            last = self.native.forward(ids, positions, mask, self.cache)
+        else:
+            last = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs).logits[:, -1, :]
+        logits = last.float().cpu()  # sampling runs on the CPU with CPU generators
         experts = None
         if self.moe_top_k:
             experts = self._routed_experts(self._router_outputs, batch, width_q, [len(p) for p in pending])

@@ -312,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE: put routed experts in every reply (sglang-router drops the per-request field)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--model-impl", default="auto", choices=("auto", "native", "transformers"),
+                   help="the model's forward: verst's native one (dense Llama-family), transformers', or auto "
+                   "(native where it applies)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
@@ -347,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(
         max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
         context_length=args.context_length, prefix_cache_tokens=args.prefix_cache_tokens,
-        return_routed_experts=args.return_routed_experts, seed=args.seed,
+        return_routed_experts=args.return_routed_experts, seed=args.seed, model_impl=args.model_impl,
     )
     core = EngineCore(model, tokenizer, config, weight_version=args.weight_version)
     if args.return_routed_experts and not core.runner.moe_layers:

@@ -88,6 +88,13 @@ class RunProgress:
         ):
             print(f"[{self.title}] step {step}/{self.total}: {headline(metrics)}", file=self.stream, flush=True)
 
+    def evaluated(self, step: int, metrics: dict[str, Any]) -> None:
+        """A held-out evaluation of step `step` finished (in the background, while later steps ran)."""
+        scores = {key: float(metrics[key]) for key in EVAL_KEYS if isinstance(metrics.get(key), int | float)}
+        self.last_eval.update(scores)
+        if self.mode == "lines" and scores:
+            print(f"[{self.title}] step {step} evaluated: {headline(scores)}", file=self.stream, flush=True)
+
     def __exit__(self, *exc: Any) -> None:
         if self._progress is not None:
             self._progress.stop()

@@ -15,7 +15,7 @@ from verst.recipes.rl import open_rl_run
 
 async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
-        run.logger.log({**run.startup_metrics, **await run.evaluate()}, step=0)
+        await run.start_evaluation(run.startup_metrics)  # step 0, while the first rollouts generate
         await asyncio.to_thread(run.rollout.start_async)
         try:
             for _ in range(run.plan.total_train_steps):
@@ -24,11 +24,10 @@ async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:
                 async for step_metrics in run.train(groups):  # the groups of one step
                     metrics.update(step_metrics)
                 metrics.update(await run.sync_weights())  # generation pauses only for the push itself
-                if run.eval_due():
-                    metrics.update(await run.evaluate())
                 await run.log(metrics, start)
+                if run.eval_due():
+                    await run.start_evaluation()  # overlaps the next step
         finally:
             await asyncio.to_thread(run.rollout.stop_async)
-        if not run.eval_history or run.eval_history[-1][0] != run.version:
-            run.logger.log(await run.evaluate(), step=run.version)
+        await run.evaluate_last_version()
         return run.finish()

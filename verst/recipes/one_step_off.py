@@ -16,7 +16,7 @@ from verst.recipes.rl import open_rl_run
 
 async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
-        run.logger.log({**run.startup_metrics, **await run.evaluate()}, step=0)
+        await run.start_evaluation(run.startup_metrics)  # step 0, while the first rollouts generate
         next_batch = asyncio.create_task(run.generate(0))
         for rollout_id in range(cfg.rollout.num_rollouts):
             start = time.perf_counter()
@@ -27,10 +27,9 @@ async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
             async for step_metrics in run.train(groups):
                 metrics = {**rollout_metrics, **step_metrics, "perf/trainer_wait_s": wait_s}
                 metrics.update(await run.sync_weights())
-                if run.eval_due():
-                    metrics.update(await run.evaluate())
                 await run.log(metrics, start)
+                if run.eval_due():
+                    await run.start_evaluation()  # overlaps the next step
                 start, rollout_metrics, wait_s = time.perf_counter(), {}, 0.0
-        if not run.eval_history or run.eval_history[-1][0] != run.version:
-            run.logger.log(await run.evaluate(), step=run.version)
+        await run.evaluate_last_version()
         return run.finish()

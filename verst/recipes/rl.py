@@ -56,6 +56,7 @@ class RLRun:
     eval_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     startup_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # time/startup/*
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    _evaluation: asyncio.Task | None = None  # the held-out evaluation in flight (start_evaluation)
 
     # -- named steps ---------------------------------------------------------------------------
     async def generate(self, rollout_id: int) -> tuple[list[Group], dict[str, float]]:
@@ -84,6 +85,7 @@ class RLRun:
             step_groups = groups[first : first + per_step]
             n_samples = sum(len(g) for g in step_groups)
             if self.cfg.cluster.placement == "colocated":
+                await self.settle_evaluation()  # it needs the engines' memory
                 await asyncio.to_thread(self.engines.release_memory)
             try:
                 start = time.perf_counter()
@@ -105,6 +107,7 @@ class RLRun:
         """Push the trainer's weights as `version` when the interval says so (pause → push → continue)."""
         if not self.syncer.due(self.version):
             return {}
+        await self.settle_evaluation()  # an evaluation in flight scores the weights the engines serve now
         # The transport reads the trainer's bucket stream in a worker thread, one bucket ahead.
         return await self.syncer.sync(self.trainer.named_weights(self.cfg.sync.bucket_bytes), self.version)
 
@@ -112,9 +115,11 @@ class RLRun:
     def score_key(self) -> str:
         return score_key(self.cfg)
 
-    async def evaluate(self) -> dict[str, float]:
-        """Held-out greedy accuracy (or agent success) through the engines, which must all serve `version`."""
-        cfg, version = self.cfg, str(self.syncer.version or 0)
+    async def evaluate(self, step: int | None = None) -> dict[str, float]:
+        """Held-out greedy accuracy (or agent success) through the engines, which must all serve the
+        syncer's version; recorded as trainer step `step` (default: `version`, which training may advance
+        meanwhile)."""
+        cfg, version, step = self.cfg, str(self.syncer.version or 0), self.version if step is None else step
         tokenizer, prompts = _tokenizer(cfg.model.path), _test_prompts(cfg)
         if cfg.rollout.agent_fn:  # a tool-using task: the first reply is a tool call, so run whole episodes
             async with EngineClient(self.router_url, affinity=True) as client:
@@ -126,15 +131,52 @@ class RLRun:
             metrics = await asyncio.to_thread(evaluate_greedy, prompts, generate, tokenizer, cfg.reward, cfg.data,
                                               max_new)
         metrics["eval/weight_version"] = float(version)
-        self.eval_history.append((self.version, metrics[self.score_key]))
+        self.eval_history.append((step, metrics[self.score_key]))
         return metrics
+
+    async def start_evaluation(self, extra: dict[str, float] | None = None) -> None:
+        """Evaluate `version` in the background, logged at that step (with `extra`) as soon as it is done.
+
+        Training and generation go on meanwhile (the evaluation's requests go first at the engines); the
+        weights stay: the next push, or a colocated step, waits for it (`settle_evaluation`).
+        """
+        await self.settle_evaluation()  # one at a time, logged in step order
+        step = self.version
+
+        async def evaluate_and_log() -> None:
+            metrics = {**(extra or {}), **await self.evaluate(step)}
+            self.logger.log(metrics, step=step)
+            self.progress.evaluated(step, metrics)
+
+        self._evaluation = asyncio.create_task(evaluate_and_log())
+
+    async def settle_evaluation(self) -> None:
+        """Wait for the evaluation in flight, if any (its failure is raised here)."""
+        task, self._evaluation = self._evaluation, None
+        if task is not None:
+            await task
+
+    async def drop_evaluation(self) -> None:
+        """Cancel the evaluation in flight, if any, and wait until it has stopped."""
+        task, self._evaluation = self._evaluation, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def evaluate_last_version(self) -> None:
+        """At the end of a run: the last version's score, unless an evaluation already measured it."""
+        await self.settle_evaluation()
+        if not self.eval_history or self.eval_history[-1][0] != self.version:
+            self.logger.log(await self.evaluate(), step=self.version)
 
     def eval_due(self) -> bool:
         return bool(self.cfg.eval.interval) and self.version % self.cfg.eval.interval == 0
 
     async def log(self, metrics: dict[str, float], step_start: float) -> None:
         """Log one train step's metrics (adding step time and the engines' idle fraction since the
-        previous step) and show it on the progress display."""
+        previous step) and show it on the progress display. An evaluation still in flight is logged
+        first: rows stay in step order."""
+        await self.settle_evaluation()
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
         metrics["train/weight_version"] = float(self.version)
         idle = await self.idle_meter.read()
@@ -200,6 +242,7 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
                 with progress:
                     yield run
             finally:
+                await run.drop_evaluation()  # a run stopped early (an error, cancelled) has one in flight
                 await syncer.close()
 
 

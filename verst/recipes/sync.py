@@ -15,17 +15,16 @@ from verst.recipes.rl import open_rl_run
 
 async def run_sync(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
-        run.logger.log({**run.startup_metrics, **await run.evaluate()}, step=0)
+        await run.start_evaluation(run.startup_metrics)  # step 0, while the first rollouts generate
         for rollout_id in range(cfg.rollout.num_rollouts):
             start = time.perf_counter()
             groups, rollout_metrics = await run.generate(rollout_id)
             async for step_metrics in run.train(groups):
                 metrics = {**rollout_metrics, **step_metrics}
                 metrics.update(await run.sync_weights())
-                if run.eval_due():
-                    metrics.update(await run.evaluate())
                 await run.log(metrics, start)
+                if run.eval_due():
+                    await run.start_evaluation()  # overlaps the next step
                 start, rollout_metrics = time.perf_counter(), {}
-        if not run.eval_history or run.eval_history[-1][0] != run.version:
-            run.logger.log(await run.evaluate(), step=run.version)
+        await run.evaluate_last_version()
         return run.finish()
