@@ -5,7 +5,8 @@ static batches of the same size, on the same requests, in one run. Target: engin
 `--samples-per-prompt 8` asks each prompt 8 times in a row, as GRPO does.
 Every request generates exactly its length (EOS ignored), so both sides produce the same useful tokens;
 a static batch runs until its longest request is done, as `generate` does. Temperature 1 sampling.
-The engine is measured in-process (`EngineCore.step`) and served over HTTP (`verst serve engine` in a
+The engine is measured in-process (`EngineCore.step`), with its native forward (model_impl auto) and with
+transformers' forward, and served over HTTP (`verst serve engine` in a
 child process, 256 concurrent requests through the async client); RSS is the served engine's.
 
     .venv/bin/python bench/engine_throughput.py [--sizes tiny,small] [--requests 256] [--batch 64]
@@ -70,8 +71,8 @@ def run_hf(model, work, batch: int, seed: int) -> tuple[float, int]:
     return time.perf_counter() - start, useful
 
 
-def run_engine(model, tokenizer, work, batch: int, seed: int) -> tuple[float, int, int]:
-    core = EngineCore(model, tokenizer, EngineConfig(max_running_requests=batch, seed=seed))
+def run_engine(model, tokenizer, work, batch: int, seed: int, impl: str = "auto") -> tuple[float, int, int]:
+    core = EngineCore(model, tokenizer, EngineConfig(max_running_requests=batch, seed=seed, model_impl=impl))
     reqs = [Request(rid=str(i), prompt_ids=p, return_logprob=True,
                     sampling=Sampling(temperature=1.0, max_new_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(work)]
@@ -120,11 +121,14 @@ def bench_size(size: str, args, root: Path) -> None:
     run_engine(model, tokenizer, warm[: args.batch // 4], args.batch // 4, args.seed)
     hf_s, hf_tokens = run_hf(model, work, args.batch, args.seed)
     eng_s, eng_tokens, steps = run_engine(model, tokenizer, work, args.batch, args.seed)
+    tf_s, tf_tokens, _ = run_engine(model, tokenizer, work, args.batch, args.seed, impl="transformers")
     hf_tps, eng_tps = hf_tokens / hf_s, eng_tokens / eng_s
     print(f"\n== qwen3-{size}: {args.requests} requests ({args.samples_per_prompt} per prompt), {total} output "
           f"tokens (lengths 4-128, mean {total / len(work):.1f}), batch {args.batch}")
     print(f"HF generate (static batches)   {hf_tps:8.1f} tok/s   {hf_s:6.2f} s")
     print(f"engine, in-process             {eng_tps:8.1f} tok/s   {eng_s:6.2f} s   {steps} steps")
+    print(f"  same, transformers' forward  {tf_tokens / tf_s:8.1f} tok/s   {tf_s:6.2f} s   "
+          f"native / transformers {eng_tps / (tf_tokens / tf_s):.2f}x")
     print(f"ratio engine / HF              {eng_tps / hf_tps:8.2f}x   (target >= 2x)")
     print(f"bench process RSS              {_rss_mib():8.1f} MiB")
     if not args.no_http:

@@ -4,6 +4,7 @@ and restores the data source, and hands leftovers back on shutdown.
 """
 
 import asyncio
+import threading
 
 import pytest
 
@@ -137,5 +138,45 @@ def test_engine_urls_may_arrive_at_start_but_must_arrive_once():
         with pytest.raises(ValueError, match="at least one engine URL, got \\[\\]"):
             RolloutManager([], parts_factory(seen), router=None)
         await late.shutdown()
+
+    asyncio.run(main())
+
+
+def test_prepare_runs_at_once_and_the_parts_are_built_after_it():
+    async def main():
+        events, release = [], threading.Event()
+
+        def prepare():
+            events.append("prepare started")
+            release.wait(5)
+            events.append("prepare done")
+
+        def factory(endpoints):
+            events.append("factory")
+            return parts_factory([])(endpoints)
+
+        manager = RolloutManager(None, factory, router=None, prepare=prepare)
+        await asyncio.sleep(0.05)
+        assert events == ["prepare started"]  # before any engine URL is known
+        starting = asyncio.create_task(manager.start(["http://127.0.0.1:2"]))
+        await asyncio.sleep(0.05)
+        assert not starting.done() and events == ["prepare started"]  # start waits for it
+        release.set()
+        await starting
+        assert events == ["prepare started", "prepare done", "factory"]
+        await manager.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_failing_prepare_is_raised_by_start():
+    def prepare():
+        raise FileNotFoundError("model path '/nowhere' has no tokenizer.json")
+
+    async def main():
+        manager = RolloutManager(None, parts_factory([]), router=None, prepare=prepare)
+        with pytest.raises(FileNotFoundError, match="/nowhere"):
+            await manager.start(["http://127.0.0.1:2"])
+        await manager.shutdown()
 
     asyncio.run(main())

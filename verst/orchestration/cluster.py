@@ -101,13 +101,14 @@ class Orchestration:
         return group
 
     def start_rollout_manager(
-        self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec()
+        self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec(),
+        prepare: Callable[[], Any] | None = None,
     ) -> RolloutManagerHandle:
         """The rollout manager actor in front of `engine_urls`, started (router up, parts built). With
-        `engine_urls=None` the actor only starts its process (imports) until `handle.start(urls)`."""
+        `engine_urls=None` the actor only starts its process (imports, `prepare()`) until `handle.start(urls)`."""
         self._placed()
-        handle = RolloutManagerHandle(engine_urls, parts_factory, router=router, timeout_s=self.timeout_s,
-                                      start_timeout_s=self.start_timeout_s)
+        handle = RolloutManagerHandle(engine_urls, parts_factory, router=router, prepare=prepare,
+                                      timeout_s=self.timeout_s, start_timeout_s=self.start_timeout_s)
         self._stack.append(handle)
         return handle
 
@@ -158,11 +159,11 @@ class RolloutManagerHandle:
     `handle.actor.<method>.remote(...)` instead from an asyncio driver."""
 
     def __init__(self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None,
-                 timeout_s: float = 600.0, start_timeout_s: float = 300.0):
+                 prepare: Callable[[], Any] | None = None, timeout_s: float = 600.0, start_timeout_s: float = 300.0):
         self.timeout_s = timeout_s
         self._closed = False
         self.actor = _RemoteRolloutManager.options(num_cpus=MANAGER_CPUS).remote(
-            list(engine_urls) if engine_urls is not None else None, parts_factory, router=router)
+            list(engine_urls) if engine_urls is not None else None, parts_factory, router=router, prepare=prepare)
         self.router_url: str | None = None
         self.pids: dict[str, int | None] = {}
         self._start_timeout_s = start_timeout_s

@@ -8,9 +8,11 @@ an async Ray actor so the fully async worker lives on the actor's event loop acr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import inspect
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -64,10 +66,13 @@ class RolloutManager:
     """Host of the rollout side. Call `start()` first and `shutdown()` last (both idempotent).
 
     `engine_urls` may come late, to `start()`: an actor created before the engines are up does its
-    imports (the parts factory's modules) while they start."""
+    imports (the parts factory's modules) while they start, and runs `prepare()` (in a thread, at once):
+    the slow part of building the parts that needs no engine, e.g. loading the tokenizer. `start()`
+    waits for it and raises its error."""
 
     def __init__(
-        self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec()
+        self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec(),
+        prepare: Callable[[], Any] | None = None,
     ):
         self._engine_urls = _checked_urls(engine_urls) if engine_urls is not None else None
         self._factory, self._router_spec = parts_factory, router
@@ -75,6 +80,11 @@ class RolloutManager:
         self._parts: RolloutParts | None = None
         self._async_started = False
         self._closed = False
+        self._prepared: concurrent.futures.Future | None = None
+        if prepare is not None:
+            self._prepared = concurrent.futures.Future()
+            threading.Thread(target=_run_into, args=(prepare, self._prepared), name="verst-rollout-prepare",
+                             daemon=True).start()
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self, engine_urls: list[str] | None = None) -> str | None:
@@ -90,6 +100,8 @@ class RolloutManager:
                              "or to start()")
         if self._parts is not None:
             return await self.router_url()
+        if self._prepared is not None:
+            await asyncio.wrap_future(self._prepared)
         if self._router_spec is not None:
             spec = self._router_spec
             self._router = RouterManager(self._engine_urls, policy=spec.policy, assignment_mode=spec.assignment_mode,
@@ -215,6 +227,13 @@ class RolloutManager:
         if worker is None:
             raise RuntimeError(f"{what}: the rollout parts have no fully async worker")
         return worker
+
+
+def _run_into(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as error:  # raised to start()'s caller
+        future.set_exception(error)
 
 
 def _checked_urls(engine_urls: list[str]) -> list[str]:

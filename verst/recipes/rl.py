@@ -25,7 +25,7 @@ from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import Orchestration, RouterSpec
 from verst.recipes.rl_steps import old_logprobs, train_on_groups
-from verst.recipes.rollout_side import build_rollout_parts, request_batch
+from verst.recipes.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.rollout import prefix_cache_metrics, sample_metrics
 from verst.router.fleet import EngineFleet, IdleMeter
 from verst.sync import build_syncer
@@ -218,7 +218,8 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
         # Engines, the rollout manager's process and the trainer ranks start at the same time.
         engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0"], wait=False)
         rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
-                                             router=router_spec(cfg, cfg.cluster.num_engines))
+                                             router=router_spec(cfg, cfg.cluster.num_engines),
+                                             prepare=functools.partial(prepare_rollout_parts, cfg))
         trainer = orch.start_trainer(functools.partial(
             FSDP2Backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps, temperature=temperature,
             device=orch.device, ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,

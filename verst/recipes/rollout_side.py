@@ -61,6 +61,12 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
     return parts
 
 
+def prepare_rollout_parts(cfg: VerstConfig) -> None:
+    """What `build_rollout_parts` can do before the engines are up: load the tokenizer, which imports
+    transformers (and torch) — seconds the actor otherwise spends after the engines are ready."""
+    load_tokenizer(cfg.model.path)
+
+
 def request_batch(cfg: VerstConfig, router_url: str | None) -> int:
     """Prompts per /generate request: batched straight to an engine; one at a time through sglang-router,
     which cannot forward SGLang's batch form (0.3 takes one rid per request)."""
