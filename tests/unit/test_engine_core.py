@@ -168,6 +168,63 @@ def test_waiting_requests_are_admitted_by_priority_then_in_arrival_order(qwen):
     assert finished == ["busy", "top", "high-a", "high-b", "low-a", "low-b"]
 
 
+def test_a_higher_priority_request_preempts_and_the_preempted_lose_nothing(qwen):
+    lows = lambda: [req(f"low{i}", p, max_new=16, seed=10 + i) for i, p in enumerate(prompts(2, seed=7))]  # noqa: E731
+    reference = run(make_core(qwen, max_running_requests=2), lows())
+    core = make_core(qwen, max_running_requests=2)
+    finished = []
+    low = lows()
+    for r in low:
+        r.on_finish = lambda done: finished.append(done.rid)
+        core.add_request(r)
+    for _ in range(4):
+        core.step()
+    urgent = req("eval", [4, 5, 6], max_new=3, temperature=0.0)
+    urgent.priority, urgent.on_finish = 1, lambda done: finished.append(done.rid)
+    core.add_request(urgent)
+    core.step()
+    assert urgent in core.running and [r.rid for r in core.waiting] == ["low1"]  # the latest admitted yields
+    run(core, [])
+    assert finished[0] == "eval" and sorted(finished[1:]) == ["low0", "low1"]
+    assert core.counters["preempted"] == 1
+    assert low[1].cached_tokens == reference[1].cached_tokens  # cached_tokens stays the first admission's
+    for mine, ref in zip(low, reference):
+        assert mine.output_ids == ref.output_ids
+        assert torch.allclose(torch.tensor(mine.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-5)
+
+
+def test_without_preemption_a_higher_priority_request_waits_for_a_free_slot(qwen):
+    core = make_core(qwen, max_running_requests=1, priority_preemption=False)
+    finished = []
+    low = req("low", [1, 2, 3], max_new=6, seed=0)
+    urgent = req("eval", [4, 5], max_new=1, temperature=0.0)
+    urgent.priority = 1
+    for r in (low, urgent):
+        r.on_finish = lambda done: finished.append(done.rid)
+    core.add_request(low)
+    core.step()
+    run(core, [urgent])
+    assert finished == ["low", "eval"] and core.counters["preempted"] == 0
+
+
+def test_a_higher_priority_request_takes_a_free_slot_without_waiting_for_a_prefill_batch(qwen):
+    core = make_core(qwen, max_running_requests=8, min_prefill_batch=4)
+    lows = [req(f"low{i}", p, max_new=20, seed=i) for i, p in enumerate(prompts(7, seed=2))]
+    for r in lows:
+        core.add_request(r)
+    core.step()
+    later = [req(f"late{i}", [9, i], max_new=2, seed=0) for i in range(2)]
+    for r in later:
+        core.add_request(r)
+    core.step()
+    assert list(core.waiting) == later  # one free slot for two: they wait for a prefill batch of 4
+    urgent = req("eval", [4, 5], max_new=2, temperature=0.0)
+    urgent.priority = 1
+    core.add_request(urgent)
+    core.step()
+    assert urgent in core.running and list(core.waiting) == later and core.counters["preempted"] == 0
+
+
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_pause_mid_generation_then_continue_loses_and_duplicates_no_token(qwen, mode):
     batch = lambda: [req(f"p{i}", p, max_new=10, seed=100 + i) for i, p in enumerate(prompts(5, seed=5))]  # noqa: E731

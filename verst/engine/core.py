@@ -42,6 +42,9 @@ class EngineConfig:
     # The model's forward: "native" (verst.engine.native, dense Llama-family), "transformers", or "auto"
     # (native where it applies). SGLang and vLLM call this choice model_impl too.
     model_impl: str = "auto"
+    # A waiting request of a higher priority than running ones takes their slots: they go back to the
+    # queue (their KV offered to the prefix cache) and continue later, as SGLang's priority preemption.
+    priority_preemption: bool = True
 
     def __post_init__(self) -> None:
         if self.min_prefill_batch is None:
@@ -138,6 +141,7 @@ class EngineCore:
             if self.running:
                 produced += self._decode()
             self._release_finished()
+            self._preempt_for_priority()
             fed, followers = self._admit()
             if fed:
                 produced += self._prefill(fed, followers)
@@ -252,7 +256,8 @@ class EngineCore:
         fed: list[tuple[Request, list[int]]] = []
         followers: list[tuple[Request, Request]] = []
         free = self.config.max_running_requests - len(self.running)
-        if self.running and free < min(len(self.waiting), self.config.min_prefill_batch):
+        urgent = self.waiting and self.running and self.waiting[0].priority > min(r.priority for r in self.running)
+        if self.running and not urgent and free < min(len(self.waiting), self.config.min_prefill_batch):
             return fed, followers
         leaders: dict[tuple[int, ...], Request] = {}
         hits: list[tuple[Any, int]] = []
@@ -385,15 +390,43 @@ class EngineCore:
         for req in done:
             if req.kv_len:
                 self._remember(req)
-        keep = [r for r in self.running if r.finish is None]
-        holes = sorted(r.slot for r in done if r.slot < len(keep))
+        self._leave_slots(done)
+        for req in done:
+            self._complete(req)
+
+    def _leave_slots(self, leaving: list[Request]) -> None:
+        """Take `leaving` out of the running list; rows from the end fill their slots (one copy each)."""
+        gone = set(map(id, leaving))
+        keep = [r for r in self.running if id(r) not in gone]
+        holes = sorted(r.slot for r in leaving if r.slot < len(keep))
         movers = [r for r in keep if r.slot >= len(keep)]
         for hole, req in zip(holes, movers):
             self.runner.cache.move_row(req.slot, hole, req.kv_len)
             req.slot = hole
         self.running = sorted(keep, key=lambda r: r.slot)
-        for req in done:
-            self._complete(req)
+
+    def _preempt_for_priority(self) -> None:
+        """Retract running requests of a lower priority than the first waiting one, as many as its
+        priority's waiting requests lack free slots: the most recently admitted of the lowest priority
+        first. They keep their outputs, go back to the front of their priority's queue and continue
+        from the prefix cache once admitted again (the same tokens and logprobs as without preemption)."""
+        if not (self.config.priority_preemption and self.waiting and self.running):
+            return
+        top = self.waiting[0].priority
+        urgent = sum(1 for r in self.waiting if r.priority == top)
+        need = urgent - (self.config.max_running_requests - len(self.running))
+        lower = sorted((r for r in self.running if r.priority < top), key=lambda r: (r.priority, -r.slot))
+        victims = lower[: max(need, 0)]
+        if not victims:
+            return
+        for req in victims:
+            self._remember(req)
+        self._leave_slots(victims)
+        for req in victims:  # each to the front of its priority: the earliest admitted resumes first
+            req.slot, req.kv_len, req.phase, req.routed_experts = None, 0, Phase.WAITING, []
+            at = next((i for i, other in enumerate(self.waiting) if other.priority <= req.priority), len(self.waiting))
+            self.waiting.insert(at, req)
+        self.counters["preempted"] += len(victims)
 
     def _complete(self, req: Request) -> None:
         req.phase, req.slot = Phase.FINISHED, None

@@ -312,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE: put routed experts in every reply (sglang-router drops the per-request field)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--disable-priority-preemption", action="store_true",
+                   help="a waiting request of a higher priority waits for free slots instead of retracting "
+                   "running lower-priority ones")
     p.add_argument("--model-impl", default="auto", choices=("auto", "native", "transformers"),
                    help="the model's forward: verst's native one (dense Llama-family), transformers', or auto "
                    "(native where it applies)")
@@ -351,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
         context_length=args.context_length, prefix_cache_tokens=args.prefix_cache_tokens,
         return_routed_experts=args.return_routed_experts, seed=args.seed, model_impl=args.model_impl,
+        priority_preemption=not args.disable_priority_preemption,
     )
     core = EngineCore(model, tokenizer, config, weight_version=args.weight_version)
     if args.return_routed_experts and not core.runner.moe_layers:
