@@ -54,3 +54,10 @@ def test_evaluate_greedy_scores_with_reward_and_counts_truncation(tok):
     assert m["eval/accuracy"] == pytest.approx(0.75)
     assert m["eval/truncated_ratio"] == pytest.approx(0.25)
     assert m["eval/n_prompts"] == 4
+
+
+def test_engine_eval_concurrency_is_checked_by_name():
+    from verst.eval import engine_greedy_generate
+
+    with pytest.raises(ValueError, match="concurrency must be >= 1 or None, got 0"):
+        engine_greedy_generate("http://127.0.0.1:9", 4, concurrency=0)
