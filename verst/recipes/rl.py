@@ -56,7 +56,7 @@ class RLRun:
     eval_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     startup_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # time/startup/*
     started: float = dataclasses.field(default_factory=time.perf_counter)
-    _evaluation: asyncio.Task | None = None  # the held-out evaluation in flight (start_evaluation)
+    _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
 
     # -- named steps ---------------------------------------------------------------------------
     async def generate(self, rollout_id: int) -> tuple[list[Group], dict[str, float]]:
