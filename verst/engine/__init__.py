@@ -13,7 +13,7 @@ _EXPORTS = {
     "RoutingKeyError": "verst.engine.client",
     "Timeouts": "verst.engine.client",
     "ROUTING_KEY_HEADER": "verst.engine.client",
-    "EngineConfig": "verst.engine.core",
+    "EngineConfig": "verst.engine.config",
     "EngineCore": "verst.engine.core",
     "EngineRunner": "verst.engine.runner",
     "EngineProcess": "verst.engine.process",

@@ -8,7 +8,6 @@ with a version string, and cache flushing. Single-threaded and socket-free: `run
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -16,46 +15,14 @@ from typing import Any
 
 import torch
 
-from verst.engine.model_runner import IMPLS, ModelRunner
+from verst.engine.config import EngineConfig
+from verst.engine.model_runner import ModelRunner
 from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, InvalidRequest, Phase, Request
 from verst.engine.sampling import RowSampling, sample
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    """Scheduler limits. The defaults suit tiny and small models on a CPU."""
-
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 8192  # rows x longest pending prompt in one prefill forward
-    # While requests are running, admit new ones only once this many slots are free (or the whole queue
-    # fits): a prefill forward costs about as much as a decode step, so admitting one request per step
-    # nearly doubles the forwards. None: max_running_requests // 8.
-    min_prefill_batch: int | None = None
-    context_length: int | None = None  # default: the model's max_position_embeddings
-    prefix_cache_tokens: int = 32768  # 0 disables prefix caching
-    return_routed_experts: bool = False  # MoE: return routed experts on every reply (the router drops the field)
-    seed: int = 0  # seed of the sampling generator used by requests without sampling_seed
-    # The model's forward: "native" (verst.engine.native, dense Llama-family), "transformers", or "auto"
-    # (native where it applies). SGLang and vLLM call this choice model_impl too.
-    model_impl: str = "auto"
-    # A waiting request of a higher priority than running ones takes their slots: they go back to the
-    # queue (their KV offered to the prefix cache) and continue later, as SGLang's priority preemption.
-    priority_preemption: bool = True
-
-    def __post_init__(self) -> None:
-        if self.min_prefill_batch is None:
-            self.min_prefill_batch = max(1, self.max_running_requests // 8)
-        for name in ("max_running_requests", "max_prefill_tokens", "min_prefill_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.model_impl not in IMPLS:
-            raise ValueError(f"EngineConfig.model_impl must be one of {list(IMPLS)}, got {self.model_impl!r}")
-        if self.context_length is not None and self.context_length < 2:
-            raise ValueError(f"EngineConfig.context_length must be >= 2, got {self.context_length}")
 
 
 class EngineCore:
@@ -118,12 +85,14 @@ class EngineCore:
         self.requests[req.rid] = req
         self._enqueue(req)
 
-    def _enqueue(self, req: Request) -> None:
-        """Behind every waiting request of the same or a higher priority (FIFO within a priority)."""
-        if not self.waiting or self.waiting[-1].priority >= req.priority:
+    def _enqueue(self, req: Request, first_of_its_priority: bool = False) -> None:
+        """Behind every waiting request of the same or a higher priority (FIFO within a priority), or
+        with `first_of_its_priority` behind the higher ones only (a preempted request resuming)."""
+        rank = req.priority + 0.5 if first_of_its_priority else req.priority  # priorities are integers
+        if not self.waiting or self.waiting[-1].priority >= rank:
             self.waiting.append(req)
             return
-        at = next(i for i, other in enumerate(self.waiting) if other.priority < req.priority)
+        at = next(i for i, other in enumerate(self.waiting) if other.priority < rank)
         self.waiting.insert(at, req)
 
     def has_work(self) -> bool:
@@ -302,6 +271,10 @@ class EngineCore:
             req.cached_tokens = cached
         self.counters["cached_tokens"] += cached
 
+    def _unplace(self, req: Request) -> None:
+        """Back to waiting without KV (retracted or preempted); its outputs stay."""
+        req.slot, req.kv_len, req.phase, req.routed_experts = None, 0, Phase.WAITING, []
+
     def _prefill(self, fed: list[tuple[Request, list[int]]], followers: list[tuple[Request, Request]]) -> int:
         reqs = [req for req, _ in fed]
         first = len(self.running)
@@ -413,19 +386,20 @@ class EngineCore:
         if not (self.config.priority_preemption and self.waiting and self.running):
             return
         top = self.waiting[0].priority
+        lower = [r for r in self.running if r.priority < top]
+        if not lower:  # the common case (one priority): no scan of the waiting queue
+            return
         urgent = sum(1 for r in self.waiting if r.priority == top)
         need = urgent - (self.config.max_running_requests - len(self.running))
-        lower = sorted((r for r in self.running if r.priority < top), key=lambda r: (r.priority, -r.slot))
-        victims = lower[: max(need, 0)]
+        victims = sorted(lower, key=lambda r: (r.priority, -r.slot))[: max(need, 0)]
         if not victims:
             return
         for req in victims:
             self._remember(req)
         self._leave_slots(victims)
         for req in victims:  # each to the front of its priority: the earliest admitted resumes first
-            req.slot, req.kv_len, req.phase, req.routed_experts = None, 0, Phase.WAITING, []
-            at = next((i for i, other in enumerate(self.waiting) if other.priority <= req.priority), len(self.waiting))
-            self.waiting.insert(at, req)
+            self._unplace(req)
+            self._enqueue(req, first_of_its_priority=True)
         self.counters["preempted"] += len(victims)
 
     def _complete(self, req: Request) -> None:
@@ -472,7 +446,7 @@ class EngineCore:
     def _retract_all(self) -> None:
         for req in self.running:
             self._remember(req)
-            req.slot, req.kv_len, req.phase, req.routed_experts = None, 0, Phase.WAITING, []
+            self._unplace(req)
         self.waiting.extendleft(reversed(self.running))
         self.counters["retracted"] += len(self.running)
         self.running = []

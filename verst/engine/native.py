@@ -6,8 +6,8 @@ cache bookkeeping); this one runs the same arithmetic with the model's own weigh
 tensor ops: RMSNorm, the q/k/v projections (with Qwen3's per-head q/k norms), the model's rotary
 embedding, grouped-query attention under the runner's additive mask, the SiLU-gated MLP, and the final
 norm and head on each row's last column only. Weights are read from the modules at every call, so
-in-place weight loads apply at once. `NativeForward.check` compares it with transformers on a ragged
-batch; the engine refuses to use it when they differ.
+in-place weight loads apply at once. `ModelRunner` compares it with transformers on a ragged batch
+and refuses to use it when they differ.
 """
 
 from __future__ import annotations
@@ -95,23 +95,6 @@ class NativeForward:
             h = h + _linear(F.silu(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
         last = _rms_norm(h[:, -1], self.inner.norm)
         return _linear(last, self.model.lm_head)
-
-    def check(self, vocab_size: int) -> float:
-        """Max |logit difference| against transformers over a ragged two-step batch, on a scratch cache."""
-        from verst.engine.model_runner import ModelRunner
-
-        generator = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (5, 2, 7)]
-        worst = 0.0
-        native = ModelRunner(self.model, impl="native", check=False)
-        reference = ModelRunner(self.model, impl="transformers")
-        with torch.no_grad():
-            steps = [(prompts, [0, 0, 0]), ([[1], [2], [3]], [len(p) for p in prompts])]
-            for pending, starts in steps:
-                a, _ = native.forward(0, pending, starts)
-                b, _ = reference.forward(0, pending, starts)
-                worst = max(worst, float((a - b).abs().max()))
-        return worst
 
 
 def _linear(x: torch.Tensor, module: Any) -> torch.Tensor:
