@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -191,6 +193,17 @@ def test_loader_keeps_our_tokenizer_in_a_qwen2_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
     text = "e\u0301"
     assert load_tokenizer(tmp_path).encode(text, add_special_tokens=False) == list(text.encode("utf-8"))
+
+
+def test_loading_our_tokenizer_imports_no_torch(tmp_path):
+    # The rollout manager and the driver load only a tokenizer: importing torch for it (through
+    # AutoTokenizer's config) cost each of them 3-4 s of start-up on 2 cores.
+    save_tokenizer(tmp_path, TINY_CHAT_TEMPLATE)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    probe = ("import sys; from verst.models import load_tokenizer; "
+             f"tok = load_tokenizer({str(tmp_path)!r}); print(tok.encode('1+2'), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-1] == "False", out
 
 
 # --- chat template --------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -42,3 +44,20 @@ def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
         return getattr(importlib.import_module(exports[name]), name)
 
     return __getattr__
+
+
+def import_in_background(*modules: str) -> threading.Thread:
+    """Start importing `modules` in a daemon thread and return it, so a slow import (torch: 3-5 s on 2
+    cores) overlaps other start-up work, such as Ray's. Nothing needs to wait for the thread: a plain
+    `import` of one of these modules elsewhere waits on Python's per-module import lock until this
+    one is done. An error is left to that plain import, which raises it (a failed import leaves nothing
+    in `sys.modules`), so this thread ignores it."""
+
+    def run() -> None:
+        for name in modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+    thread = threading.Thread(target=run, name="verst-import", daemon=True)
+    thread.start()
+    return thread

@@ -30,9 +30,11 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
 
     A folder whose tokenizer_config.json names PreTrainedTokenizerFast (ours) is loaded as exactly
     that from tokenizer.json: transformers 5.x AutoTokenizer may otherwise substitute the model
-    family's own tokenizer class (e.g. Qwen2Tokenizer) and silently change the ids.
+    family's own tokenizer class (e.g. Qwen2Tokenizer) and silently change the ids. That path also
+    imports no torch (AutoTokenizer reads the model config, whose module imports torch: 3-4 s of
+    start-up on 2 cores in a process that needs none, such as the rollout manager or the driver).
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     directory = _checkpoint_dir(path)
     config_file = directory / "tokenizer_config.json"
@@ -46,6 +48,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
             )
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
     else:
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         # Checkpoints without a pad token (Llama) pad with eos: padded positions are masked out by the

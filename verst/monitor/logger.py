@@ -36,18 +36,25 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, run_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard + torch
+    """torch's SummaryWriter, opened at the first write: it imports torch, which a driver that has not
+    needed torch yet (an RL run's, while Ray starts) would otherwise load in front of everything."""
 
-        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+    def __init__(self, run_dir: Path):
+        self._log_dir = str(Path(run_dir) / "tensorboard")
+        self._writer: Any = None
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=self._log_dir)
         for key, value in metrics.items():
             self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class WandbSink:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
+from verst.config.imports import import_in_background
 from verst.data import load_prompts_from_config
 from verst.engine.client import EngineClient
 from verst.eval import engine_greedy_generate, evaluate_greedy
@@ -24,15 +25,15 @@ from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import Orchestration, RouterSpec
-from verst.recipes.rl_steps import old_logprobs, train_on_groups
 from verst.recipes.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.rollout import prefix_cache_metrics, sample_metrics
 from verst.router.fleet import EngineFleet, IdleMeter
-from verst.sync import build_syncer
-from verst.trainer import FSDP2Backend
 from verst.types import Group
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
+# The driver's modules that import torch, which it first needs for the first train step: they load in a
+# background thread while Ray starts (open_rl_run), where they cost 2-3 s of a 2-core start-up in front.
+TORCH_MODULES = ("verst.orchestration.trainer_actors", "verst.recipes.rl_steps", "verst.sync.factory")
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -80,6 +81,8 @@ class RLRun:
         """The optimizer steps on one rollout batch, `plan.groups_per_train_step` groups each, yielding each
         step's metrics (the caller pushes weights in between). With more than one step, the old policy's
         logprobs are taken before the first (see `rl_steps`). Colocated engines free memory meanwhile."""
+        from verst.recipes.rl_steps import old_logprobs, train_on_groups  # TORCH_MODULES: imported at start-up
+
         per_step, old, offset = self.plan.groups_per_train_step, None, 0
         for first in range(0, len(groups), per_step):
             step_groups = groups[first : first + per_step]
@@ -205,6 +208,7 @@ class RLRun:
 async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     """Start every part of an RL run (engines and trainer ranks start in parallel); stop all on exit."""
     started = time.perf_counter()  # the summary's time/total_s includes start-up
+    torch_import = import_in_background(*TORCH_MODULES)  # overlaps Ray's start
     cfg = absolute_paths(cfg)
     run_dir = prepare_run_dir(cfg)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -220,6 +224,10 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
         rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
                                              router=router_spec(cfg, cfg.cluster.num_engines),
                                              prepare=functools.partial(prepare_rollout_parts, cfg))
+        torch_import.join()  # the trainer's factory needs torch: from here on the driver imports it
+        from verst.sync import build_syncer
+        from verst.trainer import FSDP2Backend
+
         trainer = orch.start_trainer(functools.partial(
             FSDP2Backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps, temperature=temperature,
             device=orch.device, ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
