@@ -100,6 +100,46 @@ def test_in_place_pause_keeps_the_cache():
     assert fleet.log[0] == ("pause", "in_place") and "flush_cache" not in actions(fleet.log)
 
 
+def logged_source(log, buckets):
+    """A trainer-like bucket stream that logs each read and its close."""
+    try:
+        for index, bucket in enumerate(buckets):
+            log.append(("read", index))
+            yield bucket
+    finally:
+        log.append(("source_closed",))
+
+
+def test_the_first_bucket_is_read_before_the_engines_pause():
+    # The trainer's gather of the first bucket is not engine idle time: only the push is.
+    fleet = RecordingFleet()
+    two = [[("w", torch.zeros(3))], [("b", torch.zeros(1))]]
+    metrics = asyncio.run(syncer_for(fleet).sync(logged_source(fleet.log, two), 1))
+    assert actions(fleet.log)[:5] == ["read", "pause", "flush_cache", "read", "source_closed"]
+    assert fleet.log[5] == ("push", 1, ["w", "b"])  # every bucket, in order, after the prefetched one
+    assert 0 <= metrics["sync/paused_seconds"] <= metrics["sync/seconds"]
+
+
+def test_a_failed_pause_closes_the_prefetched_source():
+    fleet = RecordingFleet(fail={"pause": ["http://b"]})
+    with pytest.raises(WeightSyncError, match="pause refused"):
+        asyncio.run(syncer_for(fleet).sync(logged_source(fleet.log, BUCKETS * 2), 1))
+    assert actions(fleet.log) == ["read", "pause", "source_closed", "continue_generation"]
+
+
+def test_prefetched_source_yields_everything_once_and_closes_its_source():
+    from verst.sync.buckets import PrefetchedSource
+
+    log = []
+    source = asyncio.run(PrefetchedSource.read_first(logged_source(log, [[("a", 1)], [("b", 2)]])))
+    assert log == [("read", 0)]
+    assert list(source) == [[("a", 1)], [("b", 2)]]
+    assert list(asyncio.run(PrefetchedSource.read_first([]))) == []
+    early = asyncio.run(PrefetchedSource.read_first(logged_source(log, [[("c", 3)]] * 3)))
+    early.close()
+    assert log[-1] == ("source_closed",) and list(early) == []
+
+
 def test_versions_only_go_up_and_start_from_the_engines():
     fleet = RecordingFleet(versions={"http://a": "4", "http://b": "6"})
     syncer = syncer_for(fleet)

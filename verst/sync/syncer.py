@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from verst.router.fleet import EngineFleet
+from verst.sync.buckets import PrefetchedSource
 from verst.sync.transport import TRANSPORT_IDS, WeightTransport
 from verst.trainer.backend import WeightBucket
 
@@ -85,14 +86,18 @@ class WeightSyncer:
             raise VersionError(f"weight version must go up: asked to sync version {version} but the engines "
                                f"serve version {previous}")
         start = time.perf_counter()
+        # The first bucket is read before the pause, so the engines wait only for the push itself.
+        source = await PrefetchedSource.read_first(buckets)
+        paused = time.perf_counter()
         try:
             await self.fleet.pause(self.pause_mode)
             if self.pause_mode != "in_place":
                 await self.fleet.flush_cache()
-            metrics = await self.transport.push(buckets, version)
+            metrics = await self.transport.push(source, version)
             await self.fleet.each(f"update_weight_version({version})",
                                   lambda c: c.update_weight_version(str(version)))
         except BaseException as exc:
+            source.close()  # a transport that failed before reading it leaves the trainer's stream open
             await self._continue_after_failure(exc, version, previous)
             raise  # only reached for cancellation and interrupts, which are re-raised unwrapped
         try:
@@ -102,7 +107,8 @@ class WeightSyncer:
                                   f"continue_generation failed, so these engines may still be PAUSED: {exc}") from exc
         self._version = version
         metrics.update({
-            "sync/seconds": time.perf_counter() - start, "sync/version": float(version),
+            "sync/seconds": time.perf_counter() - start, "sync/paused_seconds": time.perf_counter() - paused,
+            "sync/version": float(version),
             "sync/transport_id": float(TRANSPORT_IDS.get(self.transport.name, -1)),
         })
         if self.checker is not None and not self._checked:
