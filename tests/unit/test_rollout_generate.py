@@ -32,8 +32,9 @@ def tokenizer(tmp_path_factory):
 class ScriptedEngine:
     """Replies with `output` (ids) and `finish`; records every request and what was in flight meanwhile."""
 
-    def __init__(self, output=(72, 105, 258), finish="stop", version="3", logprobs=None, cached=2):
+    def __init__(self, output=(72, 105, 258), finish="stop", version="3", logprobs=None, cached=2, oldest=None):
         self.output, self.finish, self.version, self.cached = list(output), finish, version, cached
+        self.oldest = oldest  # the reply's oldest_weight_version (a sync inside the call), else `version`
         self.logprobs = logprobs
         self.requests, self.in_flight_seen = [], []
         self.ctx = None
@@ -49,6 +50,7 @@ class ScriptedEngine:
         finish = {"type": self.finish} | ({"message": "paused for a weight update"} if self.finish == "abort" else {})
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(input_ids), "completion_tokens": n,
                 "cached_tokens": self.cached, "weight_version": self.version,
+                **({"oldest_weight_version": self.oldest} if self.oldest is not None else {}),
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, self.output)]}
         return GenerateResult.from_reply({"text": "", "output_ids": list(self.output), "meta_info": meta})
 
@@ -67,6 +69,14 @@ def context(tokenizer, engine, **rollout):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def test_a_sync_inside_the_call_records_both_versions(tokenizer):
+    # Tokens from versions 2 and 3: staleness counts from 2, and the sample counts as mixed.
+    ctx = context(tokenizer, ScriptedEngine(version="3", oldest="2"), max_response_tokens=12)
+    out = run(generate(ctx, Sample(prompt="What is 2+3?", label="5")))
+    assert out.weight_versions == ["2", "3"] and out.oldest_weight_version() == 2
+    assert ctx.state.latest_weight_version == 3
 
 
 def test_records_engine_ids_and_logprobs_token_in_token_out(tokenizer):

@@ -91,8 +91,11 @@ def record_result(ctx: RolloutContext, sample: Sample, prompt_ids: list[int], re
     sample.response_length = n
     sample.loss_mask = [1] * n
     sample.rollout_logprobs = list(result.logprobs)
-    # Staleness counts from the oldest weights behind any token, not the version that finished the call.
+    # Staleness counts from the oldest weights behind any token, not the version that finished the call;
+    # a weight sync inside the call adds the newest too, so `rollout/mixed_version_ratio` sees it.
     sample.weight_versions.append(result.oldest_weight_version)
+    if result.weight_version != result.oldest_weight_version:
+        sample.weight_versions.append(result.weight_version)
     ctx.state.observe_version(result.weight_version)
     sample.status = status
     # Text only for rewards and logs, decoded from exactly the ids the trainer will see.

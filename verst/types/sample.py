@@ -31,7 +31,8 @@ class Sample:
     `tokens` holds prompt + response ids; the last `response_length` of them are the response.
     `loss_mask` and `rollout_logprobs` are aligned with the response: 1 / the engine's logprob on
     tokens the policy sampled, 0 / 0.0 on environment and tool tokens inserted between turns.
-    `weight_versions` gets one entry per engine call (the version that served it); staleness is
+    `weight_versions` gets one entry per engine call (the oldest version behind its tokens), and the
+    single-turn generate fn adds the call's newest when a weight sync fell inside it; staleness is
     measured from the oldest one. `routed_experts` (MoE) is `[len(tokens) - 1][layers][top_k]`.
     """
 
