@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from verst.engine.process import free_port
 from verst.orchestration.placement import Placement, current_bundle
+from verst.orchestration.tensor_wire import register_tensor_serializer
 from verst.trainer import RankError, TrainBackend, WeightBucket
 from verst.trainer.backend import CollectiveCalls
 from verst.trainer.distributed import init_process_group, resolve_device
@@ -33,6 +34,7 @@ class TrainerRank:
     def __init__(self, rank: int, world_size: int, device: str):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend: TrainBackend | None = None
+        register_tensor_serializer()  # logprobs and weight buckets back to the driver
         # Ray shows a GPU actor only its own device (CUDA_VISIBLE_DEVICES), which is then cuda:0.
         os.environ["LOCAL_RANK"] = "0"
 
@@ -97,6 +99,7 @@ class TrainerActorGroup(CollectiveCalls):
         start_timeout_s: float = 300.0,
         failure_grace_s: float = 2.0,
     ):
+        register_tensor_serializer()  # the driver's train items, a few small tensors per sample
         self.world_size = len(placement.plan.trainer_bundles)
         self.timeout_s, self.failure_grace_s = timeout_s, failure_grace_s
         self._closed = False
