@@ -127,6 +127,34 @@ def test_a_failed_pause_closes_the_prefetched_source():
     assert actions(fleet.log) == ["read", "pause", "source_closed", "continue_generation"]
 
 
+def test_a_sync_cancelled_while_reading_the_first_bucket_closes_the_source():
+    import threading
+
+    log, release = [], threading.Event()
+
+    def slow_source():
+        try:
+            release.wait(10)  # the trainer's gather, still running when the sync is cancelled
+            log.append(("read", 0))
+            yield [("w", torch.zeros(1))]
+        finally:
+            log.append(("source_closed",))
+
+    async def main():
+        fleet, source = RecordingFleet(), slow_source()  # held here: only an explicit close ends it
+        task = asyncio.ensure_future(syncer_for(fleet).sync(source, 1))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.sleep(0.1)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert log == [("read", 0), ("source_closed",)]
+        assert fleet.log == []  # no engine was touched
+
+    asyncio.run(main())
+
+
 def test_prefetched_source_yields_everything_once_and_closes_its_source():
     from verst.sync.buckets import PrefetchedSource
 

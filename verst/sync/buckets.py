@@ -102,7 +102,15 @@ class PrefetchedSource:
     @classmethod
     async def read_first(cls, source: Iterable[WeightBucket]) -> PrefetchedSource:
         iterator = iter(source)
-        return cls(await asyncio.to_thread(next, iterator, _END), iterator)
+        read = asyncio.ensure_future(asyncio.to_thread(next, iterator, _END))
+        try:
+            return cls(await asyncio.shield(read), iterator)
+        except asyncio.CancelledError:
+            # The read goes on in its thread: let it end, then close the source (which lets a trainer
+            # group's stream drain its other ranks), as BucketStream.aclose does.
+            await asyncio.gather(read, return_exceptions=True)
+            cls(_END, iterator).close()
+            raise
 
     def __iter__(self) -> Iterator[WeightBucket]:
         if self._first is not _END:
