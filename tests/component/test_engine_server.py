@@ -213,7 +213,7 @@ def test_idle_meter_reads_busy_time_between_reads(engine):
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_a_weight_update_during_a_pause_is_seen_in_the_oldest_version(engine, models, mode):
     """Tokens sampled before the update came from the old weights: the reply says so, and the rollout
-    records that oldest version, which is what staleness counts from."""
+    records that oldest version, which is what staleness counts from, then the newest (a mixed-version sample)."""
     from verst.rollout.generate import record_result
     from verst.types import Sample
 
@@ -237,7 +237,7 @@ def test_a_weight_update_during_a_pause_is_seen_in_the_oldest_version(engine, mo
         ctx = type("Ctx", (), {"state": type("State", (), {"observe_version": lambda self, v: None})(),
                                "tokenizer": type("Tok", (), {"decode": lambda self, ids, **kw: ""})()})()
         record_result(ctx, sample, PROMPT, result)
-        assert sample.weight_versions == [f"old-{mode}"]
+        assert sample.weight_versions == [f"old-{mode}", f"new-{mode}"]
 
 
 def test_batched_generate_matches_single_requests_and_isolates_a_bad_prompt(engine):
