@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from verst.engine import weights
+from verst.engine.config import IMPLS
 from verst.engine.protocol import (
     AbortRequest,
     BatchGenerateRequest,
@@ -315,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-priority-preemption", action="store_true",
                    help="a waiting request of a higher priority waits for free slots instead of retracting "
                    "running lower-priority ones")
-    p.add_argument("--model-impl", default="auto", choices=("auto", "native", "transformers"),
+    p.add_argument("--model-impl", default="auto", choices=IMPLS,
                    help="the model's forward: verst's native one (dense Llama-family), transformers', or auto "
                    "(native where it applies)")
     p.add_argument("--served-model-name", default=None)

@@ -63,7 +63,7 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
 
 def prepare_rollout_parts(cfg: VerstConfig) -> None:
     """What `build_rollout_parts` can do before the engines are up: load the tokenizer, which imports
-    transformers (and torch) — seconds the actor otherwise spends after the engines are ready."""
+    transformers — seconds the actor otherwise spends after the engines are ready."""
     load_tokenizer(cfg.model.path)
 
 
