@@ -72,14 +72,30 @@ class EngineRunner:
 
     async def generate(self, req: Request) -> Request:
         """Submit and wait until finished; cancelling the awaiting task aborts the request."""
+        return (await self.generate_many([req]))[0]
+
+    async def generate_many(self, reqs: list[Request]) -> list[Request]:
+        """Submit `reqs` together and wait until every one is finished (a batched `/generate`): one
+        command adds them all and one wake-up of this event loop follows the last to finish, where a
+        request at a time would cost a command, a future and a wake-up each, on the engine thread too.
+        If one cannot be added, none stays; cancelling the awaiting task aborts those still running."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[Request] = loop.create_future()
-        req.on_finish = lambda r: loop.call_soon_threadsafe(_resolve, done, r)
-        await self.acall(lambda core: core.add_request(req))
+        done: asyncio.Future[list[Request]] = loop.create_future()
+        remaining = len(reqs)
+
+        def finished(_: Request) -> None:  # on the engine thread, which alone counts down
+            nonlocal remaining
+            remaining -= 1
+            if remaining == 0:
+                loop.call_soon_threadsafe(_resolve, done, reqs)
+
+        for req in reqs:
+            req.on_finish = finished
+        await self.acall(lambda core: _add_all(core, reqs))
         try:
             return await asyncio.shield(done)
         except asyncio.CancelledError:
-            self.call(lambda core: core.abort(req.rid, "client went away"))
+            self.call(lambda core: [core.abort(req.rid, "client went away") for req in reqs])
             raise
 
     async def stream(self, req: Request) -> AsyncIterator[int]:
@@ -144,6 +160,20 @@ class EngineRunner:
                 self.core.reset(message)
         finally:
             self.busy_seconds += time.monotonic() - start
+
+def _add_all(core: EngineCore, reqs: list[Request]) -> None:
+    """Add every request, or none: those added before one is refused are aborted, then the error raised."""
+    added = []
+    try:
+        for req in reqs:
+            core.add_request(req)
+            added.append(req)
+    except BaseException:
+        for req in added:
+            req.on_finish = None  # the caller gets the error, not a half-finished batch
+            core.abort(req.rid, "another request of its batch was refused")
+        raise
+
 
 def _resolve(future: asyncio.Future, value: Any) -> None:
     if not future.done():

@@ -42,7 +42,7 @@ from verst.engine.service import (
     build_request,
     error_response,
     invalid_request_response,
-    run_to_completion,
+    run_all_to_completion,
     sampling_from_wire,
 )
 
@@ -85,8 +85,8 @@ def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
         text_fn = state.token_text if body.return_text_in_logprobs else None
         if body.stream:
             return StreamingResponse(_stream(state, reqs[0], text_fn), media_type="text/event-stream")
-        done = await asyncio.gather(*(run_to_completion(state, req, request.is_disconnected) for req in reqs))
-        if any(req is None for req in done):
+        done = await run_all_to_completion(state, reqs, request.is_disconnected)
+        if done is None:
             return Response(status_code=499)
         replies = [generate_reply(req, req.text or "", return_text=text_fn) for req in done]
         return JSONResponse(replies if batch else replies[0])

@@ -80,7 +80,16 @@ async def run_to_completion(
     state: ServerState, req: Request, is_disconnected: Callable[[], Awaitable[bool]] | None
 ) -> Request | None:
     """Generate `req`; None when the client disconnected first (the request is then aborted)."""
-    task = asyncio.ensure_future(state.runner.generate(req))
+    done = await run_all_to_completion(state, [req], is_disconnected)
+    return None if done is None else done[0]
+
+
+async def run_all_to_completion(
+    state: ServerState, reqs: list[Request], is_disconnected: Callable[[], Awaitable[bool]] | None
+) -> list[Request] | None:
+    """Generate `reqs` together (a batched `/generate`); None when the client disconnected first (they are
+    then aborted)."""
+    task = asyncio.ensure_future(state.runner.generate_many(reqs))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
