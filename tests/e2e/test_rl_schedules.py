@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,11 @@ def ray_session(tmp_path_factory):
 
 
 def rl_config(tmp_path, model_dir, data_dir, *overrides):
-    return load_config(None, [
+    return load_config(None, rl_args(tmp_path, model_dir, data_dir, *overrides))
+
+
+def rl_args(tmp_path, model_dir, data_dir, *overrides):
+    return [
         "--name", "e2e", "--run-dir", str(tmp_path / "run"),
         "--model.path", str(model_dir),
         "--data.train-path", str(data_dir / "train.jsonl"), "--data.test-path", str(data_dir / "test.jsonl"),
@@ -47,7 +53,7 @@ def rl_config(tmp_path, model_dir, data_dir, *overrides):
         "--rollout.max-response-tokens", "4", "--trainer.lr", "1e-4",
         "--eval.max-prompts", "8", "--logging.tensorboard", "false", "--logging.progress", "false",
         *overrides,
-    ])
+    ]
 
 
 def run_schedule(cfg):
@@ -133,3 +139,37 @@ def test_fully_async_colocated_is_refused(tiny_model_dir, addition_data_dir, tmp
     with pytest.raises(ConfigError, match="'fully_async' with cluster.placement = 'colocated' is refused"):
         rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "fully_async",
                   "--cluster.placement", "colocated")
+
+
+# A run whose driver fails on any torch import: torch loads only in the trainer ranks and the engines.
+DRIVER_WITHOUT_TORCH = """
+import asyncio, importlib.abc, importlib.machinery, sys
+
+class NoTorch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # found (transformers asks whether torch is installed), but never loaded
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            return importlib.machinery.ModuleSpec(name, self)
+
+    def create_module(self, spec):
+        raise ImportError(f"the driver imported {spec.name}")
+
+sys.meta_path.insert(0, NoTorch())
+from verst.config import load_config
+from verst.recipes import SCHEDULES
+
+cfg = load_config(None, sys.argv[1:])
+summary = asyncio.run(SCHEDULES[cfg.schedule](cfg))
+print("steps", summary["train/steps"], "torch" in sys.modules)
+"""
+
+
+def test_the_driver_of_a_run_imports_no_torch(tiny_model_dir, addition_data_dir, tmp_path):
+    """The driver only sends groups and control calls: train steps and weight pushes run in the ranks, so
+    its imports stay off a small machine's start-up (and off a GPU cluster's head node)."""
+    args = rl_args(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "fully_async")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", DRIVER_WITHOUT_TORCH, *args], capture_output=True, text=True,
+                          timeout=280, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().splitlines()[-1] == "steps 2 False"

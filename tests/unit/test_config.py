@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from verst.config import ConfigError, VerstConfig, batch_plan, iter_fields, load_config, load_object, parse_overrides
-from verst.config.imports import ImportPathError, import_in_background
+from verst.config.imports import ImportPathError
 
 
 def test_defaults_validate_and_plan():
@@ -130,20 +130,9 @@ def test_load_object():
         load_object("justaname", "reward.path")
 
 
-def test_import_in_background_imports_and_leaves_errors_to_the_plain_import(tmp_path, monkeypatch):
-    (tmp_path / "bg_ok_mod.py").write_text("VALUE = 3\n")
-    (tmp_path / "bg_bad_mod.py").write_text("raise RuntimeError('broken plug-in')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import_in_background("bg_bad_mod", "bg_ok_mod").join(timeout=30)
-    assert sys.modules["bg_ok_mod"].VALUE == 3  # a failing module does not stop the others
-    assert "bg_bad_mod" not in sys.modules
-    with pytest.raises(RuntimeError, match="broken plug-in"):
-        import bg_bad_mod  # noqa: F401
-
-
 def test_schedules_import_no_torch_until_a_run_starts():
-    # The driver starts Ray while torch loads in a background thread (recipes/rl.py TORCH_MODULES):
-    # a module-level torch import on this path would put 3-5 s in front of Ray's start again.
+    # The driver of an RL run imports no torch at all (tests/e2e: test_the_driver_of_a_run_imports_no_torch);
+    # a module-level torch import here would put 3-5 s in front of Ray's start on 2 cores.
     code = ("import sys, verst.recipes.fully_async, verst.recipes.sync, verst.recipes.one_step_off; "
             "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('verst')]")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -30,16 +30,11 @@ class Syncer:
     def due(self, version):
         return True
 
-    async def sync(self, weights, version):
+    async def sync(self, version):
         self.events.append(("push", version))
         await asyncio.sleep(0)
         self.version = version
         return {"sync/version": float(version)}
-
-
-class Trainer:
-    def named_weights(self, bucket_bytes):
-        return iter(())
 
 
 class IdleMeter:
@@ -68,7 +63,7 @@ def scripted_run(out=None) -> ScriptedRun:
     cfg = load_config(None, ["--eval.interval", "1"])
     events: list = []
     progress = RunProgress("sync", 3, mode="lines" if out else "off", stream=out)
-    return ScriptedRun(cfg, batch_plan(cfg), None, Logger(), Trainer(), None, None, Syncer(events), "", IdleMeter(),
+    return ScriptedRun(cfg, batch_plan(cfg), None, Logger(), None, None, None, Syncer(events), "", IdleMeter(),
                        progress)
 
 
@@ -145,3 +140,4 @@ def test_a_run_stopped_early_cancels_its_evaluation():
 
     asyncio.run(asyncio.wait_for(loop(), timeout=5))
     assert run.syncer.events == [("eval start", 0)] and run.logger.rows == []
+

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +32,13 @@ def load_object(path: str, field: str = "import path") -> Any:
     return obj
 
 
+def call_path(path: str, *args: Any, **kwargs: Any) -> Any:
+    """Call the object at import path `path`. `functools.partial(call_path, "pkg.mod:fn", ...)` is a picklable
+    reference that imports `pkg.mod` only where it is called: a driver that imports no torch can hand a
+    trainer rank its backend class or its train step this way."""
+    return load_object(path)(*args, **kwargs)
+
+
 def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
     """A module `__getattr__` that imports `exports[name]` (a module path) on first use, so importing
     the package stays cheap (no torch, no Ray) for callers that touch only its light parts."""
@@ -44,20 +49,3 @@ def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
         return getattr(importlib.import_module(exports[name]), name)
 
     return __getattr__
-
-
-def import_in_background(*modules: str) -> threading.Thread:
-    """Start importing `modules` in a daemon thread and return it, so a slow import (torch: 3-5 s on 2
-    cores) overlaps other start-up work, such as Ray's. Nothing needs to wait for the thread: a plain
-    `import` of one of these modules elsewhere waits on Python's per-module import lock until this
-    one is done. An error is left to that plain import, which raises it (a failed import leaves nothing
-    in `sys.modules`), so this thread ignores it."""
-
-    def run() -> None:
-        for name in modules:
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
-
-    thread = threading.Thread(target=run, name="verst-import", daemon=True)
-    thread.start()
-    return thread

@@ -22,6 +22,7 @@ _EXPORTS = {
     "RolloutParts": "verst.orchestration.rollout_manager",
     "RouterSpec": "verst.orchestration.rollout_manager",
     "TrainerActorGroup": "verst.orchestration.trainer_actors",
+    "TrainerWeightSync": "verst.orchestration.weight_sync",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,10 @@
 """Trainer ranks as Ray actors, each hosting one backend rank, and `TrainerActorGroup`, the driver's
 handle that runs every backend method on all ranks (the Ray twin of `verst.trainer.TrainerGroup`).
 
+Rank 0 also runs the weight syncer (pause → flush → push → version → continue): it holds the full
+weights after each gather, so buckets go from there to the engines without a trip through the driver,
+which therefore needs no torch (the driver's imports stay off a 2-core machine's start-up).
+
 Failure model: a rank that raises or dies makes the driver raise `RankError` naming that rank; a
 call that makes no progress within its timeout raises `TimeoutError`. Either way every rank actor is
 killed (its collectives are in an unknown state), so the driver never hangs on a broken group.
@@ -8,21 +12,20 @@ killed (its collectives are in an unknown state), so the driver never hangs on a
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import ray
-import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from verst.config.schema import SyncConfig
 from verst.engine.process import free_port
 from verst.orchestration.placement import Placement, current_bundle
-from verst.orchestration.tensor_wire import register_tensor_serializer
-from verst.trainer import RankError, TrainBackend, WeightBucket
-from verst.trainer.backend import CollectiveCalls
-from verst.trainer.distributed import init_process_group, resolve_device
+from verst.trainer.backend import CollectiveCalls, RankError, TrainBackend, WeightBucket
 
 # Buckets rank 0 may have produced ahead of the driver: bounds the object store's share of weights.
 STREAM_AHEAD_BUCKETS = 2
@@ -32,8 +35,11 @@ class TrainerRank:
     """The body of one trainer rank actor. Methods are called by `TrainerActorGroup` only."""
 
     def __init__(self, rank: int, world_size: int, device: str):
+        from verst.orchestration.tensor_wire import register_tensor_serializer  # imports torch: ranks only
+
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend: TrainBackend | None = None
+        self.syncer: _SyncerLoop | None = None  # rank 0, after open_weight_sync
         register_tensor_serializer()  # logprobs and weight buckets back to the driver
         # Ray shows a GPU actor only its own device (CUDA_VISIBLE_DEVICES), which is then cuda:0.
         os.environ["LOCAL_RANK"] = "0"
@@ -44,6 +50,10 @@ class TrainerRank:
         return host, free_port(host)
 
     def setup(self, master_addr: str, master_port: int, factory: Callable[[], TrainBackend], timeout_s: float) -> dict:
+        import torch
+
+        from verst.trainer.distributed import init_process_group, resolve_device
+
         device = resolve_device(self.device)
         if device.type == "cpu":
             torch.set_num_threads(1)  # one thread per rank; see PLATFORM.md
@@ -77,6 +87,32 @@ class TrainerRank:
         for _ in self.backend.named_weights(bucket_bytes):
             pass
 
+    # ---- weight sync (rank 0 pushes; the others take part in its gathers) ----------------------------
+    def open_weight_sync(self, sync: SyncConfig, engine_urls: list[str], transport_options: dict[str, Any]) -> None:
+        """Rank 0: build the syncer of `sync` over clients of `engine_urls` (see `verst.sync.build_syncer`);
+        a distributed transport's group is rooted at this node's address."""
+        options = {"master_address": ray.util.get_node_ip_address(), **transport_options}
+        self.syncer = _SyncerLoop(sync, engine_urls, options)
+
+    def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
+        """Rank 0: push the backend's weights as `version` and return the `sync/` metrics; the other ranks
+        only take part in the gathers. A push that stops early still finishes them (`_DrainOnClose`)."""
+        if self.rank:
+            self.drain_weights(bucket_bytes)
+            return {}
+        if self.syncer is None:
+            raise RuntimeError("sync_weights before open_weight_sync")
+        buckets = _DrainOnClose(self.backend.named_weights(bucket_bytes))
+        try:
+            return self.syncer.run(self.syncer.syncer.sync(buckets, version))
+        finally:
+            buckets.close()  # a no-op after a complete push
+
+    def close_weight_sync(self) -> None:
+        if self.syncer is not None:
+            syncer, self.syncer = self.syncer, None
+            syncer.close()
+
 
 _RemoteTrainerRank = ray.remote(max_restarts=0, max_task_retries=0)(TrainerRank)
 
@@ -99,7 +135,6 @@ class TrainerActorGroup(CollectiveCalls):
         start_timeout_s: float = 300.0,
         failure_grace_s: float = 2.0,
     ):
-        register_tensor_serializer()  # the driver's train items, a few small tensors per sample
         self.world_size = len(placement.plan.trainer_bundles)
         self.timeout_s, self.failure_grace_s = timeout_s, failure_grace_s
         self._closed = False
@@ -141,6 +176,22 @@ class TrainerActorGroup(CollectiveCalls):
         payload = ray.put((args, kwargs))
         refs = {actor.apply.remote(fn, payload): rank for rank, actor in enumerate(self._actors)}
         return self._gather(refs, self.timeout_s, getattr(fn, "__name__", "apply"))
+
+    def open_weight_sync(self, sync: SyncConfig, engine_urls: list[str], **transport_options: Any) -> None:
+        """Build the weight syncer in rank 0 (`transport_options` go to `verst.sync.build_transport`)."""
+        self._check_open("open_weight_sync")
+        ref = self._actors[0].open_weight_sync.remote(sync, list(engine_urls), transport_options)
+        self._gather({ref: 0}, self.timeout_s, "open_weight_sync")
+
+    def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
+        """Push the weights to the engines as `version` (from rank 0; every rank gathers); `sync/` metrics."""
+        self._check_open("sync_weights")
+        refs = {actor.sync_weights.remote(version, bucket_bytes): rank for rank, actor in enumerate(self._actors)}
+        return self._gather(refs, self.timeout_s, "sync_weights")[0]
+
+    def close_weight_sync(self) -> None:
+        if not self._closed:
+            self._gather({self._actors[0].close_weight_sync.remote(): 0}, self.timeout_s, "close_weight_sync")
 
     def named_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Rank 0's buckets, streamed through the object store at most `STREAM_AHEAD_BUCKETS` ahead of
@@ -240,6 +291,61 @@ def _describe(error: BaseException, what: str) -> str:
     if isinstance(error, RayActorError):
         return f"its process died during {what!r}: {error}"
     return f"{what!r} raised: {error}"
+
+
+class _SyncerLoop:
+    """Rank 0's `WeightSyncer` on an event loop thread of its own: its HTTP clients and transport (a
+    process group, shared-memory files) live across syncs, while the actor's calls stay synchronous."""
+
+    def __init__(self, sync: SyncConfig, engine_urls: list[str], options: dict[str, Any]):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="verst-weight-sync", daemon=True)
+        self.thread.start()
+        try:
+            self.fleet, self.syncer = self.run(self._open(sync, engine_urls, options))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @staticmethod
+    async def _open(sync: SyncConfig, engine_urls: list[str], options: dict[str, Any]) -> tuple[Any, Any]:
+        from verst.router.fleet import EngineFleet
+        from verst.sync.factory import build_syncer
+
+        fleet = EngineFleet(engine_urls)  # its clients belong to this loop
+        return fleet, build_syncer(sync, fleet, **options)
+
+    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def close(self) -> None:
+        try:
+            self.run(self.syncer.close())
+            self.run(self.fleet.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10.0)
+
+
+class _DrainOnClose:
+    """A bucket source whose `close()` reads what is left instead of abandoning it: every rank takes part
+    in every gather of `named_weights`, so a push that stops early must still finish them on rank 0."""
+
+    def __init__(self, buckets: Iterator[WeightBucket]):
+        self._buckets = buckets
+
+    def __iter__(self) -> _DrainOnClose:
+        return self
+
+    def __next__(self) -> WeightBucket:
+        return next(self._buckets)
+
+    def close(self) -> None:
+        for _ in self._buckets:
+            pass
 
 
 def _quiet_transformers() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
-from verst.config.imports import import_in_background
+from verst.config.imports import call_path
 from verst.data import load_prompts_from_config
 from verst.engine.client import EngineClient
 from verst.eval import engine_greedy_generate, evaluate_greedy
@@ -25,15 +25,17 @@ from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import Orchestration, RouterSpec
+from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.recipes.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.rollout import prefix_cache_metrics, sample_metrics
 from verst.router.fleet import EngineFleet, IdleMeter
 from verst.types import Group
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
-# The driver's modules that import torch, which it first needs for the first train step: they load in a
-# background thread while Ray starts (open_rl_run), where they cost 2-3 s of a 2-core start-up in front.
-TORCH_MODULES = ("verst.orchestration.trainer_actors", "verst.recipes.rl_steps", "verst.sync.factory")
+# What every trainer rank runs on its own backend (by import path: the driver imports no torch). The
+# driver sends the groups; tensors are built, and advantages computed, next to the model.
+TRAIN_STEP = "verst.recipes.rl_steps:train_on_groups"
+OLD_LOGPROBS = "verst.recipes.rl_steps:old_logprob_arrays"
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -46,10 +48,10 @@ class RLRun:
     plan: BatchPlan
     run_dir: Path
     logger: MetricsLogger
-    trainer: Any  # TrainBackend: a Ray actor group of FSDP2 ranks
+    trainer: Any  # TrainerActorGroup: FSDP2 rank actors
     engines: Any  # EngineActorGroup
     rollout: Any  # RolloutManagerHandle
-    syncer: Any  # WeightSyncer
+    syncer: Any  # TrainerWeightSync: pushes run in trainer rank 0
     router_url: str  # the router, or the one engine when there is no router (cluster.router)
     idle_meter: IdleMeter
     progress: RunProgress
@@ -80,9 +82,8 @@ class RLRun:
     async def train(self, groups: list[Group]) -> AsyncIterator[dict[str, float]]:
         """The optimizer steps on one rollout batch, `plan.groups_per_train_step` groups each, yielding each
         step's metrics (the caller pushes weights in between). With more than one step, the old policy's
-        logprobs are taken before the first (see `rl_steps`). Colocated engines free memory meanwhile."""
-        from verst.recipes.rl_steps import old_logprobs, train_on_groups  # TORCH_MODULES: imported at start-up
-
+        logprobs are taken before the first (see `rl_steps`). Each runs in the trainer ranks. Colocated
+        engines free memory meanwhile."""
         per_step, old, offset = self.plan.groups_per_train_step, None, 0
         for first in range(0, len(groups), per_step):
             step_groups = groups[first : first + per_step]
@@ -93,15 +94,15 @@ class RLRun:
             try:
                 start = time.perf_counter()
                 if first == 0 and len(groups) > per_step:
-                    old = await asyncio.to_thread(old_logprobs, self.trainer, groups, self.cfg)
+                    old = await asyncio.to_thread(on_ranks, self.trainer, OLD_LOGPROBS, groups, self.cfg)
                 old_s = time.perf_counter() - start
                 rows = None if old is None else old[offset : offset + n_samples]
-                metrics = await asyncio.to_thread(train_on_groups, self.trainer, step_groups, self.cfg, rows)
+                metrics = await asyncio.to_thread(on_ranks, self.trainer, TRAIN_STEP, step_groups, self.cfg, rows)
+                metrics["time/train_s"] = time.perf_counter() - start  # with the trips to the ranks
             finally:
                 if self.cfg.cluster.placement == "colocated":
                     await asyncio.to_thread(self.engines.resume_memory)
             metrics["time/logprob_s"] += old_s
-            metrics["time/train_s"] += old_s
             offset += n_samples
             self.version += 1
             yield metrics
@@ -111,8 +112,7 @@ class RLRun:
         if not self.syncer.due(self.version):
             return {}
         await self.settle_evaluation()  # an evaluation in flight scores the weights the engines serve now
-        # The transport reads the trainer's bucket stream in a worker thread, one bucket ahead.
-        return await self.syncer.sync(self.trainer.named_weights(self.cfg.sync.bucket_bytes), self.version)
+        return await self.syncer.sync(self.version)
 
     @property
     def score_key(self) -> str:
@@ -208,7 +208,6 @@ class RLRun:
 async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     """Start every part of an RL run (engines and trainer ranks start in parallel); stop all on exit."""
     started = time.perf_counter()  # the summary's time/total_s includes start-up
-    torch_import = import_in_background(*TORCH_MODULES)  # overlaps Ray's start
     cfg = absolute_paths(cfg)
     run_dir = prepare_run_dir(cfg)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -224,13 +223,11 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
         rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
                                              router=router_spec(cfg, cfg.cluster.num_engines),
                                              prepare=functools.partial(prepare_rollout_parts, cfg))
-        torch_import.join()  # the trainer's factory needs torch: from here on the driver imports it
-        from verst.sync import build_syncer
-        from verst.trainer import FSDP2Backend
-
+        # The backend class goes by import path: the driver never imports torch (see TRAIN_STEP).
         trainer = orch.start_trainer(functools.partial(
-            FSDP2Backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps, temperature=temperature,
-            device=orch.device, ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
+            call_path, "verst.trainer.fsdp:FSDP2Backend", cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
+            temperature=temperature, device=orch.device,
+            ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
         ))
         clock.lap("trainer")
         urls = engines.wait_ready().urls
@@ -239,8 +236,9 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
         clock.lap("rollout_manager")  # router, data source and rollout fn, once the engines are up
         progress = RunProgress(cfg.schedule, plan.total_train_steps, mode="auto" if cfg.logging.progress else "off")
         async with EngineFleet(urls) as fleet:
-            syncer = build_syncer(cfg.sync, fleet, logprobs_fn=trainer.logprobs, temperature=temperature,
-                                  device=orch.device, snapshot_dir=run_dir / "weights", source_model=cfg.model.path)
+            syncer = TrainerWeightSync(trainer, cfg.sync, urls, checker=weight_checker(cfg, trainer, temperature),
+                                       fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
+                                       source_model=cfg.model.path)
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started)
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
@@ -294,6 +292,24 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
         "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
         "rollout": cfg.rollout.model_copy(update={"dump_dir": absolute(cfg.rollout.dump_dir)}),
     })
+
+
+def on_ranks(trainer: Any, path: str, *args: Any) -> Any:
+    """`path(backend, *args)` next to the model: on every rank of a Ray rank group (`apply`, a collective
+    step; rank 0's result), or here against any other backend or handle (in-process, `TrainerGroup`)."""
+    step = functools.partial(call_path, path)
+    if hasattr(trainer, "apply"):
+        return trainer.apply(step, *args)[0]
+    return step(trainer, *args)
+
+
+def weight_checker(cfg: VerstConfig, trainer: Any, temperature: float) -> Any:
+    """`sync.check_weights`: the check of the first sync against the trainer's logprobs (imports torch)."""
+    if not cfg.sync.check_weights:
+        return None
+    from verst.sync.check import LogprobChecker
+
+    return LogprobChecker(trainer.logprobs, temperature=temperature)
 
 
 def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:

@@ -5,6 +5,9 @@ The old policy is the one that existed before the rollout batch's first optimize
 are recomputed once per rollout batch (every later step of the batch then sees a real importance
 ratio and PPO's clip), taken from the engine, or (`auto`, one step per batch) read off the train
 step's own forward pass, detached, which is the same number without a second pass.
+
+In an RL run each trainer rank calls these on its own backend (`RLRun.train`, by import path); they
+also run against a driver-side handle of the ranks (`TrainerGroup`), as the component tests do.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import functools
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from verst.algo import aggregation_normalizer, compute_advantages, rl_loss
@@ -20,7 +24,9 @@ from verst.config import AlgorithmConfig, VerstConfig, batch_plan
 from verst.trainer import ROLLOUT_LOGPROBS, ForwardOutputs, MicroBatch, TrainBackend, make_items
 from verst.types import Group, Sample
 
-OldLogprobs = list[torch.Tensor] | None  # per sample of a rollout batch; None: each step's own forward
+# Per sample of a rollout batch ([response_length] each; NumPy arrays when they travel through a driver
+# that imports no torch); None: each step's own forward.
+OldLogprobs = Sequence[torch.Tensor | np.ndarray] | None
 
 
 def old_logprob_source(cfg: VerstConfig) -> str:
@@ -45,6 +51,12 @@ def old_logprobs(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfi
     if source == "recompute":
         return trainer.logprobs(samples)
     return None
+
+
+def old_logprob_arrays(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig) -> list[np.ndarray] | None:
+    """`old_logprobs` as float32 NumPy arrays, the form in which a rank hands them to the driver."""
+    old = old_logprobs(trainer, groups, cfg)
+    return None if old is None else [t.detach().float().cpu().numpy() for t in old]
 
 
 def rl_loss_fn(

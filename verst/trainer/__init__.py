@@ -1,31 +1,36 @@
 """Layer 2: training backends behind the `TrainBackend` contract (FSDP2 first) and the launcher
 that starts their ranks; algorithm-agnostic (losses come in as `loss_fn` callables).
+
+Importing this package imports no torch; names resolve lazily, so driver-side code (rank handles,
+transports' types) stays light.
 """
 
-from verst.trainer.backend import Batch, TrainBackend, WeightBucket
-from verst.trainer.batching import ForwardOutputs, MicroBatch
-from verst.trainer.fsdp import FSDP2Backend
-from verst.trainer.items import ROLLOUT_LOGPROBS, TrainItem, TrainItemError, as_items, make_items
-from verst.trainer.launcher import RankError, TrainerGroup
-from verst.trainer.losses import LossFn, Normalizer, count_policy_sequences, count_policy_tokens, sft_loss_fn
+from __future__ import annotations
 
-__all__ = [
-    "ROLLOUT_LOGPROBS",
-    "Batch",
-    "FSDP2Backend",
-    "ForwardOutputs",
-    "LossFn",
-    "MicroBatch",
-    "Normalizer",
-    "RankError",
-    "TrainBackend",
-    "TrainItem",
-    "TrainItemError",
-    "TrainerGroup",
-    "WeightBucket",
-    "as_items",
-    "count_policy_sequences",
-    "count_policy_tokens",
-    "make_items",
-    "sft_loss_fn",
-]
+from verst.config.imports import lazy_exports
+
+_EXPORTS = {
+    "Batch": "verst.trainer.backend",
+    "CollectiveCalls": "verst.trainer.backend",
+    "RankError": "verst.trainer.backend",
+    "TrainBackend": "verst.trainer.backend",
+    "WeightBucket": "verst.trainer.backend",
+    "ForwardOutputs": "verst.trainer.batching",
+    "MicroBatch": "verst.trainer.batching",
+    "FSDP2Backend": "verst.trainer.fsdp",
+    "ROLLOUT_LOGPROBS": "verst.trainer.items",
+    "TrainItem": "verst.trainer.items",
+    "TrainItemError": "verst.trainer.items",
+    "as_items": "verst.trainer.items",
+    "make_items": "verst.trainer.items",
+    "TrainerGroup": "verst.trainer.launcher",
+    "LossFn": "verst.trainer.losses",
+    "Normalizer": "verst.trainer.losses",
+    "count_policy_sequences": "verst.trainer.losses",
+    "count_policy_tokens": "verst.trainer.losses",
+    "sft_loss_fn": "verst.trainer.losses",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

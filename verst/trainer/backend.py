@@ -6,17 +6,27 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-
-from verst.trainer.items import TrainItem
-from verst.trainer.losses import LossFn, Normalizer, count_policy_tokens
 from verst.types import Sample
 
-Batch = Sequence[TrainItem | Sample]
+if TYPE_CHECKING:  # this module is imported by torch-free driver code (handles, transports' types)
+    import torch
+
+    from verst.trainer.items import TrainItem
+    from verst.trainer.losses import LossFn, Normalizer
+
+Batch = Sequence["TrainItem | Sample"]
 # One bucket of full (unsharded), Hugging Face-named tensors for weight sync.
-WeightBucket = list[tuple[str, torch.Tensor]]
+WeightBucket = list[tuple[str, "torch.Tensor"]]
+
+
+class RankError(RuntimeError):
+    """A rank failed; the message carries the rank and its traceback (or exit code)."""
+
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"trainer rank {rank} failed:\n{detail}")
+        self.rank = rank
 
 
 @runtime_checkable
@@ -79,10 +89,11 @@ class CollectiveCalls:
         return self.call("logprobs", list(batch), reference=reference, with_entropy=with_entropy)[0]
 
     def train_step(
-        self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer = count_policy_tokens,
-        with_entropy: bool = False,
+        self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer | None = None, with_entropy: bool = False,
     ) -> dict[str, float]:
-        return self.call("train_step", list(batch), loss_fn, normalizer=normalizer, with_entropy=with_entropy)[0]
+        """`normalizer` None: the backend's default (policy tokens)."""
+        options = {"with_entropy": with_entropy} | ({"normalizer": normalizer} if normalizer is not None else {})
+        return self.call("train_step", list(batch), loss_fn, **options)[0]
 
     def save(self, directory: str | Path) -> None:
         self.call("save", str(directory))

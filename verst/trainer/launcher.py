@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verst.trainer.backend import CollectiveCalls, TrainBackend, WeightBucket
+from verst.trainer.backend import CollectiveCalls, RankError, TrainBackend, WeightBucket
 from verst.trainer.distributed import init_process_group, resolve_device
 
 LOOPBACK = "127.0.0.1"
@@ -33,14 +33,6 @@ _PRELOAD = [
     "transformers", "transformers.modeling_utils", "transformers.masking_utils",
     "transformers.generation.utils", "transformers.models.auto.modeling_auto", "verst.trainer.fsdp",
 ]
-
-
-class RankError(RuntimeError):
-    """A rank failed; the message carries the rank and its traceback (or exit code)."""
-
-    def __init__(self, rank: int, detail: str):
-        super().__init__(f"trainer rank {rank} failed:\n{detail}")
-        self.rank = rank
 
 
 class TrainerGroup(CollectiveCalls):

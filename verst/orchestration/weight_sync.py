@@ -1,0 +1,51 @@
+"""The driver's handle of the weight syncer that trainer rank 0 runs: what the RL loops call to push
+weights (`due`, `version`, `sync(version)`, `close()`), with the weight check run from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from verst.config.schema import SyncConfig
+
+
+class TrainerWeightSync:
+    """Weights go from trainer rank 0 straight to the engines: a gloo/NCCL broadcast, shared memory or
+    CUDA IPC on rank 0's host, or safetensors written there (see `TrainerActorGroup.open_weight_sync`).
+    The lifecycle (pause → flush → push → version → continue, versions only up) runs there too.
+
+    `checker` (`sync.check_weights`): a `LogprobChecker` run once, after the first sync, against `fleet`;
+    it asks every trainer rank for logprobs, so it runs from the driver, not inside rank 0's push.
+    """
+
+    def __init__(self, trainer: Any, cfg: SyncConfig, engine_urls: list[str], *, checker: Any = None,
+                 fleet: Any = None, **transport_options: Any):
+        if checker is not None and fleet is None:
+            raise ValueError("TrainerWeightSync: a weight checker needs the engine fleet to probe")
+        self.trainer, self.bucket_bytes, self.interval = trainer, cfg.bucket_bytes, cfg.interval
+        self.checker, self.fleet = checker, fleet
+        self._version: int | None = None
+        trainer.open_weight_sync(cfg.model_copy(update={"check_weights": False}), engine_urls, **transport_options)
+
+    @property
+    def version(self) -> int | None:
+        """The engines' weight version after the last successful sync (None before the first one)."""
+        return self._version
+
+    def due(self, step: int) -> bool:
+        """Whether the weights of train step `step` (1-based count of steps taken) are pushed."""
+        return step % self.interval == 0
+
+    async def sync(self, version: int) -> dict[str, float]:
+        """Push the trainer's current weights as `version`; returns the `sync/` metrics (and `sync/check_*`
+        after the first sync when checking)."""
+        metrics = await asyncio.to_thread(self.trainer.sync_weights, version, self.bucket_bytes)
+        self._version = version
+        if self.checker is not None:
+            checker, self.checker = self.checker, None  # once
+            metrics.update(await checker.check(self.fleet, version))
+        return metrics
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.trainer.close_weight_sync)
