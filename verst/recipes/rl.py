@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -209,6 +210,7 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     """Start every part of an RL run (engines and trainer ranks start in parallel); stop all on exit."""
     started = time.perf_counter()  # the summary's time/total_s includes start-up
     cfg = absolute_paths(cfg)
+    _load_in_background(_tokenizer, cfg.model.path)  # the evaluations' (transformers' import), while Ray starts
     run_dir = prepare_run_dir(cfg)
     (run_dir / "logs").mkdir(exist_ok=True)
     plan = batch_plan(cfg)
@@ -331,6 +333,16 @@ def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path: str) -> Any:
     return load_tokenizer(path)
+
+
+def _load_in_background(load: Any, *args: Any) -> None:
+    """Warm a cached `load(*args)` in a daemon thread; a failure is left to the caller's own call."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            load(*args)
+
+    threading.Thread(target=run, name="verst-preload", daemon=True).start()
 
 
 def _test_prompts(cfg: VerstConfig) -> list:
