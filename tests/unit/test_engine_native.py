@@ -7,7 +7,8 @@ import torch
 
 import verst.engine.native as native
 from verst.engine.core import EngineConfig
-from verst.engine.model_runner import ModelRunner
+from verst.engine.model_runner import ModelRunner, check_native_model
+from verst.engine.native_model import NativeCausalLM, load_engine_model, load_native_model, native_config_reason
 from verst.models.factory import init_model
 from verst.models.loader import load_model
 
@@ -15,16 +16,25 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def model_dirs(tmp_path_factory):
+    """Checkpoint folders: the tiny factory's, Qwen2 (q/k/v biases, untied head) and Mistral (no window)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     root = tmp_path_factory.mktemp("native-models")
-    out = {arch: load_model(init_model(arch, "tiny", root / arch, seed=0)) for arch in ("qwen3", "llama", "qwen3-moe")}
+    out = {arch: init_model(arch, "tiny", root / arch, seed=0) for arch in ("qwen3", "llama", "qwen3-moe")}
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, rope_theta=5000.0)
     torch.manual_seed(0)
-    qwen2 = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
-    out["qwen2"] = qwen2.eval().requires_grad_(False)  # q/k/v projections with biases
+    for name, cls, config in (("qwen2", Qwen2ForCausalLM, Qwen2Config(**small, tie_word_embeddings=False)),
+                              ("mistral", MistralForCausalLM, MistralConfig(**small, sliding_window=None))):
+        cls(config).save_pretrained(root / name)
+        out[name] = root / name
     return out
+
+
+@pytest.fixture(scope="module")
+def models(model_dirs):
+    return {arch: load_model(path) for arch, path in model_dirs.items()}
 
 
 def decode_run(model, impl, steps=6):
@@ -87,3 +97,77 @@ def test_a_native_forward_that_disagrees_with_transformers_is_refused(models, mo
     with pytest.raises(RuntimeError, match="native forward differs from transformers'"):
         ModelRunner(models["qwen3"], impl="native")
     assert ModelRunner(models["qwen3"], impl="native", check=False).impl == "native"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
+def test_the_model_built_without_transformers_gives_transformers_logits(models, model_dirs, arch):
+    ours = load_native_model(model_dirs[arch])
+    assert isinstance(ours, NativeCausalLM)
+    assert not any(p.requires_grad or p.is_meta for p in ours.parameters())
+    runner, native_logits = decode_run(ours, "auto")
+    _, reference = decode_run(models[arch], "transformers")
+    assert runner.impl == "native" and (native_logits - reference).abs().max().item() < 1e-5
+    assert check_native_model(ours, models[arch]) < 1e-5 and runner.probe()
+    tied = arch in ("qwen3", "llama")
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+
+
+def test_the_engine_loads_the_native_model_where_it_applies_and_says_why_not(model_dirs, tmp_path):
+    assert isinstance(load_engine_model(model_dirs["qwen3"]), NativeCausalLM)
+    assert not isinstance(load_engine_model(model_dirs["qwen3"], impl="transformers"), NativeCausalLM)
+    assert not isinstance(load_engine_model(model_dirs["qwen3-moe"]), NativeCausalLM)  # auto: transformers'
+    with pytest.raises(ValueError, match="model_type 'qwen3_moe' is not one of"):
+        load_engine_model(model_dirs["qwen3-moe"], impl="native")
+    with pytest.raises(ValueError, match="model_impl 'transformers' needs the model loaded by transformers"):
+        ModelRunner(load_native_model(model_dirs["qwen3"]), impl="transformers")
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window attention"),
+    ({"intermediate_size": None}, "lacks ['intermediate_size']"),
+])
+def test_configs_the_native_model_does_not_cover_are_named(change, reason):
+    config = {"model_type": "qwen3", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "vocab_size": 10}
+    assert native_config_reason(config) is None
+    config = {k: v for k, v in {**config, **change}.items() if v is not None}
+    assert reason in native_config_reason(config)
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_by_name(model_dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dirs["qwen3"], broken)
+    (weights,) = broken.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    del tensors["model.norm.weight"]
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\], unexpected \['model.layers.0.mlp.extra"):
+        load_native_model(broken)
+
+
+def test_a_native_model_that_disagrees_with_transformers_is_refused_when_checked(models, model_dirs, monkeypatch):
+    monkeypatch.setattr(native, "_rope", lambda x, cos, sin: x)
+    with pytest.raises(RuntimeError, match="native model differs from transformers'"):
+        check_native_model(load_native_model(model_dirs["qwen3"]), models["qwen3"])
+
+
+def test_an_engine_serving_the_native_model_never_imports_transformers_modeling(model_dirs):
+    import subprocess
+    import sys
+
+    code = ("import sys, uvicorn; uvicorn.Server.run = lambda self, sockets=None: None; "
+            "import verst.engine.server as s; "
+            f"s.main(['--model', {str(model_dirs['qwen3'])!r}, '--port', '0']); "
+            "heavy = [m for m in sys.modules if m.startswith(('transformers.modeling', 'transformers.models.', "
+            "'transformers.cache_utils', 'torch._dynamo'))]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -1,46 +1,26 @@
 """Slot KV storage for continuous batching: one row ("slot") per running request, grown on demand.
 
-A transformers `Cache`: the model's attention layers call `update()`, which writes each row's new keys
-and values at that row's own positions and returns the full-width K/V of the step's rows; the caller's
-4-D mask hides positions a row has not filled. Each layer stores `[slots, kv_heads, capacity, head_dim]`;
-the last column of `capacity` is a scratch column that padding tokens write into.
+`update()` writes each row's new keys and values at that row's own positions and returns the full-width
+K/V of the step's rows; the caller's 4-D mask hides positions a row has not filled. Each layer stores
+`[slots, kv_heads, capacity, head_dim]`; the last column of `capacity` is a scratch column that padding
+tokens write into. The native forward calls `update()` itself; for transformers' forward,
+`transformers_slot_cache` makes the same storage a transformers `Cache` (imported only then).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 _MIN_SLOTS = 8
 _LENGTH_QUANTUM = 128
 
 
-class _SlotLayer(CacheLayerMixin):
-    """Placeholder so `Cache`'s per-layer properties work; the storage lives in `SlotKVCache`."""
-
-    is_sliding = False
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise RuntimeError("SlotKVCache layers are updated through SlotKVCache.update")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        raise RuntimeError("SlotKVCache is used with a prepared 4-D mask only")
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class SlotKVCache(Cache):
+class SlotKVCache:
     """KV of all running requests. `plan()` says which slots a forward covers and where tokens go."""
 
     def __init__(self, num_layers: int):
-        super().__init__(layers=[_SlotLayer() for _ in range(num_layers)])
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self._need_slots = _MIN_SLOTS
@@ -145,3 +125,40 @@ class SlotKVCache(Cache):
             new_v[:old_slots, :, : old_len - 1] = values[:, :, : old_len - 1]
         self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
         return new_k, new_v
+
+
+def transformers_slot_cache(num_layers: int) -> SlotKVCache:
+    """A `SlotKVCache` that transformers' attention layers take as their cache (`past_key_values`)."""
+    return _transformers_cache_class()(num_layers)
+
+
+@functools.cache
+def _transformers_cache_class() -> type:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class SlotLayer(CacheLayerMixin):
+        """Placeholder so `Cache`'s per-layer properties work; the storage lives in `SlotKVCache`."""
+
+        is_sliding = False
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            raise RuntimeError("SlotKVCache layers are updated through SlotKVCache.update")
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            raise RuntimeError("SlotKVCache is used with a prepared 4-D mask only")
+
+        def get_seq_length(self) -> int:
+            return 0
+
+        def get_max_length(self) -> int:
+            return -1
+
+    class TransformersSlotKVCache(SlotKVCache, Cache):
+        def __init__(self, num_layers: int):
+            Cache.__init__(self, layers=[SlotLayer() for _ in range(num_layers)])
+            SlotKVCache.__init__(self, num_layers)
+
+    return TransformersSlotKVCache

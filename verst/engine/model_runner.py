@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from verst.engine.config import IMPLS
-from verst.engine.kv_cache import SlotKVCache
+from verst.engine.kv_cache import SlotKVCache, transformers_slot_cache
 from verst.engine.native import CHECK_TOLERANCE, NativeForward, unsupported_reason
+from verst.engine.native_model import NativeCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,9 @@ class ModelRunner:
     """Owns the model's forward and the slot KV cache; knows nothing about requests.
 
     `impl`: "native" runs `verst.engine.native`'s forward (dense Llama-family models), "transformers"
-    the model's own, "auto" native where it applies. A native forward is checked against transformers
-    once (`check`) and refused when they differ.
+    the model's own, "auto" native where it applies. On a transformers model the native forward is checked
+    against the model's own once (`check`) and refused when they differ; a `NativeCausalLM` (built without
+    transformers) has only the native forward, checked by `check_native_model` when asked.
     """
 
     def __init__(self, model: Any, impl: str = "auto", check: bool = True):
@@ -36,7 +38,6 @@ class ModelRunner:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         self.num_layers = int(config.num_hidden_layers)
-        self.cache = SlotKVCache(self.num_layers)
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed past_key_values to cache; older model code still takes the old name
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -54,8 +55,14 @@ class ModelRunner:
         self.dtype, self.device = first.dtype, first.device
         self.native = self._native_forward(impl, check)
         self.impl = "native" if self.native else "transformers"
+        self.cache: SlotKVCache = SlotKVCache(self.num_layers) if self.native else transformers_slot_cache(self.num_layers)
 
     def _native_forward(self, impl: str, check: bool) -> NativeForward | None:
+        if isinstance(self.model, NativeCausalLM):
+            if impl == "transformers":
+                raise ValueError("model_impl 'transformers' needs the model loaded by transformers; this one was built "
+                                 "for the native forward (verst.engine.native_model)")
+            return NativeForward(self.model)
         reason = unsupported_reason(self.model)
         if impl == "transformers" or (impl == "auto" and reason is not None):
             if impl == "auto":
@@ -99,10 +106,17 @@ class ModelRunner:
         return logits, experts
 
     def probe(self) -> bool:
-        """A one-token forward without the cache: does the model still produce finite logits?"""
-        out = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
+        """A one-token forward on a scratch cache: does the model still produce finite logits?"""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        if self.native is not None:
+            scratch = SlotKVCache(self.num_layers)
+            scratch.plan(0, torch.zeros(1, 1, dtype=torch.long), 1)
+            logits = self.native.forward(ids, ids, torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device),
+                                         scratch)
+        else:
+            logits = self.model(input_ids=ids, use_cache=False).logits
         self._router_outputs.clear()
-        return bool(torch.isfinite(out.logits).all())
+        return bool(torch.isfinite(logits).all())
 
     def _mask(self, positions: torch.Tensor, width: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """Additive mask [batch, 1, seq, width]: query at position p sees kv positions 0..p of its row.
@@ -129,13 +143,27 @@ class ModelRunner:
         return [chosen[i, width - n :] for i, n in enumerate(lengths)]
 
 
+def check_native_model(model: NativeCausalLM, reference: Any) -> float:
+    """Max |logit difference| between a `NativeCausalLM` and `reference`, transformers' model of the same
+    checkpoint; raises when it exceeds the tolerance (`verst serve engine --check-native`)."""
+    diff = _logit_diff(ModelRunner(model, impl="native"), ModelRunner(reference, impl="transformers"))
+    if not diff <= CHECK_TOLERANCE:
+        raise RuntimeError(f"the native model differs from transformers' by {diff:.2e} in logits "
+                           f"(tolerance {CHECK_TOLERANCE:.0e}); use model_impl = 'transformers'")
+    return diff
+
+
 def _native_logit_diff(model: Any) -> float:
-    """Max |logit difference| between the native forward and transformers' over a ragged prefill and a
-    decode step, each on a scratch cache of its own."""
-    vocab = int(model.get_input_embeddings().num_embeddings)
+    """Max |logit difference| between the native forward and transformers' on one transformers model."""
+    return _logit_diff(ModelRunner(model, impl="native", check=False), ModelRunner(model, impl="transformers"))
+
+
+def _logit_diff(native: ModelRunner, reference: ModelRunner) -> float:
+    """Max |logit difference| of two runners over a ragged prefill and a decode step (each runner has a
+    scratch cache of its own)."""
+    vocab = int(native.model.get_input_embeddings().num_embeddings)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (5, 2, 7)]
-    native, reference = ModelRunner(model, impl="native", check=False), ModelRunner(model, impl="transformers")
     worst = 0.0
     with torch.no_grad():
         for pending, starts in ((prompts, [0, 0, 0]), ([[1], [2], [3]], [len(p) for p in prompts])):

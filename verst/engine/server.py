@@ -317,8 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a waiting request of a higher priority waits for free slots instead of retracting "
                    "running lower-priority ones")
     p.add_argument("--model-impl", default="auto", choices=IMPLS,
-                   help="the model's forward: verst's native one (dense Llama-family), transformers', or auto "
-                   "(native where it applies)")
+                   help="the model's forward: verst's native one (dense Llama-family; the model is then built "
+                   "without transformers), transformers', or auto (native where it applies)")
+    p.add_argument("--check-native", action="store_true",
+                   help="with the native model (built without transformers), compare its logits with transformers' "
+                   "model of the same checkpoint at start-up and refuse to serve when they differ (~3 s on 2 cores)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
@@ -345,12 +348,20 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from verst.engine.core import EngineConfig, EngineCore
+    from verst.engine.native_model import NativeCausalLM, load_engine_model
     from verst.engine.runner import EngineRunner
-    from verst.models.loader import load_model_and_tokenizer
+    from verst.models.loader import check_vocab, load_model, load_tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.torch_threads)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_engine_model(args.model, args.model_impl, args.dtype, args.device, args.trust_remote_code)
+    check_vocab(tokenizer, model)
+    if args.check_native and isinstance(model, NativeCausalLM):
+        from verst.engine.model_runner import check_native_model
+
+        diff = check_native_model(model, load_model(args.model, args.dtype, args.device))
+        print(f"native model checked against transformers': max |logit difference| {diff:.1e}", file=sys.stderr)
     config = EngineConfig(
         max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
         context_length=args.context_length, prefix_cache_tokens=args.prefix_cache_tokens,

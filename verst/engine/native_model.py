@@ -1,0 +1,250 @@
+"""A dense Llama-family checkpoint (Llama, Mistral, Qwen2, Qwen3) built without transformers, for the
+engine's native forward: `config.json` and the safetensors go straight into modules with the Hugging
+Face layout and names, so weight updates by name and `verst.engine.native.NativeForward` apply as to a
+transformers model.
+
+Importing transformers' modeling stack costs a 2-core machine ~3 CPU-seconds per process at start-up
+(torch.distributed.tensor, dynamo, sympy); an engine that only runs the native forward does not need it.
+Which tensors exist decides the layout (biases, Qwen3's q/k norms, a separate lm_head), so one module tree
+serves all four families. What differs in the arithmetic and is not covered here (rope scaling, partial
+rotary, sliding windows, other activations) is refused by `native_config_reason`, and the engine then
+loads the model with transformers. `verst serve engine --check-native` compares the logits with
+transformers' at start-up; the test suite does for every family.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Keys some checkpoints carry that are derived, not weights (old Llama exports saved the rotary buffer).
+_DERIVED_KEYS = (".rotary_emb.inv_freq",)
+
+
+def native_config_reason(config: dict[str, Any]) -> str | None:
+    """Why a `config.json` cannot be built as a `NativeCausalLM` (None when it can)."""
+    model_type = config.get("model_type")
+    if model_type not in NATIVE_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {list(NATIVE_MODEL_TYPES)}"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"hidden_act {config.get('hidden_act')!r} (only silu)"
+    if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or []):
+        return "sliding-window attention"
+    if model_type == "mistral" and config.get("sliding_window"):
+        return f"sliding_window {config['sliding_window']}"
+    rope = rope_settings(config)
+    if isinstance(rope, str):
+        return rope
+    if config.get("pretraining_tp", 1) != 1:
+        return f"pretraining_tp {config['pretraining_tp']}"
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in required if k not in config]
+    if missing:
+        return f"config.json lacks {missing}"
+    return None
+
+
+def rope_settings(config: dict[str, Any]) -> float | str:
+    """The rope base (theta) of plain rotary embeddings, or why the config's rope is not plain."""
+    params = config.get("rope_parameters") or {}  # transformers 5.x; earlier configs: rope_theta / rope_scaling
+    scaling = config.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        return f"rope_type {kind!r} (only default rotary embeddings)"
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        return f"partial_rotary_factor {factor}"
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _unloaded(*shape: int) -> nn.Parameter:
+    """A parameter to be assigned from the checkpoint: no storage, no initialisation (torch's init on the
+    meta device imports its compiler stack, ~1.4 s on 2 cores)."""
+    return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """`weight` [out, in] and `bias` (or None), as nn.Linear holds them; `NativeForward` does the math."""
+
+    def __init__(self, inputs: int, outputs: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = inputs, outputs
+        self.weight = _unloaded(outputs, inputs)
+        self.bias = _unloaded(outputs) if bias else None
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, dim
+        self.weight = _unloaded(num_embeddings, dim)
+
+
+class RMSNorm(nn.Module):
+    """transformers' RMSNorm parameters (`weight`, `variance_epsilon`); `NativeForward` does the math."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = _unloaded(size)
+        self.variance_epsilon = eps
+
+
+class RotaryEmbedding(nn.Module):
+    """Plain rotary embeddings as transformers computes them: (cos, sin) [batch, seq, head_dim] in float32,
+    cast to the hidden states' dtype. The frequencies stay float32 whatever the model's dtype (not a buffer)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        self.inv_freq = 1.0 / (theta**exponents)  # [head_dim / 2]
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self.inv_freq  # [batch, seq, head_dim / 2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, head_dim: int, names: set[str], prefix: str):
+        super().__init__()
+        heads, kv_heads, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+        bias = lambda name: f"{prefix}.{name}.bias" in names  # noqa: E731
+        self.q_proj = Linear(hidden, heads * head_dim, bias=bias("q_proj"))
+        self.k_proj = Linear(hidden, kv_heads * head_dim, bias=bias("k_proj"))
+        self.v_proj = Linear(hidden, kv_heads * head_dim, bias=bias("v_proj"))
+        self.o_proj = Linear(heads * head_dim, hidden, bias=bias("o_proj"))
+        if f"{prefix}.q_norm.weight" in names:  # Qwen3
+            self.q_norm, self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps), RMSNorm(head_dim, cfg.rms_norm_eps)
+        self.scaling = head_dim**-0.5
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any, names: set[str], prefix: str):
+        super().__init__()
+        bias = lambda name: f"{prefix}.{name}.bias" in names  # noqa: E731
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias("gate_proj"))
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias("up_proj"))
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias("down_proj"))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, head_dim: int, names: set[str], prefix: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, head_dim, names, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, names, f"{prefix}.mlp")
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: Any, head_dim: int, theta: float, names: set[str]):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, head_dim, names, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim, theta)
+
+
+class NativeCausalLM(nn.Module):
+    """`model.*` and `lm_head` as in transformers' `*ForCausalLM`; the forward is `NativeForward`'s.
+    `config` is config.json as attributes (with transformers' defaults for the fields used here)."""
+
+    def __init__(self, config: dict[str, Any], names: set[str]):
+        super().__init__()
+        reason = native_config_reason(config)
+        if reason is not None:
+            raise ValueError(f"a native model cannot be built from this config: {reason}")
+        cfg = _Config(config)
+        self.config = cfg
+        theta = rope_settings(config)
+        head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+        self.model = DecoderStack(cfg, head_dim, theta, names)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self) -> Embedding:
+        return self.model.embed_tokens
+
+
+def load_native_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> NativeCausalLM:
+    """The checkpoint at `path` as a `NativeCausalLM` in eval mode, every parameter read from its
+    safetensors (a missing or unexpected tensor, or a shape that differs, is refused by name)."""
+    from safetensors import safe_open
+
+    directory = Path(path)
+    config = json.loads((directory / "config.json").read_text())
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors (the native model reads safetensors only)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    for name in [n for n in tensors if n.endswith(_DERIVED_KEYS)]:
+        del tensors[name]
+    model = NativeCausalLM(config, set(tensors))
+    expected = dict(model.state_dict(keep_vars=True))
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")  # the embedding's
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{directory}: the safetensors do not fit a native {config['model_type']} model: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, param in expected.items():
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise ValueError(f"{directory}: {name} has shape {list(tensors[name].shape)}, the config implies "
+                             f"{list(param.shape)}")
+    model.load_state_dict(tensors, strict=False, assign=True)  # lm_head: tied, or in the file
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight  # re-tie after assign replaced the embedding
+    generation = directory / "generation_config.json"  # its eos ids count too (EngineCore's _eos_ids)
+    if generation.exists():
+        model.generation_config = types.SimpleNamespace(**json.loads(generation.read_text()))
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+
+
+def load_engine_model(path: str | Path, impl: str = "auto", dtype: str = "float32", device: str = "cpu",
+                      trust_remote_code: bool = False) -> Any:
+    """The model an engine serves: a `NativeCausalLM` (transformers' modeling never imported) when `impl`
+    is native or auto and the checkpoint is covered, else transformers' model. `impl="native"` with a
+    checkpoint that is not covered is refused with the reason; auto logs it and loads transformers'."""
+    from verst.models.loader import load_model
+
+    config_file = Path(path) / "config.json"
+    reason = "trust_remote_code" if trust_remote_code else "no config.json"
+    if not trust_remote_code and config_file.exists():
+        reason = native_config_reason(json.loads(config_file.read_text()))
+        if reason is None and not any(Path(path).glob("*.safetensors")):
+            reason = "no *.safetensors"
+    if reason is None and impl in ("auto", "native"):
+        return load_native_model(path, dtype, device)
+    if impl == "native":
+        raise ValueError(f"model_impl 'native' cannot serve {path}: {reason}")
+    if impl == "auto":
+        log.info("model_impl auto: transformers' model (native: %s)", reason)
+    return load_model(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+
+
+class _Config(types.SimpleNamespace):
+    """config.json's fields as attributes, with transformers' defaults for the ones the engine reads."""
+
+    def __init__(self, raw: dict[str, Any]):
+        defaults = {"num_key_value_heads": raw.get("num_attention_heads"), "head_dim": None, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": False, "max_position_embeddings": None, "eos_token_id": None,
+                    "architectures": None, "intermediate_size": None}
+        super().__init__(**{**defaults, **raw})
+
+    def get_text_config(self) -> _Config:
+        return self
