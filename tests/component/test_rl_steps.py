@@ -88,7 +88,7 @@ def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_mod
                              "--trainer.global-batch-size", "8"])
     assert old_logprob_source(cfg) == "recompute"
     groups = make_groups(4, 4, seed=2)
-    run = SimpleNamespace(cfg=cfg, plan=batch_plan(cfg), trainer=None, engines=None, version=0)
+    run = SimpleNamespace(cfg=cfg, plan=batch_plan(cfg), trainer=None, engines=None, version=0, started_at=0.0)
 
     async def steps() -> list[dict[str, float]]:
         return [m async for m in RLRun.train(run, groups)]

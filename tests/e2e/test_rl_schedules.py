@@ -76,10 +76,14 @@ def check_run(cfg, summary, steps, steps_per_rollout=1):
         assert ("rollout/reward_mean" in r) == ((r["step"] - 1) % steps_per_rollout == 0)
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["eval/weight_version"] for r in evals] == [0, steps]
-    phases = {f"time/startup/{p}_s" for p in ("ray", "trainer", "engines", "rollout_manager", "syncer")}
+    phases = {f"time/startup/{p}_s" for p in ("ray", "engines", "rollout_manager", "syncer")}
     first = records[0]  # start-up is logged with the step-0 evaluation, in the same record
     assert first["step"] == 0 and "eval/accuracy" in first and phases <= set(first), sorted(first)
     assert first["time/startup_s"] == pytest.approx(sum(first[k] for k in phases))
+    # the trainer ranks start meanwhile, in the background; the first step logs when they were ready
+    run_start = first["time"] - first["time/eval_s"] - first["time/startup_s"]  # the step-0 evaluation came next
+    assert 0 < train[0]["time/startup/trainer_s"] < train[0]["time"] - run_start + 1.0
+    assert all("time/startup/trainer_s" not in r for r in train[1:])
     assert (run_dir / "report.html").exists()
     return records
 

@@ -83,12 +83,13 @@ class Orchestration:
         self.shutdown()
 
     # ---- the actor groups ----------------------------------------------------------------
-    def start_trainer(self, factory: Callable[[], Any]):
-        """`cluster.trainer_ranks` rank actors hosting `factory()` (see `TrainerActorGroup`)."""
-        from verst.orchestration.trainer_actors import TrainerActorGroup  # imports torch
+    def start_trainer(self, factory: Callable[[], Any], *, wait: bool = True):
+        """`cluster.trainer_ranks` rank actors hosting `factory()` (see `TrainerActorGroup`). With
+        `wait=False` they start in the background until the group's first call or `wait_ready()`."""
+        from verst.orchestration.trainer_actors import TrainerActorGroup
 
         group = TrainerActorGroup(factory, self._placed(), device=self.device, timeout_s=self.timeout_s,
-                                  start_timeout_s=self.start_timeout_s)
+                                  start_timeout_s=self.start_timeout_s, wait=wait)
         self._stack.append(group)
         return group
 

@@ -40,6 +40,7 @@ class TrainerRank:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend: TrainBackend | None = None
         self.syncer: _SyncerLoop | None = None  # rank 0, after open_weight_sync
+        self.ready_at: float | None = None
         register_tensor_serializer()  # logprobs and weight buckets back to the driver
         # Ray shows a GPU actor only its own device (CUDA_VISIBLE_DEVICES), which is then cuda:0.
         os.environ["LOCAL_RANK"] = "0"
@@ -49,7 +50,8 @@ class TrainerRank:
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    def setup(self, master_addr: str, master_port: int, factory: Callable[[], TrainBackend], timeout_s: float) -> dict:
+    def setup(self, rendezvous: tuple[str, int], factory: Callable[[], TrainBackend], timeout_s: float) -> dict:
+        """`rendezvous`: rank 0's (address, port), which Ray hands over once rank 0 has answered."""
         import torch
 
         from verst.trainer.distributed import init_process_group, resolve_device
@@ -59,14 +61,15 @@ class TrainerRank:
             torch.set_num_threads(1)  # one thread per rank; see PLATFORM.md
         _quiet_transformers()
         # Rank 0 serves the rendezvous store itself (the torchrun arrangement); the others connect.
-        init_process_group(self.rank, self.world_size, master_addr, master_port, device, timeout_s, host_store=True)
+        init_process_group(self.rank, self.world_size, *rendezvous, device, timeout_s, host_store=True)
         self.backend = factory()
+        self.ready_at = time.time()  # wall clock: when the backend was built (the driver's start-up metric)
         return self.info()
 
     def info(self) -> dict[str, Any]:
         placement_group, bundle = current_bundle()
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
-                "placement_group": placement_group, "bundle": bundle}
+                "placement_group": placement_group, "bundle": bundle, "ready_at": self.ready_at}
 
     def call(self, method: str, payload: tuple[tuple, dict]) -> Any:
         args, kwargs = payload
@@ -123,6 +126,7 @@ class TrainerActorGroup(CollectiveCalls):
     `factory()` builds the backend inside each rank once the process group is up; it must be
     picklable (e.g. `functools.partial(FSDP2Backend, model_cfg, trainer_cfg, device=...)`) and agree
     with `device`. Every method runs on all ranks; results come from rank 0 (they are identical).
+    With `wait=False` the ranks start in the background: the first call (or `wait_ready()`) waits for them.
     """
 
     def __init__(
@@ -134,22 +138,37 @@ class TrainerActorGroup(CollectiveCalls):
         timeout_s: float = 600.0,
         start_timeout_s: float = 300.0,
         failure_grace_s: float = 2.0,
+        wait: bool = True,
     ):
         self.world_size = len(placement.plan.trainer_bundles)
-        self.timeout_s, self.failure_grace_s = timeout_s, failure_grace_s
+        self.timeout_s, self.failure_grace_s, self.start_timeout_s = timeout_s, failure_grace_s, start_timeout_s
         self._closed = False
+        self._infos: list[dict[str, Any]] | None = None
+        self._ready_lock = threading.Lock()
         self._actors = [
             _RemoteTrainerRank.options(**placement.actor_options("trainer", rank)).remote(rank, self.world_size, device)
             for rank in range(self.world_size)
         ]
-        try:
-            address, port = self._gather({self._actors[0].rendezvous.remote(): 0}, start_timeout_s, "rendezvous")[0]
-            setups = {actor.setup.remote(address, port, factory, timeout_s): rank
-                      for rank, actor in enumerate(self._actors)}
-            self.infos: list[dict[str, Any]] = self._gather(setups, start_timeout_s, "start-up")
-        except BaseException:
-            self.shutdown()
-            raise
+        rendezvous = self._actors[0].rendezvous.remote()  # each setup starts once rank 0 has answered
+        self._setups = {actor.setup.remote(rendezvous, factory, timeout_s): rank for rank, actor in enumerate(self._actors)}
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> TrainerActorGroup:
+        """Block until every rank has built its backend (a failure shuts the group down and raises)."""
+        with self._ready_lock:
+            if self._infos is None:
+                try:
+                    self._infos = self._gather(self._setups, self.start_timeout_s, "start-up")
+                except BaseException:
+                    self.shutdown()  # interrupted too: no rank is left starting
+                    raise
+        return self
+
+    @property
+    def infos(self) -> list[dict[str, Any]]:
+        """Per rank: rank, pid, node, placement_group, bundle, ready_at (wall clock, backend built)."""
+        return self.wait_ready()._infos
 
     def __enter__(self) -> TrainerActorGroup:
         return self
@@ -246,6 +265,7 @@ class TrainerActorGroup(CollectiveCalls):
         if self._closed:
             raise RuntimeError(
                 f"the trainer actor group is shut down (after shutdown() or a rank failure); cannot {what}")
+        self.wait_ready()
 
     def _gather(self, refs: dict[ray.ObjectRef, int], timeout_s: float, what: str) -> list[Any]:
         """Every rank's result, by rank; the first failure (or the deadline) stops the group and raises."""

@@ -16,7 +16,8 @@ class TrainerWeightSync:
     The lifecycle (pause → flush → push → version → continue, versions only up) runs there too.
 
     `checker` (`sync.check_weights`): a `LogprobChecker` run once, after the first sync, against `fleet`;
-    it asks every trainer rank for logprobs, so it runs from the driver, not inside rank 0's push.
+    it asks every trainer rank for logprobs, so it runs from the driver, not inside rank 0's push. Rank 0
+    builds its syncer at the first push, so a trainer still starting is not waited for here.
     """
 
     def __init__(self, trainer: Any, cfg: SyncConfig, engine_urls: list[str], *, checker: Any = None,
@@ -26,7 +27,8 @@ class TrainerWeightSync:
         self.trainer, self.bucket_bytes, self.interval = trainer, cfg.bucket_bytes, cfg.interval
         self.checker, self.fleet = checker, fleet
         self._version: int | None = None
-        trainer.open_weight_sync(cfg.model_copy(update={"check_weights": False}), engine_urls, **transport_options)
+        self._opening = (cfg.model_copy(update={"check_weights": False}), list(engine_urls), transport_options)
+        self._opened = False
 
     @property
     def version(self) -> int | None:
@@ -40,6 +42,10 @@ class TrainerWeightSync:
     async def sync(self, version: int) -> dict[str, float]:
         """Push the trainer's current weights as `version`; returns the `sync/` metrics (and `sync/check_*`
         after the first sync when checking)."""
+        if not self._opened:
+            sync, urls, options = self._opening
+            await asyncio.to_thread(self.trainer.open_weight_sync, sync, urls, **options)
+            self._opened = True
         metrics = await asyncio.to_thread(self.trainer.sync_weights, version, self.bucket_bytes)
         self._version = version
         if self.checker is not None:
@@ -48,4 +54,5 @@ class TrainerWeightSync:
         return metrics
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.trainer.close_weight_sync)
+        if self._opened:
+            await asyncio.to_thread(self.trainer.close_weight_sync)

@@ -60,6 +60,7 @@ class RLRun:
     eval_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     startup_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # time/startup/*
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    started_at: float = dataclasses.field(default_factory=time.time)  # the same moment, wall clock
     _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
 
     # -- named steps ---------------------------------------------------------------------------
@@ -104,6 +105,8 @@ class RLRun:
                 if self.cfg.cluster.placement == "colocated":
                     await asyncio.to_thread(self.engines.resume_memory)
             metrics["time/logprob_s"] += old_s
+            if self.version == 0:
+                metrics.update(trainer_startup_metrics(self.trainer, self.started_at))
             offset += n_samples
             self.version += 1
             yield metrics
@@ -207,8 +210,10 @@ class RLRun:
 
 @contextlib.asynccontextmanager
 async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
-    """Start every part of an RL run (engines and trainer ranks start in parallel); stop all on exit."""
-    started = time.perf_counter()  # the summary's time/total_s includes start-up
+    """Start every part of an RL run; stop all on exit. The engines, the rollout manager's process and the
+    trainer ranks start at the same time, and the run begins (first rollouts, step-0 evaluation) once the
+    engines serve: the trainer, usually the slowest to start, is first needed by the first train step."""
+    started, started_at = time.perf_counter(), time.time()  # the summary's time/total_s includes start-up
     cfg = absolute_paths(cfg)
     _load_in_background(_tokenizer, cfg.model.path)  # the evaluations' (transformers' import), while Ray starts
     run_dir = prepare_run_dir(cfg)
@@ -220,7 +225,6 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     clock = StartupClock(started)
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs") as orch:
         clock.lap("ray")
-        # Engines, the rollout manager's process and the trainer ranks start at the same time.
         engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0"], wait=False)
         rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
                                              router=router_spec(cfg, cfg.cluster.num_engines),
@@ -230,10 +234,9 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
             call_path, "verst.trainer.fsdp:FSDP2Backend", cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
             temperature=temperature, device=orch.device,
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
-        ))
-        clock.lap("trainer")
+        ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
         urls = engines.wait_ready().urls
-        clock.lap("engines")  # beyond the trainer
+        clock.lap("engines")
         rollout.start(urls)
         clock.lap("rollout_manager")  # router, data source and rollout fn, once the engines are up
         progress = RunProgress(cfg.schedule, plan.total_train_steps, mode="auto" if cfg.logging.progress else "off")
@@ -242,7 +245,7 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
                                        source_model=cfg.model.path)
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
-                        IdleMeter(fleet), progress, started=started)
+                        IdleMeter(fleet), progress, started=started, started_at=started_at)
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
             clock.lap("syncer")
             run.startup_metrics = clock.metrics()  # logged with the step-0 evaluation
@@ -303,6 +306,15 @@ def on_ranks(trainer: Any, path: str, *args: Any) -> Any:
     if hasattr(trainer, "apply"):
         return trainer.apply(step, *args)[0]
     return step(trainer, *args)
+
+
+def trainer_startup_metrics(trainer: Any, started_at: float) -> dict[str, float]:
+    """`time/startup/trainer_s`: from the run's start (wall clock) until the last trainer rank had built its
+    backend; nothing for a backend without rank infos (in this process)."""
+    infos = getattr(trainer, "infos", None)
+    if not infos:
+        return {}
+    return {"time/startup/trainer_s": max(info["ready_at"] for info in infos) - started_at}
 
 
 def weight_checker(cfg: VerstConfig, trainer: Any, temperature: float) -> Any:
