@@ -292,8 +292,10 @@ class EngineCore:
             self._remember(req)
         self.counters["prefill_tokens"] += sum(len(p) for p in pending)
         row = {id(req): i for i, req in enumerate(reqs)}
+        if followers:
+            self.runner.cache.copy_rows([leader.slot for _, leader in followers], [req.slot for req, _ in followers],
+                                        max(leader.kv_len for _, leader in followers))
         for req, leader in followers:
-            self.runner.cache.copy_row(leader.slot, req.slot, leader.kv_len)
             req.kv_len, req.routed_experts = leader.kv_len, list(leader.routed_experts)
         if followers:
             logits = torch.cat([logits, logits[[row[id(leader)] for _, leader in followers]]])  # [rows, vocab]

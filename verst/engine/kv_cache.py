@@ -70,9 +70,19 @@ class SlotKVCache:
                 if t is not None and length:
                     t[dst, :, :length] = t[src, :, :length]
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot `dst`, growing the storage if needed."""
-        self.write_row(dst, self.read_row(src, length), length)
+    def copy_rows(self, sources: list[int], targets: list[int], length: int) -> None:
+        """Copy the first `length` positions of each source slot into its target slot (one indexed copy per
+        layer and tensor), growing the storage if needed. Positions past a source's own KV come along as
+        junk the target's mask hides and its next writes replace."""
+        self.reserve(max(targets) + 1, length)
+        src, dst = torch.tensor(sources), torch.tensor(targets)
+        for layer_idx in range(len(self.keys)):
+            keys, values = self.keys[layer_idx], self.values[layer_idx]
+            if keys is None or values is None:
+                raise RuntimeError("copy_rows before any forward filled the KV storage")
+            keys, values = self._storage(layer_idx, keys, values)
+            keys[dst, :, :length] = keys[src, :, :length]
+            values[dst, :, :length] = values[src, :, :length]
 
     def read_row(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the first `length` positions of a slot, per layer: ([kv_heads, length, head_dim],) * 2."""
