@@ -39,7 +39,7 @@ class TrainerRank:
 
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend: TrainBackend | None = None
-        self.syncer: _SyncerLoop | None = None  # rank 0, after open_weight_sync
+        self.weight_sync: _SyncerLoop | None = None  # rank 0, after open_weight_sync
         self.ready_at: float | None = None
         register_tensor_serializer()  # logprobs and weight buckets back to the driver
         # Ray shows a GPU actor only its own device (CUDA_VISIBLE_DEVICES), which is then cuda:0.
@@ -95,7 +95,7 @@ class TrainerRank:
         """Rank 0: build the syncer of `sync` over clients of `engine_urls` (see `verst.sync.build_syncer`);
         a distributed transport's group is rooted at this node's address."""
         options = {"master_address": ray.util.get_node_ip_address(), **transport_options}
-        self.syncer = _SyncerLoop(sync, engine_urls, options)
+        self.weight_sync = _SyncerLoop(sync, engine_urls, options)
 
     def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
         """Rank 0: push the backend's weights as `version` and return the `sync/` metrics; the other ranks
@@ -103,18 +103,18 @@ class TrainerRank:
         if self.rank:
             self.drain_weights(bucket_bytes)
             return {}
-        if self.syncer is None:
+        if self.weight_sync is None:
             raise RuntimeError("sync_weights before open_weight_sync")
         buckets = _DrainOnClose(self.backend.named_weights(bucket_bytes))
         try:
-            return self.syncer.run(self.syncer.syncer.sync(buckets, version))
+            return self.weight_sync.sync(buckets, version)
         finally:
             buckets.close()  # a no-op after a complete push
 
     def close_weight_sync(self) -> None:
-        if self.syncer is not None:
-            syncer, self.syncer = self.syncer, None
-            syncer.close()
+        if self.weight_sync is not None:
+            weight_sync, self.weight_sync = self.weight_sync, None
+            weight_sync.close()
 
 
 _RemoteTrainerRank = ray.remote(max_restarts=0, max_task_retries=0)(TrainerRank)
@@ -150,7 +150,8 @@ class TrainerActorGroup(CollectiveCalls):
             for rank in range(self.world_size)
         ]
         rendezvous = self._actors[0].rendezvous.remote()  # each setup starts once rank 0 has answered
-        self._setups = {actor.setup.remote(rendezvous, factory, timeout_s): rank for rank, actor in enumerate(self._actors)}
+        self._setups = {actor.setup.remote(rendezvous, factory, timeout_s): rank
+                        for rank, actor in enumerate(self._actors)}
         if wait:
             self.wait_ready()
 
@@ -335,6 +336,9 @@ class _SyncerLoop:
         fleet = EngineFleet(engine_urls)  # its clients belong to this loop
         return fleet, build_syncer(sync, fleet, **options)
 
+    def sync(self, buckets: Iterator[WeightBucket], version: int) -> dict[str, float]:
+        return self.run(self.syncer.sync(buckets, version))
+
     def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
@@ -348,6 +352,8 @@ class _SyncerLoop:
     def _stop_loop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10.0)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 class _DrainOnClose:
