@@ -87,6 +87,20 @@ def test_micro_batches_respect_the_token_budget(packed):
         pack_micro_batches([0, 1], lengths, 8, packed)
 
 
+def test_padded_micro_batches_keep_short_rows_away_from_long_ones():
+    """Long-tailed lengths: no row is padded past twice its length, and the budget alone would have put all
+    of them in one micro-batch (every row padded to 134)."""
+    lengths = [134, 134] + [38] * 6 + [10] * 24
+    bins = pack_micro_batches(list(range(len(lengths))), lengths, 8192, packed=False)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert [sorted({lengths[i] for i in b}) for b in bins] == [[134], [38], [10]]
+    assert sum(len(b) * max(lengths[i] for i in b) for b in bins) == 2 * 134 + 6 * 38 + 24 * 10  # no padding
+    mixed = pack_micro_batches([0, 1, 2], [20, 11, 10], 8192, packed=False)
+    assert mixed == [[0, 1, 2]]  # within twice their length, rows share a micro-batch
+    packed = pack_micro_batches(list(range(len(lengths))), lengths, 8192, packed=True)
+    assert len(packed) == 1  # packed rows carry no padding: only the budget splits them
+
+
 def test_split_to_count_halves_then_adds_empty_micro_batches():
     assert split_to_count([[0, 1, 2, 3], [4]], 3) == [[4], [0, 2], [1, 3]]
     grown = split_to_count([[0]], 3)

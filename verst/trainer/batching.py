@@ -85,11 +85,17 @@ def balance_across_ranks(lengths: list[int], world_size: int) -> list[list[int]]
     return [sorted(share) for share in shares]
 
 
+MAX_PADDED_WIDTH = 2  # padded micro-batches: a row's width is at most this many times its length (see below)
+
+
 def pack_micro_batches(indices: list[int], lengths: list[int], max_tokens: int, packed: bool) -> list[list[int]]:
     """First-fit-decreasing split of whole sequences into micro-batches of <= max_tokens tokens.
 
     The budget counts what the model sees: the sum of lengths when packed, rows × longest row
     otherwise (sequences arrive longest first, so a micro-batch's first sequence sets its width).
+    Padded, a sequence joins only a micro-batch at most `MAX_PADDED_WIDTH` times its own length: under
+    long-tailed lengths one long response would otherwise pad every short row to its width (a 4-token
+    row at 134 costs 33 times its compute), while this adds at most log2(longest / shortest) micro-batches.
     """
     bins: list[list[int]] = []
     used: list[int] = []
@@ -101,8 +107,9 @@ def pack_micro_batches(indices: list[int], lengths: list[int], max_tokens: int, 
                 f"{max_tokens}; raise the budget (sequences are never split)"
             )
         for b, members in enumerate(bins):
-            cost = used[b] + n if packed else (len(members) + 1) * lengths[members[0]]
-            if cost <= max_tokens:
+            width = lengths[members[0]]
+            cost = used[b] + n if packed else (len(members) + 1) * width
+            if cost <= max_tokens and (packed or width <= MAX_PADDED_WIDTH * n):
                 members.append(index)
                 used[b] += n
                 break
