@@ -1,9 +1,10 @@
 """verst (sync and fully async) vs TRL's GRPOTrainer: wall time to the same held-out greedy accuracy,
 measured in one run. Target: verst fully async >= 2x faster than TRL (start-up included).
 
-Two tasks (--task): `addition`, make demo's (recipes/grpo_addition.toml: answers of 2-4 tokens), and
-`chain_addition`, its long-tailed variant (recipes/grpo_chain_addition.toml: '12+34+56=' -> '46,102', 80%
-two terms, 5% 8-12 terms, answers of 2 to ~45 tokens), the workload asynchronous RL is built for.
+Two tasks (--task): `chain_addition` (the default), the long-tailed variant of make demo's task
+(recipes/grpo_chain_addition.toml: '12+34+56=' -> '46,102', 80% two terms, 5% 8-12 terms, answers of 2 to
+~45 tokens), the workload asynchronous RL is built for; and `addition`, make demo's own (answers of 2-4
+tokens: a whole TRL run takes ~15 s here, most of it start-up, which no multi-process system halves).
 All three sides start from the same SFT checkpoint and read the task's RL recipe at run time:
 model, prompts (raw text), reward, 16 prompts x 8 samples, one optimizer step per batch, lr and warm-up
 (TRL steps with verst's own AdamW and schedule), temperature, max response tokens, no KL. Every side
@@ -22,7 +23,7 @@ versions (a bench dependency only). The SFT checkpoint (--sft-checkpoint, else t
 recipe's run, runs/sft-addition/hf for addition, else the task's SFT stages trained here into
 --work-dir) is copied into --work-dir first, so a concurrent `make demo` cannot change it mid-run.
 
-    .venv/bin/python bench/vs_trl.py [--task addition|chain_addition] [--sft-checkpoint DIR] [--target 0.62]
+    .venv/bin/python bench/vs_trl.py [--task chain_addition|addition] [--sft-checkpoint DIR] [--target 0.62]
         [--eval-interval 5] [--max-steps 100] [--time-cap 900] [--sides trl,sync,fully_async] [--out r.json]
 """
 
@@ -294,8 +295,8 @@ def side_main(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="verst (sync, fully async) vs TRL's GRPOTrainer: wall time to "
                                      "the same held-out greedy accuracy from the same SFT checkpoint")
-    parser.add_argument("--sft-checkpoint", help="HF export dir of the SFT model (default: runs/sft-addition/hf "
-                        "if present, else trained into WORK_DIR/sft with recipes/sft_addition.toml)")
+    parser.add_argument("--sft-checkpoint", help="HF export dir of the SFT model (default: the task's last SFT "
+                        "recipe's export, runs/<its name>/hf, if present, else its SFT stages trained into WORK_DIR)")
     parser.add_argument("--target", type=float, help="held-out greedy accuracy to reach (default: SFT + 0.15)")
     parser.add_argument("--eval-interval", type=int, default=5, help="evaluate every N optimizer steps")
     parser.add_argument("--max-steps", type=int, default=100, help="step cap of each side")
@@ -303,9 +304,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ",".join(SIDES))
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
     parser.add_argument("--trl-spec", default="trl", help="pip requirement installed when trl is missing")
-    parser.add_argument("--task", choices=sorted(TASKS), default="addition",
-                        help="addition: make demo's task (2-4 answer tokens); chain_addition: its long-tailed "
-                        "variant (2 to ~45 answer tokens)")
+    parser.add_argument("--task", choices=sorted(TASKS), default="chain_addition",
+                        help="chain_addition: the long-tailed variant of make demo's task (2 to ~45 answer tokens); "
+                        "addition: make demo's task (2-4 answer tokens)")
     parser.add_argument("--work-dir", help="run directories of the sides (default: runs/vs-trl/TASK)")
     parser.add_argument("--out", help="write the measurements as JSON here")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # child-process mode

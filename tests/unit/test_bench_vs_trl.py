@@ -127,7 +127,8 @@ def test_each_task_pairs_sft_recipes_with_an_rl_recipe_the_trl_side_reproduces(t
 
 
 def test_the_task_option_names_the_work_dir_and_refuses_unknown_tasks():
-    args = bench.parse_args(["--task", "chain_addition"])
-    assert args.work_dir.endswith("vs-trl/chain_addition")
+    args = bench.parse_args(["--task", "addition"])
+    assert args.work_dir.endswith("vs-trl/addition")
+    assert bench.parse_args([]).task == "chain_addition"  # the long-tailed workload, by default
     with pytest.raises(SystemExit):
         bench.parse_args(["--task", "division"])
