@@ -225,16 +225,17 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     clock = StartupClock(started)
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs") as orch:
         clock.lap("ray")
-        engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0"], wait=False)
-        rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
-                                             router=router_spec(cfg, cfg.cluster.num_engines),
-                                             prepare=functools.partial(prepare_rollout_parts, cfg))
-        # The backend class goes by import path: the driver never imports torch (see TRAIN_STEP).
+        # The trainer ranks, the slowest to start, are created first: they get the worker processes Ray has
+        # already started. The backend class goes by import path: the driver never imports torch.
         trainer = orch.start_trainer(functools.partial(
             call_path, "verst.trainer.fsdp:FSDP2Backend", cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
             temperature=temperature, device=orch.device,
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
+        engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0"], wait=False)
+        rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
+                                             router=router_spec(cfg, cfg.cluster.num_engines),
+                                             prepare=functools.partial(prepare_rollout_parts, cfg))
         urls = engines.wait_ready().urls
         clock.lap("engines")
         rollout.start(urls)
