@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.models.factory import init_model
+from verst.models.native import NativeCausalLM
 from verst.trainer import FSDP2Backend, ForwardOutputs, MicroBatch, TrainBackend, TrainItem, sft_loss_fn
 from verst.trainer.schedule import lr_factor
 
@@ -28,10 +29,11 @@ def single_process_group():
         dist.destroy_process_group()
 
 
-def make_backend(path, **trainer) -> FSDP2Backend:
+def make_backend(path, impl="auto", **trainer) -> FSDP2Backend:
+    """On CPU `impl` auto is verst's native model for these checkpoints; "transformers" keeps theirs."""
     kwargs = {k: trainer.pop(k) for k in ("total_steps", "ref_model_path", "packing", "temperature") if k in trainer}
     config = TrainerConfig(**{"lr": 1e-3, "max_tokens_per_micro_batch": 4096, **trainer})
-    return FSDP2Backend(ModelConfig(path=str(path)), config, device="cpu", **kwargs)
+    return FSDP2Backend(ModelConfig(path=str(path), impl=impl), config, device="cpu", **kwargs)
 
 
 def make_items(lengths, seed=0, advantages=False) -> list[TrainItem]:
@@ -82,10 +84,12 @@ def weights(backend) -> dict[str, torch.Tensor]:
 
 
 # ---- logprobs ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("budget", [4096, 32])
-def test_logprobs_equal_a_plain_full_sequence_forward(model_path, packing, budget):
-    backend = make_backend(model_path, packing=packing, max_tokens_per_micro_batch=budget, temperature=0.7)
+def test_logprobs_equal_a_plain_full_sequence_forward(model_path, packing, budget, impl):
+    backend = make_backend(model_path, impl, packing=packing, max_tokens_per_micro_batch=budget, temperature=0.7)
+    assert isinstance(backend.model, NativeCausalLM) == (impl == "auto")
     items = make_items(LENGTHS)
     got = backend.logprobs(items)
     want = plain_logprobs(hf_model(model_path), items, temperature=0.7)
@@ -125,10 +129,12 @@ def test_entropy_and_frozen_reference(model_path):
 
 
 # ---- training ---------------------------------------------------------------------------------
-def test_train_step_gradient_equals_plain_autograd(model_path):
-    """Normaliser, masks and extras: verst's pre-clip grad norm and loss equal a plain computation."""
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
+def test_train_step_gradient_equals_plain_autograd(model_path, impl):
+    """Normaliser, masks and extras: verst's pre-clip grad norm and loss equal a plain computation on
+    transformers' model (the native model's gradients are transformers')."""
     items = make_items(LENGTHS, seed=2, advantages=True)
-    backend = make_backend(model_path, max_tokens_per_micro_batch=32, grad_clip=1e9)
+    backend = make_backend(model_path, impl, max_tokens_per_micro_batch=32, grad_clip=1e9)
     metrics = backend.train_step(items, pg_loss)
     model = hf_model(model_path)
     total_tokens = sum(float(it.loss_mask.sum()) for it in items)
@@ -194,8 +200,9 @@ def test_named_weights_are_full_hf_named_buckets(model_path):
         assert torch.equal(got[name], tensor), name
 
 
-def test_export_hf_loads_in_transformers_with_identical_logits(model_path, tmp_path):
-    backend = make_backend(model_path)
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
+def test_export_hf_loads_in_transformers_with_identical_logits(model_path, tmp_path, impl):
+    backend = make_backend(model_path, impl)
     items = make_items(LENGTHS, seed=4)
     backend.train_step(items, sft_loss_fn)
     backend.export_hf(tmp_path / "hf")
@@ -226,3 +233,16 @@ def test_save_and_load_resume_in_process(model_path, tmp_path):
         torch.testing.assert_close(weights(second)[name], tensor, atol=1e-6, rtol=0)
     with pytest.raises(FileNotFoundError, match="not a complete trainer checkpoint"):
         second.load(tmp_path / "missing")
+
+
+def test_a_native_trainer_imports_no_transformers_modeling(model_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, torch.distributed as dist; "
+            "from verst.config.schema import ModelConfig, TrainerConfig; from verst.trainer.fsdp import FSDP2Backend; "
+            f"b = FSDP2Backend(ModelConfig(path={str(model_path)!r}), TrainerConfig(), device='cpu'); "
+            "print([m for m in sys.modules if m.startswith('transformers')]); "  # FSDP2 itself imports dynamo
+            "dist.destroy_process_group()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

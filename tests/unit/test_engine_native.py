@@ -8,7 +8,7 @@ import torch
 import verst.engine.native as native
 from verst.engine.core import EngineConfig
 from verst.engine.model_runner import ModelRunner, check_native_model
-from verst.engine.native_model import NativeCausalLM, load_engine_model, load_native_model, native_config_reason
+from verst.models.native import NativeCausalLM, load_causal_lm, load_native_model, native_config_reason
 from verst.models.factory import init_model
 from verst.models.loader import load_model
 
@@ -113,11 +113,11 @@ def test_the_model_built_without_transformers_gives_transformers_logits(models, 
 
 
 def test_the_engine_loads_the_native_model_where_it_applies_and_says_why_not(model_dirs, tmp_path):
-    assert isinstance(load_engine_model(model_dirs["qwen3"]), NativeCausalLM)
-    assert not isinstance(load_engine_model(model_dirs["qwen3"], impl="transformers"), NativeCausalLM)
-    assert not isinstance(load_engine_model(model_dirs["qwen3-moe"]), NativeCausalLM)  # auto: transformers'
-    with pytest.raises(ValueError, match="model_type 'qwen3_moe' is not one of"):
-        load_engine_model(model_dirs["qwen3-moe"], impl="native")
+    assert isinstance(load_causal_lm(model_dirs["qwen3"]), NativeCausalLM)
+    assert not isinstance(load_causal_lm(model_dirs["qwen3"], impl="transformers"), NativeCausalLM)
+    assert not isinstance(load_causal_lm(model_dirs["qwen3-moe"]), NativeCausalLM)  # auto: transformers'
+    with pytest.raises(ValueError, match="model impl 'native' cannot load .*model_type 'qwen3_moe' is not one of"):
+        load_causal_lm(model_dirs["qwen3-moe"], impl="native")
     with pytest.raises(ValueError, match="model_impl 'transformers' needs the model loaded by transformers"):
         ModelRunner(load_native_model(model_dirs["qwen3"]), impl="transformers")
 

@@ -6,9 +6,14 @@ run at start-up with the numbers in the message. Importing this module never imp
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Which model class runs a checkpoint: verst's native one (dense Llama-family, built without transformers:
+# verst.models.native), transformers', or auto (native where it applies).
+ModelImpl = Literal["auto", "native", "transformers"]
+MODEL_IMPLS: tuple[str, ...] = get_args(ModelImpl)
 
 
 class Section(BaseModel):
@@ -23,6 +28,11 @@ class ModelConfig(Section):
         "float32", description="Parameter dtype; float32 on CPU, bfloat16 on GPU."
     )
     trust_remote_code: bool = Field(False, description="Allow model code shipped inside the checkpoint directory.")
+    impl: ModelImpl = Field(
+        "auto", description="Model class of the embedded engines and the trainer: native (dense Llama-family, "
+        "no transformers import), transformers, or auto (native where it applies; the trainer on CUDA: "
+        "transformers, for flash attention and packed sequences).",
+    )
 
 
 class DataConfig(Section):

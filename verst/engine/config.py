@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-IMPLS = ("auto", "native", "transformers")  # EngineConfig.model_impl: see verst.engine.model_runner
+from verst.config.schema import MODEL_IMPLS as IMPLS  # EngineConfig.model_impl: see verst.engine.model_runner
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import torch
 from verst.engine.config import IMPLS
 from verst.engine.kv_cache import SlotKVCache, transformers_slot_cache
 from verst.engine.native import CHECK_TOLERANCE, NativeForward, unsupported_reason
-from verst.engine.native_model import NativeCausalLM
+from verst.models.native import NativeCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ModelRunner:
         if isinstance(self.model, NativeCausalLM):
             if impl == "transformers":
                 raise ValueError("model_impl 'transformers' needs the model loaded by transformers; this one was built "
-                                 "for the native forward (verst.engine.native_model)")
+                                 "for the native forward (verst.models.native)")
             return NativeForward(self.model)
         reason = unsupported_reason(self.model)
         if impl == "transformers" or (impl == "auto" and reason is not None):

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from verst.engine.kv_cache import SlotKVCache
+from verst.models.native import linear as _linear
+from verst.models.native import rms_norm as _rms_norm
+from verst.models.native import rope as _rope
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHECK_TOLERANCE = 1e-4  # max |logit difference| against transformers on the check batch (float32: ~1e-6)
@@ -95,20 +98,3 @@ class NativeForward:
             h = h + _linear(F.silu(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
         last = _rms_norm(h[:, -1], self.inner.norm)
         return _linear(last, self.model.lm_head)
-
-
-def _linear(x: torch.Tensor, module: Any) -> torch.Tensor:
-    return F.linear(x, module.weight, getattr(module, "bias", None))
-
-
-def _rms_norm(x: torch.Tensor, module: Any) -> torch.Tensor:
-    """transformers' RMSNorm: in float32, then back to the input's dtype, then the weight."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    return module.weight * normed.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

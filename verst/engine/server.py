@@ -348,14 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from verst.engine.core import EngineConfig, EngineCore
-    from verst.engine.native_model import NativeCausalLM, load_engine_model
+    from verst.models.native import NativeCausalLM, load_causal_lm
     from verst.engine.runner import EngineRunner
     from verst.models.loader import check_vocab, load_model, load_tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.torch_threads)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    model = load_engine_model(args.model, args.model_impl, args.dtype, args.device, args.trust_remote_code)
+    model = load_causal_lm(args.model, args.model_impl, args.dtype, args.device, args.trust_remote_code)
     check_vocab(tokenizer, model)
     if args.check_native and isinstance(model, NativeCausalLM):
         from verst.engine.model_runner import check_native_model

@@ -1,5 +1,6 @@
-"""Model and tokenizer loading (`loader`), the tiny-model factory (`factory`), the byte-level tokenizer
-(`tokenizer`) and the tiny chat template (`chat_template`). Importing this package imports no torch.
+"""Model and tokenizer loading (`loader`), the dense Llama-family model built without transformers
+(`native`), the tiny-model factory (`factory`), the byte-level tokenizer (`tokenizer`) and the tiny chat
+template (`chat_template`). Importing this package imports no torch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ _EXPORTS = {
     "load_model_and_tokenizer": "verst.models.loader",
     "chat_prompt_ids": "verst.models.loader",
     "render_chat": "verst.models.loader",
+    "load_causal_lm": "verst.models.native",
+    "NativeCausalLM": "verst.models.native",
     "init_model": "verst.models.factory",
     "model_config": "verst.models.factory",
     "count_parameters": "verst.models.factory",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -375,8 +376,12 @@ class _DrainOnClose:
 
 
 def _quiet_transformers() -> None:
-    """Per-rank progress bars and info logs of transformers would interleave on the driver's terminal."""
-    from transformers.utils import logging
+    """Per-rank progress bars and info logs of transformers would interleave on the driver's terminal.
+    Through the environment it reads at import: a rank on the native model never imports transformers."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:  # imported already: its settings are read
+        from transformers.utils import logging
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()

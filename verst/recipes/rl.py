@@ -232,7 +232,8 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
             temperature=temperature, device=orch.device,
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
-        engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0"], wait=False)
+        engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0", "--model-impl", cfg.model.impl],
+                                     wait=False)
         rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
                                              router=router_spec(cfg, cfg.cluster.num_engines),
                                              prepare=functools.partial(prepare_rollout_parts, cfg))

@@ -75,23 +75,50 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 
 def export_hf(directory: Path, model: torch.nn.Module, source_path: str, dtype: str) -> None:
-    """Collective. Rank 0 writes `save_pretrained` output in `dtype` plus the source's other files."""
-    from transformers import AutoModelForCausalLM
+    """Collective. Rank 0 writes `save_pretrained` output in `dtype` plus the source's other files (a
+    native model: its safetensors in the same layout, with the source's config.json)."""
+    from verst.models.native import NativeCausalLM
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        # A fresh model of the same config: the sharded one's class is an FSDP subclass, whose name
-        # would end up in config.json's "architectures".
-        with torch.device("meta"):
-            clean = AutoModelForCausalLM.from_config(model.config)
-        clean.load_state_dict(full, assign=True, strict=False)
-        missing = [n for n, p in clean.named_parameters() if p.is_meta]
-        if missing:
-            raise RuntimeError(f"export_hf: parameters missing from the gathered state: {missing[:5]}")
-        clean.to(getattr(torch, dtype)).save_pretrained(directory)
+        if isinstance(model, NativeCausalLM):
+            _save_native(directory, model, full, Path(source_path), dtype)
+        else:
+            _save_transformers(directory, model, full, dtype)
         _copy_side_files(Path(source_path), directory)
     dist.barrier()
+
+
+def _save_transformers(directory: Path, model: torch.nn.Module, full: dict[str, torch.Tensor], dtype: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # A fresh model of the same config: the sharded one's class is an FSDP subclass, whose name would end up
+    # in config.json's "architectures".
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(model.config)
+    clean.load_state_dict(full, assign=True, strict=False)
+    missing = [n for n, p in clean.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"export_hf: parameters missing from the gathered state: {missing[:5]}")
+    clean.to(getattr(torch, dtype)).save_pretrained(directory)
+
+
+def _save_native(directory: Path, model: torch.nn.Module, full: dict[str, torch.Tensor], source: Path,
+                 dtype: str) -> None:
+    """What `save_pretrained` writes for these families: one safetensors file (a tied lm_head left out) and
+    config.json, the source's with the new dtype."""
+    import json
+
+    from safetensors.torch import save_file
+
+    if model.config.tie_word_embeddings:
+        full = {name: t for name, t in full.items() if name != "lm_head.weight"}
+    save_file({name: t.to(getattr(torch, dtype)).contiguous() for name, t in full.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["dtype"] = dtype
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _copy_side_files(source: Path, target: Path) -> None:

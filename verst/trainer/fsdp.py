@@ -1,5 +1,6 @@
-"""The FSDP2 train backend: a Hugging Face causal LM sharded with `fully_shard` over all ranks of
-the default process group; dynamic micro-batches, AdamW, clipping, an optional frozen reference.
+"""The FSDP2 train backend: a causal LM (verst's native one for dense Llama-family checkpoints on CPU,
+else transformers') sharded with `fully_shard` over all ranks of the default process group; dynamic
+micro-batches, AdamW, clipping, an optional frozen reference.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from verst.config.schema import ModelConfig, TrainerConfig
-from verst.models.loader import load_model
+from verst.models.native import load_causal_lm
 from verst.trainer import checkpoint
 from verst.trainer.backend import Batch, WeightBucket
 from verst.trainer.batching import (
@@ -82,8 +83,13 @@ class FSDP2Backend:
     # ---- model construction ------------------------------------------------------------
     def _build(self, path: str, trainable: bool) -> torch.nn.Module:
         # Every rank reads the checkpoint and keeps only its shard after fully_shard. Parameters are
-        # float32 master weights whatever the compute dtype.
-        model = load_model(path, dtype="float32", device="cpu", trust_remote_code=self.model_config.trust_remote_code)
+        # float32 master weights whatever the compute dtype. `impl` auto on CUDA keeps transformers' model,
+        # whose flash attention takes packed sequences; on CPU the native one skips transformers' import.
+        impl = self.model_config.impl
+        if impl == "auto" and self.device.type != "cpu":
+            impl = "transformers"
+        model = load_causal_lm(path, impl, dtype="float32", device="cpu",
+                               trust_remote_code=self.model_config.trust_remote_code, trainable=trainable)
         if trainable and self.config.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         compute = _DTYPES[self.model_config.dtype]

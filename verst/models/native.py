@@ -1,15 +1,15 @@
-"""A dense Llama-family checkpoint (Llama, Mistral, Qwen2, Qwen3) built without transformers, for the
-engine's native forward: `config.json` and the safetensors go straight into modules with the Hugging
-Face layout and names, so weight updates by name and `verst.engine.native.NativeForward` apply as to a
-transformers model.
+"""A dense Llama-family checkpoint (Llama, Mistral, Qwen2, Qwen3) built without transformers: `config.json`
+and the safetensors go straight into modules with the Hugging Face layout and names, so weight updates
+by name, FSDP2 sharding by block and checkpoints apply as to a transformers model.
 
 Importing transformers' modeling stack costs a 2-core machine ~3 CPU-seconds per process at start-up
-(torch.distributed.tensor, dynamo, sympy); an engine that only runs the native forward does not need it.
-Which tensors exist decides the layout (biases, Qwen3's q/k norms, a separate lm_head), so one module tree
-serves all four families. What differs in the arithmetic and is not covered here (rope scaling, partial
-rotary, sliding windows, other activations) is refused by `native_config_reason`, and the engine then
-loads the model with transformers. `verst serve engine --check-native` compares the logits with
-transformers' at start-up; the test suite does for every family.
+(torch.distributed.tensor, dynamo, sympy); the engine's native forward (`verst.engine.native`) and the
+trainer's forward here (`NativeCausalLM.forward`, transformers' arithmetic with sdpa attention) need none
+of it. Which tensors exist decides the layout (biases, Qwen3's q/k norms, a separate lm_head), so one
+module tree serves all four families. What differs in the arithmetic and is not covered here (rope
+scaling, partial rotary, sliding windows, other activations) is refused by `native_config_reason`, and
+the model then loads with transformers. The test suite compares logits and gradients with transformers'
+for every family; `verst serve engine --check-native` compares logits at start-up.
 """
 
 from __future__ import annotations
@@ -21,12 +21,47 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from verst.config.schema import MODEL_IMPLS
 
 log = logging.getLogger(__name__)
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Keys some checkpoints carry that are derived, not weights (old Llama exports saved the rotary buffer).
 _DERIVED_KEYS = (".rotary_emb.inv_freq",)
+
+
+# ---- transformers' arithmetic, shared with the engine's native forward --------------------------------
+def linear(x: torch.Tensor, module: Any) -> torch.Tensor:
+    return F.linear(x, module.weight, getattr(module, "bias", None))
+
+
+def rms_norm(x: torch.Tensor, module: Any) -> torch.Tensor:
+    """transformers' RMSNorm: in float32, then back to the input's dtype, then the weight."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    return module.weight * normed.to(x.dtype)
+
+
+def sequence_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Where a row's positions start again (packed sequences, or padding after one), a [batch, 1, seq, seq]
+    mask keeping each token to the earlier tokens of its own sequence, as transformers derives it from
+    position ids; None when every row is one sequence (plain causal attention)."""
+    if position_ids.shape[1] < 2 or bool((position_ids[:, 1:] - position_ids[:, :-1] == 1).all()):
+        return None
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    sequence = starts.cumsum(-1)  # [batch, seq]: which sequence of its row each token belongs to
+    seq = position_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return (causal & (sequence[:, :, None] == sequence[:, None, :]))[:, None]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def native_config_reason(config: dict[str, Any]) -> str | None:
@@ -125,7 +160,27 @@ class Attention(nn.Module):
         self.o_proj = Linear(heads * head_dim, hidden, bias=bias("o_proj"))
         if f"{prefix}.q_norm.weight" in names:  # Qwen3
             self.q_norm, self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps), RMSNorm(head_dim, cfg.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scaling = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Causal self-attention over whole sequences, x [batch, seq, hidden] (transformers' sdpa path); `mask`
+        [batch, 1, seq, seq] bool for rows holding several sequences (`sequence_mask`), None: causal."""
+        batch, seq, _ = x.shape
+        q = linear(x, self.q_proj).view(batch, seq, self.num_heads, self.head_dim)
+        k = linear(x, self.k_proj).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = linear(x, self.v_proj).view(batch, seq, self.num_kv_heads, self.head_dim)
+        if getattr(self, "q_norm", None) is not None:
+            q, k = rms_norm(q, self.q_norm), rms_norm(k, self.k_norm)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, dim]
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:  # each KV head serves `groups` query heads, as transformers' repeat_kv lays them out
+            k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, self.num_heads, seq, self.head_dim)
+            v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, self.num_heads, seq, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
+                                             scale=self.scaling)
+        return linear(out.transpose(1, 2).reshape(batch, seq, -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -136,6 +191,9 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias("up_proj"))
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias("down_proj"))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, head_dim: int, names: set[str], prefix: str):
@@ -144,6 +202,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, head_dim, names, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, names, f"{prefix}.mlp")
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        h = h + self.self_attn(rms_norm(h, self.input_layernorm), cos, sin, mask)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm))
 
 
 class DecoderStack(nn.Module):
@@ -157,11 +219,15 @@ class DecoderStack(nn.Module):
 
 
 class NativeCausalLM(nn.Module):
-    """`model.*` and `lm_head` as in transformers' `*ForCausalLM`; the forward is `NativeForward`'s.
+    """`model.*` and `lm_head` as in transformers' `*ForCausalLM`. `forward` is the trainer's (whole
+    sequences); the engine runs `verst.engine.native.NativeForward` over its KV slots with the same weights.
     `config` is config.json as attributes (with transformers' defaults for the fields used here)."""
+
+    _no_split_modules = ["DecoderLayer"]  # FSDP2 shards one decoder layer at a time, as for transformers'
 
     def __init__(self, config: dict[str, Any], names: set[str]):
         super().__init__()
+        self.checkpointing: dict[str, Any] | None = None  # activation_checkpointing_enable
         reason = native_config_reason(config)
         if reason is not None:
             raise ValueError(f"a native model cannot be built from this config: {reason}")
@@ -177,10 +243,41 @@ class NativeCausalLM(nn.Module):
     def get_input_embeddings(self) -> Embedding:
         return self.model.embed_tokens
 
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict[str, Any] | None = None) -> None:
+        """Recompute each decoder layer's activations in backward (transformers' method name and kwargs)."""
+        self.checkpointing = dict(activation_checkpointing_kwargs or {"use_reentrant": False})
 
-def load_native_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> NativeCausalLM:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                logits_to_keep: torch.Tensor | None = None, use_cache: bool = False, **unused: Any) -> Any:
+        """Causal forward over whole sequences, input_ids [batch, seq]. `logits_to_keep`: a [batch, seq] bool
+        mask of the positions whose logits come back ([kept, vocab]); None keeps all ([batch, seq, vocab])."""
+        if use_cache:
+            raise ValueError("NativeCausalLM.forward computes whole sequences (use_cache=False); the engine's "
+                             "incremental decoding runs verst.engine.native.NativeForward")
+        inner = self.model
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+        # padding_idx as transformers' embedding: that row gets no gradient through the lookup
+        h = F.embedding(input_ids, inner.embed_tokens.weight, padding_idx=self.config.pad_token_id)
+        cos, sin = inner.rotary_emb(h, position_ids)
+        cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, head_dim]: broadcast over heads
+        mask = sequence_mask(position_ids)
+        for layer in inner.layers:
+            if self.checkpointing is not None and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, **self.checkpointing)
+            else:
+                h = layer(h, cos, sin, mask)
+        h = rms_norm(h, inner.norm)
+        if logits_to_keep is not None:
+            h = h[logits_to_keep]  # [kept, hidden]
+        return types.SimpleNamespace(logits=linear(h, self.lm_head))
+
+
+def load_native_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
+                      trainable: bool = False) -> NativeCausalLM:
     """The checkpoint at `path` as a `NativeCausalLM` in eval mode, every parameter read from its
-    safetensors (a missing or unexpected tensor, or a shape that differs, is refused by name)."""
+    safetensors (a missing or unexpected tensor, or a shape that differs, is refused by name); its
+    parameters require grad only when `trainable`."""
     from safetensors import safe_open
 
     directory = Path(path)
@@ -212,16 +309,19 @@ def load_native_model(path: str | Path, dtype: str = "float32", device: str = "c
     generation = directory / "generation_config.json"  # its eos ids count too (EngineCore's _eos_ids)
     if generation.exists():
         model.generation_config = types.SimpleNamespace(**json.loads(generation.read_text()))
-    return model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(trainable)
 
 
-def load_engine_model(path: str | Path, impl: str = "auto", dtype: str = "float32", device: str = "cpu",
-                      trust_remote_code: bool = False) -> Any:
-    """The model an engine serves: a `NativeCausalLM` (transformers' modeling never imported) when `impl`
-    is native or auto and the checkpoint is covered, else transformers' model. `impl="native"` with a
-    checkpoint that is not covered is refused with the reason; auto logs it and loads transformers'."""
+def load_causal_lm(path: str | Path, impl: str = "auto", dtype: str = "float32", device: str = "cpu",
+                   trust_remote_code: bool = False, trainable: bool = False) -> Any:
+    """A checkpoint's causal LM: a `NativeCausalLM` (transformers' modeling never imported) when `impl` is
+    native or auto and the checkpoint is covered, else transformers' model (eval mode, grads only when
+    `trainable`). `impl="native"` with a checkpoint that is not covered is refused with the reason; auto
+    logs it and loads transformers'."""
     from verst.models.loader import load_model
 
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"model impl must be one of {list(MODEL_IMPLS)}, got {impl!r}")
     config_file = Path(path) / "config.json"
     reason = "trust_remote_code" if trust_remote_code else "no config.json"
     if not trust_remote_code and config_file.exists():
@@ -229,12 +329,12 @@ def load_engine_model(path: str | Path, impl: str = "auto", dtype: str = "float3
         if reason is None and not any(Path(path).glob("*.safetensors")):
             reason = "no *.safetensors"
     if reason is None and impl in ("auto", "native"):
-        return load_native_model(path, dtype, device)
+        return load_native_model(path, dtype, device, trainable=trainable)
     if impl == "native":
-        raise ValueError(f"model_impl 'native' cannot serve {path}: {reason}")
+        raise ValueError(f"model impl 'native' cannot load {path}: {reason}")
     if impl == "auto":
-        log.info("model_impl auto: transformers' model (native: %s)", reason)
-    return load_model(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        log.info("model impl auto: transformers' model (native: %s)", reason)
+    return load_model(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code).requires_grad_(trainable)
 
 
 class _Config(types.SimpleNamespace):
@@ -243,7 +343,8 @@ class _Config(types.SimpleNamespace):
     def __init__(self, raw: dict[str, Any]):
         defaults = {"num_key_value_heads": raw.get("num_attention_heads"), "head_dim": None, "rms_norm_eps": 1e-6,
                     "tie_word_embeddings": False, "max_position_embeddings": None, "eos_token_id": None,
-                    "architectures": None, "intermediate_size": None}
+                    "pad_token_id": None, "architectures": None, "intermediate_size": None,
+                    "_attn_implementation": "sdpa"}
         super().__init__(**{**defaults, **raw})
 
     def get_text_config(self) -> _Config:
