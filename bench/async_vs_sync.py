@@ -5,7 +5,9 @@ Both schedules run the same tiny model, task, batch shape and step count on loca
 run to 128 tokens (ignore_eos). Prints the mean step time of each (first step excluded), their ratio
 (target: fully async ≥ 1.8× faster) and the engine idle fraction of each (`perf/engine_idle_fraction`:
 1 − the share of wall time the engines spent in forward steps, read from the engines themselves), and
-the fully async worker's idle slot fraction.
+the fully async worker's idle slot fraction. The fully async worker keeps two batches of trajectories in
+flight by default (the sync schedule has one batch in flight by construction): while a straggler runs, the
+engine's batches stay full of the next groups instead of shrinking to the straggler.
 Usage: .venv/bin/python bench/async_vs_sync.py [--rollouts 24] [--batch 8] [--n 4] [--max-in-flight 64]
 """
 
@@ -60,7 +62,7 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
         "--rollout.generate-fn", "async_vs_sync:long_tailed_generate",
         "--trainer.lr", "1e-5", "--eval.max-prompts", "4", "--logging.tensorboard", "false",
         "--logging.progress", "false",
-        *(["--rollout.max-in-flight", str(args.max_in_flight)] if args.max_in_flight else []),
+        "--rollout.max-in-flight", str(args.max_in_flight),
     ])
     asyncio.run(SCHEDULES[schedule](cfg))
     steps = [r for r in read_metrics(Path(cfg.run_dir)) if "train/loss" in r][1:]
@@ -78,9 +80,10 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-in-flight", type=int, default=None,
-                        help="fully async: trajectories in flight (default: batch × n)")
+                        help="fully async: trajectories in flight (default: 2 × batch × n)")
     parser.add_argument("--keep", type=Path, default=None, help="write the two runs here instead of a temp dir")
     args = parser.parse_args()
+    args.max_in_flight = args.max_in_flight or 2 * args.batch * args.n
     # The rollout manager actor imports the generate fn by path: make this directory importable there.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     sys.path.insert(0, str(HERE))
@@ -97,7 +100,7 @@ def main() -> int:
         results = {s: run(s, work, model, work / "data", args) for s in ("sync", "fully_async")}
     tail = ", ".join(f"{share}% {tokens}" for share, tokens in TAIL)
     print(f"\nlong-tailed lengths ({tail} tokens), {args.batch} prompts x {args.n} samples, "
-          f"{args.rollouts} steps (first excluded), fully async max_in_flight {args.max_in_flight or args.batch * args.n}")
+          f"{args.rollouts} steps (first excluded), fully async max_in_flight {args.max_in_flight}")
     for schedule, r in results.items():
         slots = f"   idle slot fraction {r['idle_slots']:.2f}" if r["idle_slots"] is not None else ""
         print(f"{schedule:<12} step {r['step_s']:.2f} s   engine idle fraction {r['idle']:.2f}{slots}   "

@@ -75,9 +75,9 @@ def native_config_reason(config: dict[str, Any]) -> str | None:
         return "sliding-window attention"
     if model_type == "mistral" and config.get("sliding_window"):
         return f"sliding_window {config['sliding_window']}"
-    rope = rope_settings(config)
-    if isinstance(rope, str):
-        return rope
+    theta = rope_settings(config)
+    if isinstance(theta, str):
+        return theta
     if config.get("pretraining_tp", 1) != 1:
         return f"pretraining_tp {config['pretraining_tp']}"
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -107,7 +107,7 @@ def _unloaded(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """`weight` [out, in] and `bias` (or None), as nn.Linear holds them; `NativeForward` does the math."""
+    """`weight` [out, in] and `bias` (or None), as nn.Linear holds them; `linear()` does the math."""
 
     def __init__(self, inputs: int, outputs: int, bias: bool):
         super().__init__()
@@ -124,7 +124,7 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """transformers' RMSNorm parameters (`weight`, `variance_epsilon`); `NativeForward` does the math."""
+    """transformers' RMSNorm parameters (`weight`, `variance_epsilon`); `rms_norm()` does the math."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -338,7 +338,7 @@ def load_causal_lm(path: str | Path, impl: str = "auto", dtype: str = "float32",
 
 
 class _Config(types.SimpleNamespace):
-    """config.json's fields as attributes, with transformers' defaults for the ones the engine reads."""
+    """config.json's fields as attributes, with transformers' defaults for the ones engine and trainer read."""
 
     def __init__(self, raw: dict[str, Any]):
         defaults = {"num_key_value_heads": raw.get("num_attention_heads"), "head_dim": None, "rms_norm_eps": 1e-6,
