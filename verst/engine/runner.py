@@ -161,6 +161,7 @@ class EngineRunner:
         finally:
             self.busy_seconds += time.monotonic() - start
 
+
 def _add_all(core: EngineCore, reqs: list[Request]) -> None:
     """Add every request, or none: those added before one is refused are aborted, then the error raised."""
     added = []

@@ -348,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from verst.engine.core import EngineConfig, EngineCore
-    from verst.models.native import NativeCausalLM, load_causal_lm
     from verst.engine.runner import EngineRunner
     from verst.models.loader import check_vocab, load_model, load_tokenizer
+    from verst.models.native import NativeCausalLM, load_causal_lm
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.torch_threads)
