@@ -98,6 +98,22 @@ def test_requests_join_between_steps_and_leave_when_done(qwen):
     assert all(r.finish.type == "length" for r in (short, long, late)) and core.running == []
 
 
+def test_rows_moved_into_freed_slots_together_keep_their_kv(qwen):
+    """Requests of ragged lengths finish at different steps; the rows from the end fill several freed slots
+    in one copy, each keeping its own KV: every logprob still equals a full forward's."""
+    model, _ = qwen
+    core, copies = make_core(qwen, max_running_requests=8), []
+    copy_rows = core.runner.cache.copy_rows
+    core.runner.cache.copy_rows = lambda src, dst, n: (copies.append(len(src)), copy_rows(src, dst, n))[1]
+    rng = random.Random(3)
+    reqs = [req(f"r{i}", p, max_new=rng.randint(1, 19), seed=i) for i, p in enumerate(prompts(40, seed=3, hi=9))]
+    run(core, reqs)
+    assert max(copies) > 1  # some step moved several rows at once
+    for r in reqs:
+        diff = (full_forward_logprobs(model, r) - torch.tensor(r.output_logprobs)).abs().max().item()
+        assert diff < 1e-4, f"{r.rid}: engine logprobs differ from a full forward by {diff}"
+
+
 def test_second_turn_reuses_at_least_90_percent_and_matches_an_uncached_engine(qwen):
     turn1 = req("t1", prompts(1, seed=3, lo=60, hi=60)[0], max_new=30, temperature=0.0)
     cached = make_core(qwen)

@@ -292,9 +292,8 @@ class EngineCore:
             self._remember(req)
         self.counters["prefill_tokens"] += sum(len(p) for p in pending)
         row = {id(req): i for i, req in enumerate(reqs)}
-        if followers:
-            self.runner.cache.copy_rows([leader.slot for _, leader in followers], [req.slot for req, _ in followers],
-                                        max(leader.kv_len for _, leader in followers))
+        self.runner.cache.copy_rows([leader.slot for _, leader in followers], [req.slot for req, _ in followers],
+                                    max((leader.kv_len for _, leader in followers), default=0))
         for req, leader in followers:
             req.kv_len, req.routed_experts = leader.kv_len, list(leader.routed_experts)
         if followers:
@@ -371,13 +370,13 @@ class EngineCore:
             self._complete(req)
 
     def _leave_slots(self, leaving: list[Request]) -> None:
-        """Take `leaving` out of the running list; rows from the end fill their slots (one copy each)."""
+        """Take `leaving` out of the running list; rows from the end fill their slots (one indexed copy)."""
         gone = set(map(id, leaving))
         keep = [r for r in self.running if id(r) not in gone]
         holes = sorted(r.slot for r in leaving if r.slot < len(keep))
         movers = [r for r in keep if r.slot >= len(keep)]
+        self.runner.cache.copy_rows([r.slot for r in movers], holes, max((r.kv_len for r in movers), default=0))
         for hole, req in zip(holes, movers):
-            self.runner.cache.move_row(req.slot, hole, req.kv_len)
             req.slot = hole
         self.running = sorted(keep, key=lambda r: r.slot)
 

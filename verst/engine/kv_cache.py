@@ -63,17 +63,13 @@ class SlotKVCache:
         return self._width
 
     # ---- row management ----------------------------------------------------------------------------
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot `dst` (compaction)."""
-        for store in (self.keys, self.values):
-            for t in store:
-                if t is not None and length:
-                    t[dst, :, :length] = t[src, :, :length]
-
     def copy_rows(self, sources: list[int], targets: list[int], length: int) -> None:
         """Copy the first `length` positions of each source slot into its target slot (one indexed copy per
-        layer and tensor), growing the storage if needed. Positions past a source's own KV come along as
-        junk the target's mask hides and its next writes replace."""
+        layer and tensor; no slot may be both), growing the storage if needed: the KV a follower shares with
+        its leader, or rows moved down into freed slots (compaction). Positions past a source's own KV come
+        along as junk the target's mask hides and its next writes replace."""
+        if not sources or not length:
+            return
         self.reserve(max(targets) + 1, length)
         src, dst = torch.tensor(sources), torch.tensor(targets)
         for layer_idx in range(len(self.keys)):
