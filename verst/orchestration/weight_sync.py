@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 from verst.config.schema import SyncConfig
+from verst.sync.syncer import sync_due
 
 
 class TrainerWeightSync:
@@ -36,8 +37,7 @@ class TrainerWeightSync:
         return self._version
 
     def due(self, step: int) -> bool:
-        """Whether the weights of train step `step` (1-based count of steps taken) are pushed."""
-        return step % self.interval == 0
+        return sync_due(step, self.interval)
 
     async def sync(self, version: int) -> dict[str, float]:
         """Push the trainer's current weights as `version`; returns the `sync/` metrics (and `sync/check_*`

@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def sync_due(step: int, interval: int) -> bool:
+    """Whether the weights of train step `step` (1-based count of steps taken) are pushed (`sync.interval`)."""
+    return step % interval == 0
+
+
 class VersionError(ValueError):
     """A sync would not move the engines' weight version forward."""
 
@@ -58,8 +63,7 @@ class WeightSyncer:
         return self._version
 
     def due(self, step: int) -> bool:
-        """Whether the weights of train step `step` (1-based count of steps taken) are pushed."""
-        return step % self.interval == 0
+        return sync_due(step, self.interval)
 
     async def current_version(self) -> int:
         """The version the engines serve: remembered after a sync, else read from every engine (the highest)."""
