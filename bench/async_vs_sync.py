@@ -51,7 +51,7 @@ async def long_tailed_generate(ctx, sample):
 def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str, float]:
     from verst.config import load_config
     from verst.monitor import read_metrics
-    from verst.recipes import SCHEDULES
+    from verst.schedules import SCHEDULES
 
     cfg = load_config(None, [
         "--name", schedule, "--run-dir", str(workdir / schedule), "--schedule", schedule,

@@ -16,7 +16,7 @@ import pytest
 from examples.calculator.make_data import make_data
 from verst.config import load_config
 from verst.monitor import read_metrics
-from verst.recipes import SCHEDULES
+from verst.schedules import SCHEDULES
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["--logging.tensorboard", "false", "--logging.progress", "false"]
@@ -62,7 +62,7 @@ def test_agentic_sync_steps_with_session_server(ray_session, tiny_model_dir, cal
 @pytest.mark.timeout(3600)  # ~15 min of SFT and ~15 min of GRPO on 2 cores
 def test_calculator_demo_raises_success(ray_session, tiny_model_dir, tmp_path):
     """SFT warm start on the teacher's conversations, then GRPO: held-out greedy success goes up."""
-    from verst.recipes.sft import run_sft
+    from verst.schedules.sft import run_sft
 
     data = make_data(tmp_path / "data")
     paths = ["--data.train-path", str(data["sft_teacher"]), "--data.test-path", str(data["test"])]

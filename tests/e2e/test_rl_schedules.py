@@ -14,7 +14,7 @@ import pytest
 
 from verst.config import ConfigError, load_config
 from verst.monitor import read_metrics
-from verst.recipes import SCHEDULES
+from verst.schedules import SCHEDULES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -160,7 +160,7 @@ class NoTorch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 sys.meta_path.insert(0, NoTorch())
 from verst.config import load_config
-from verst.recipes import SCHEDULES
+from verst.schedules import SCHEDULES
 
 cfg = load_config(None, sys.argv[1:])
 summary = asyncio.run(SCHEDULES[cfg.schedule](cfg))

@@ -133,7 +133,7 @@ def test_load_object():
 def test_schedules_import_no_torch_until_a_run_starts():
     # The driver of an RL run imports no torch at all (tests/e2e: test_the_driver_of_a_run_imports_no_torch);
     # a module-level torch import here would put 3-5 s in front of Ray's start on 2 cores.
-    code = ("import sys, verst.recipes.fully_async, verst.recipes.sync, verst.recipes.one_step_off; "
+    code = ("import sys, verst.schedules.fully_async, verst.schedules.sync, verst.schedules.one_step_off; "
             "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('verst')]")
     subprocess.run([sys.executable, "-c", code], check=True)
 

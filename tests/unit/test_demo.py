@@ -7,7 +7,7 @@ import pytest
 
 from verst.config import batch_plan, load_config
 from verst.config.arithmetic import check_batch_arithmetic
-from verst.recipes import demo
+from verst.schedules import demo
 
 
 def test_rl_recipe_is_fully_async_on_one_trainer_rank_and_one_engine():

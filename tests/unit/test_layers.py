@@ -10,10 +10,10 @@ LAYERS = {
     "algo": 1, "data": 1, "rewards": 1, "monitor": 1, "models": 1,
     "engine": 2, "router": 2, "session": 2, "rollout": 2, "trainer": 2, "sync": 2, "eval": 2,
     "orchestration": 3,
-    "recipes": 4, "cli": 4,
+    "schedules": 4, "cli": 4,
 }
 # Same-layer imports are allowed only where DESIGN.md names the dependency.
-RAY_AWARE = {"orchestration", "recipes"}
+RAY_AWARE = {"orchestration", "schedules"}
 
 
 def imports_of(path: Path) -> list[str]:

@@ -12,7 +12,7 @@ from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import render_chat
 from verst.models.prompts import encode_prompt, encode_sft_conversation, encode_sft_example
 from verst.models.tokenizer import save_tokenizer
-from verst.recipes.sft import sft_sample
+from verst.schedules.sft import sft_sample
 from verst.types import Sample
 
 

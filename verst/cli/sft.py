@@ -14,7 +14,7 @@ def main(argv: list[str]) -> int:
     if dry_run:
         print_dry_run(cfg)
         return 0
-    from verst.recipes.sft import run_sft
+    from verst.schedules.sft import run_sft
 
     run_sft(cfg)
     return 0

@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
     if dry_run:
         print_dry_run(cfg)
         return 0
-    from verst.recipes import SCHEDULES
+    from verst.schedules import SCHEDULES
 
     asyncio.run(SCHEDULES[cfg.schedule](cfg))
     return 0

@@ -1,5 +1,5 @@
 """Layer 3: Ray placement groups, trainer and engine actor groups, and the rollout manager actor —
-the only Ray-aware package besides `recipes`. Names resolve lazily (importing this imports no Ray).
+the only Ray-aware package besides `schedules`. Names resolve lazily (importing this imports no Ray).
 """
 
 from __future__ import annotations

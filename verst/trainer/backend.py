@@ -1,5 +1,5 @@
 """The TrainBackend contract: the handful of methods every training backend (FSDP2 now, Megatron
-later) offers to recipes, the driver-side `TrainerGroup` and weight transports.
+later) offers to the schedules, the driver-side `TrainerGroup` and weight transports.
 """
 
 from __future__ import annotations

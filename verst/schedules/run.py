@@ -27,7 +27,7 @@ from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import Orchestration, RouterSpec
 from verst.orchestration.weight_sync import TrainerWeightSync
-from verst.recipes.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
+from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.rollout import prefix_cache_metrics, sample_metrics
 from verst.router.fleet import EngineFleet, IdleMeter
 from verst.types import Group
@@ -35,8 +35,8 @@ from verst.types import Group
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
 # What every trainer rank runs on its own backend (by import path: the driver imports no torch). The
 # driver sends the groups; tensors are built, and advantages computed, next to the model.
-TRAIN_STEP = "verst.recipes.rl_steps:train_on_groups"
-OLD_LOGPROBS = "verst.recipes.rl_steps:old_logprob_arrays"
+TRAIN_STEP = "verst.schedules.train_steps:train_on_groups"
+OLD_LOGPROBS = "verst.schedules.train_steps:old_logprob_arrays"
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ class RLRun:
     async def train(self, groups: list[Group]) -> AsyncIterator[dict[str, float]]:
         """The optimizer steps on one rollout batch, `plan.groups_per_train_step` groups each, yielding each
         step's metrics (the caller pushes weights in between). With more than one step, the old policy's
-        logprobs are taken before the first (see `rl_steps`). Each runs in the trainer ranks. Colocated
+        logprobs are taken before the first (see `train_steps`). Each runs in the trainer ranks. Colocated
         engines free memory meanwhile."""
         per_step, old, offset = self.plan.groups_per_train_step, None, 0
         for first in range(0, len(groups), per_step):

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.recipes.rl import open_rl_run
+from verst.schedules.run import open_rl_run
 
 
 async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:

@@ -9,8 +9,8 @@ import pytest
 
 from verst.config import load_config
 from verst.eval.agentic import score_key
-from verst.recipes.rl import StartupClock, router_spec
-from verst.recipes.rollout_side import request_batch
+from verst.schedules.run import StartupClock, router_spec
+from verst.schedules.rollout_side import request_batch
 
 
 @pytest.mark.parametrize("overrides, engines, expected", [
@@ -58,6 +58,6 @@ def test_the_rollout_side_module_loads_without_the_trainer_stack():
     import subprocess
     import sys
 
-    code = ("import sys, verst.recipes.rollout_side; "
+    code = ("import sys, verst.schedules.rollout_side; "
             "print(sorted(m for m in ('torch', 'ray', 'verst.trainer', 'verst.sync') if m in sys.modules))")
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "[]"

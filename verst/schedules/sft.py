@@ -18,7 +18,7 @@ from verst.models import load_model, load_tokenizer
 from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
-from verst.recipes.common import load_weights_into, open_trainer
+from verst.schedules.trainer_setup import load_weights_into, open_trainer
 from verst.trainer import sft_loss_fn
 from verst.types import Sample, Status
 

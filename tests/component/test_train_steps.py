@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from verst.config import batch_plan, load_config
-from verst.recipes.common import open_trainer
-from verst.recipes.rl import RLRun
-from verst.recipes.rl_steps import old_logprob_source, old_logprobs, train_on_groups
+from verst.schedules.trainer_setup import open_trainer
+from verst.schedules.run import RLRun
+from verst.schedules.train_steps import old_logprob_source, old_logprobs, train_on_groups
 from verst.types import Sample, Status
 
 

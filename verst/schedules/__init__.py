@@ -19,7 +19,7 @@ def _lazy(module: str, name: str) -> Callable[..., Awaitable[Any]]:
 
 
 SCHEDULES: dict[str, Callable[..., Awaitable[Any]]] = {
-    "sync": _lazy("verst.recipes.sync", "run_sync"),
-    "one_step_off": _lazy("verst.recipes.one_step_off", "run_one_step_off"),
-    "fully_async": _lazy("verst.recipes.fully_async", "run_fully_async"),
+    "sync": _lazy("verst.schedules.sync", "run_sync"),
+    "one_step_off": _lazy("verst.schedules.one_step_off", "run_one_step_off"),
+    "fully_async": _lazy("verst.schedules.fully_async", "run_fully_async"),
 }

@@ -71,8 +71,8 @@ def check_rl_summary(summary: dict[str, Any]) -> tuple[float, float]:
 
 
 def main() -> int:
-    from verst.recipes import SCHEDULES
-    from verst.recipes.sft import run_sft
+    from verst.schedules import SCHEDULES
+    from verst.schedules.sft import run_sft
 
     start = time.perf_counter()
     make_artifacts()

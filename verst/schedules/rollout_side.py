@@ -1,5 +1,5 @@
 """The rollout side of an RL run, built inside the rollout manager's actor: data source, rollout
-context and (fully async) the buffer and worker. Apart from `rl`, so that actor does not load the
+context and (fully async) the buffer and worker. Apart from `run`, so that actor does not load the
 trainer's stack (torch.distributed, FSDP2, the weight transports) while the others start.
 """
 

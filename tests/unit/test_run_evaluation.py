@@ -10,7 +10,7 @@ import pytest
 
 from verst.config import batch_plan, load_config
 from verst.monitor.progress import RunProgress
-from verst.recipes.rl import RLRun
+from verst.schedules.run import RLRun
 
 
 class Logger:
