@@ -73,7 +73,8 @@ class NewestFirstBuffer:
         }
 
 
-BUFFERS = [None, f"{__name__}:NewestFirstBuffer"]
+# docs/plugins.md's example buffer keeps the contract too
+BUFFERS = [None, f"{__name__}:NewestFirstBuffer", "examples.plugins.buffer:RewardReportingBuffer"]
 
 
 def make_group(gi: int, version: int = 0, status=Status.COMPLETED, rewards=(0.0, 1.0)) -> Group:

@@ -1,0 +1,74 @@
+"""Every example of docs/plugins.md (examples/plugins/) runs through its plug-in contract, loaded by the
+import path the docs give, so the documented examples keep working."""
+
+import asyncio
+
+import pytest
+
+from tests.contracts.test_agent_fn_contract import make_sample, run_episode
+from verst.config import DataConfig, RewardConfig, RolloutConfig, load_object
+from verst.models.chat_template import TINY_CHAT_TEMPLATE
+from verst.models.loader import load_tokenizer
+from verst.models.tokenizer import save_tokenizer
+from verst.rewards import compute_rewards
+from verst.rollout.filters import apply_filter, build_filter
+from verst.rollout.plugins import RolloutContext
+from verst.rollout.rollout_fn import run_rollout
+from verst.types import Sample, Status
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok"), TINY_CHAT_TEMPLATE))
+
+
+def source():
+    return load_object("examples.plugins.data_source:times_tables", "data.source")(DataConfig(seed=3))
+
+
+def test_data_source_serves_numbered_groups_and_takes_prompts_back():
+    src = source()
+    groups = src.next_groups(2, 4)
+    assert [len(g) for g in groups] == [4, 4] and [g[0].group_index for g in groups] == [0, 1]
+    a, b = groups[0][0].prompt[:-1].split("*")
+    assert groups[0][0].label == str(int(a) * int(b))
+    src.return_prompts(groups[1])
+    assert src.next_prompts(1)[0].prompt == groups[1][0].prompt  # returned prompts come first
+    assert source().next_prompts(5)[0].prompt == source().next_prompts(5)[0].prompt  # seeded order
+
+
+def test_dict_reward_and_group_reward():
+    samples = [Sample(index=i, label="56", response=r) for i, r in enumerate(["56", "it is 56", "55"])]
+    metrics = asyncio.run(compute_rewards(samples, RewardConfig(
+        type="custom", path="examples.plugins.reward:correct_and_short", key="correct")))
+    assert [s.reward["correct"] for s in samples] == [1.0, 1.0, 0.0]
+    assert metrics["rollout/reward_mean"] == pytest.approx(2 / 3) and "rollout/reward/short" in metrics
+    asyncio.run(compute_rewards(samples, RewardConfig(
+        type="custom", path="examples.plugins.reward:first_correct_in_group", group=True)))
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0]
+
+
+def test_oracle_generate_fn_and_one_round_rollout_fn_score_every_sample(tok):
+    rollout = RolloutConfig(batch_size=2, n_samples_per_prompt=3, generate_fn="examples.plugins.generate:oracle",
+                            rollout_fn="examples.plugins.rollout:one_round")
+    ctx = RolloutContext(engine=object(), tokenizer=tok, rollout=rollout, data=DataConfig(apply_chat_template=False),
+                         reward=RewardConfig(type="numeric_match"), source=source())
+    batch = asyncio.run(run_rollout(ctx, 2))  # run_rollout also checks the batch's shape
+    assert [len(g) for g in batch.groups] == [3, 3]
+    assert all(s.reward == 1.0 and s.status is Status.COMPLETED for s in batch.samples)
+    s = batch.samples[0]
+    assert tok.decode(s.tokens) == s.prompt + s.label and s.loss_mask == [1] * s.response_length
+    assert batch.metrics["rollout/reward_mean"] == 1.0
+
+
+def test_filter_drops_groups_with_a_truncated_sample():
+    keep = build_filter("examples.plugins.filters:no_truncated")
+    done, cut = Sample(status=Status.COMPLETED), Sample(status=Status.TRUNCATED)
+    assert apply_filter(keep, [done, done]) is True and apply_filter(keep, [done, cut]) is False
+
+
+def test_one_turn_agent_through_the_session_server(tok):
+    result, engine = run_episode(tok, "examples.plugins.agent:ask_once", make_sample())
+    assert result.status is Status.COMPLETED and result.metadata["agent_turns"] == 1
+    assert len(engine.calls) == 1 and result.tokens == engine.calls[0].input_ids + engine.calls[0].output_ids
+    assert result.loss_mask == [1] * result.response_length
