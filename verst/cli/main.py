@@ -16,6 +16,7 @@ COMMANDS = {
     "train": ("verst.cli.train", "RL training: verst train RECIPE [--section.field VALUE ...]"),
     "serve": ("verst.cli.serve", "run a server standalone: verst serve engine --model DIR --port P"),
     "report": ("verst.cli.report", "write the HTML report of a run: verst report RUN_DIR"),
+    "config": ("verst.cli.config_docs", "the Markdown reference of every config field: verst config docs"),
 }
 
 
