@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) -m verst.schedules.demo
 
-# The agentic demo (~30 min on 2 cores): calculator tool-use data, SFT on a teacher's tool calls, then
+# The agentic demo (about half an hour on 2 CPU cores; docs/recipes.md): calculator tool-use data, SFT on a teacher's tool calls, then
 # GRPO on whole agent episodes through the session server; prints held-out success before and after.
 demo-agentic: $(STAMP)
 	test -f artifacts/models/tiny-qwen3/config.json || \

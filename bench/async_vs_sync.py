@@ -77,7 +77,7 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=48,
-                        help="steps per schedule, the first excluded (at 24 the fully async side measured only ~4 s)")
+                        help="steps per schedule, the first excluded (enough that a few slow steps do not decide the mean)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-in-flight", type=int, default=None,

@@ -4,7 +4,7 @@ measured in one run. Target: verst fully async >= 2x faster than TRL (start-up i
 Two tasks (--task): `chain_addition` (the default), the long-tailed variant of make demo's task
 (recipes/grpo_chain_addition.toml: '12+34+56=' -> '46,102', 80% two terms, 5% 8-12 terms, answers of 2 to
 ~45 tokens), the workload asynchronous RL is built for; and `addition`, make demo's own (answers of 2-4
-tokens: a whole TRL run takes ~15 s here, most of it start-up, which no multi-process system halves).
+tokens: a whole TRL run is a few seconds of training after its start-up, which no multi-process system halves).
 All three sides start from the same SFT checkpoint and read the task's RL recipe at run time:
 model, prompts (raw text), reward, 16 prompts x 8 samples, one optimizer step per batch, lr and warm-up
 (TRL steps with verst's own AdamW and schedule), temperature, max response tokens, no KL. Every side

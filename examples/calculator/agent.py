@@ -14,8 +14,8 @@ import openai
 from verst.data.calculator import TOOL_NAME, ToolError, calculate
 
 MAX_TURNS = 5  # model calls per episode: a 2-step problem needs 3 (two tool calls, then the answer)
-# The session server shares its process with every other episode of the rollout, on 2 busy cores: the
-# client's default 5 s connect timeout was measured to cut off whole groups under load.
+# The session server shares its process with every other episode of the rollout: on a busy CPU machine
+# the client's default 5 s connect timeout cuts off whole groups, so connecting may take a minute.
 TIMEOUT = openai.Timeout(600.0, connect=60.0)
 
 

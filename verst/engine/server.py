@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "without transformers), transformers', or auto (native where it applies)")
     p.add_argument("--check-native", action="store_true",
                    help="with the native model (built without transformers), compare its logits with transformers' "
-                   "model of the same checkpoint at start-up and refuse to serve when they differ (~3 s on 2 cores)")
+                   "model of the same checkpoint at start-up and refuse to serve when they differ (adds seconds to start-up)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))

@@ -31,8 +31,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     A folder whose tokenizer_config.json names PreTrainedTokenizerFast (ours) is loaded as exactly
     that from tokenizer.json: transformers 5.x AutoTokenizer may otherwise substitute the model
     family's own tokenizer class (e.g. Qwen2Tokenizer) and silently change the ids. That path also
-    imports no torch (AutoTokenizer reads the model config, whose module imports torch: 3-4 s of
-    start-up on 2 cores in a process that needs none, such as the rollout manager or the driver).
+    imports no torch (AutoTokenizer reads the model config, whose module imports torch: seconds of
+    start-up in a process that needs none, such as the rollout manager or the driver).
     """
     from transformers import PreTrainedTokenizerFast
 

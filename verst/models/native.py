@@ -2,8 +2,8 @@
 and the safetensors go straight into modules with the Hugging Face layout and names, so weight updates
 by name, FSDP2 sharding by block and checkpoints apply as to a transformers model.
 
-Importing transformers' modeling stack costs a 2-core machine ~3 CPU-seconds per process at start-up
-(torch.distributed.tensor, dynamo, sympy); the engine's native forward (`verst.engine.native`) and the
+Importing transformers' modeling stack costs seconds of CPU per process at start-up
+(torch.distributed.tensor, dynamo, sympy; docs/benchmarks.md); the engine's native forward (`verst.engine.native`) and the
 trainer's forward here (`NativeCausalLM.forward`, transformers' arithmetic with sdpa attention) need none
 of it. Which tensors exist decides the layout (biases, Qwen3's q/k norms, a separate lm_head), so one
 module tree serves all four families. What differs in the arithmetic and is not covered here (rope
@@ -102,7 +102,7 @@ def rope_settings(config: dict[str, Any]) -> float | str:
 
 def _unloaded(*shape: int) -> nn.Parameter:
     """A parameter to be assigned from the checkpoint: no storage, no initialisation (torch's init on the
-    meta device imports its compiler stack, ~1.4 s on 2 cores)."""
+    meta device imports its compiler stack, a slow import)."""
     return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
 
 

@@ -1,7 +1,7 @@
 """Engine actors: each starts one inference server (the embedded engine, a child process of the actor)
 in its placement bundle and reports its URL and health; `EngineActorGroup` is the driver's handle.
 
-SGLang and vLLM servers plug in here (`cluster.engine`); until then they are refused by name.
+SGLang and vLLM servers are to plug in here (`cluster.engine`); they are not supported and are refused by name.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ENGINE_TYPES = ("embedded", "sglang", "vllm")
 
 
 def check_engine_type(engine: str) -> None:
-    """Only the embedded engine runs under the orchestration so far; the others fail loudly by name."""
+    """Only the embedded engine runs under the orchestration; the others fail loudly by name."""
     if engine == "embedded":
         return
     if engine in ("sglang", "vllm"):

@@ -92,7 +92,7 @@ class BucketStream:
 class PrefetchedSource:
     """A bucket source whose first bucket is read before the push starts: `await
     PrefetchedSource.read_first(source)` gathers it (for a trainer group: the full-weight gather and its
-    trip through the object store, ~35 ms of a tiny model's ~55 ms push here), so the syncer does that
+    trip through the object store, most of a small model's push), so the syncer does that
     before it pauses the engines. Iterating yields that bucket, then the rest of `source`; `close()`
     closes `source`, as a transport's `BucketStream.aclose` expects of any source."""
 

@@ -1,5 +1,5 @@
-"""The TrainBackend contract: the handful of methods every training backend (FSDP2 now, Megatron
-later) offers to the schedules, the driver-side `TrainerGroup` and weight transports.
+"""The TrainBackend contract: the handful of methods every training backend (FSDP2 is the one built)
+offers to the schedules, the driver-side `TrainerGroup` and weight transports.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def build_optimizer(
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     # fused: one kernel per step instead of one op per parameter, which matters most for sharded
-    # (DTensor) parameters, where every op pays a sharding-propagation cost (5x faster on CPU).
+    # (DTensor) parameters, where every op pays a sharding-propagation cost.
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
     return optimizer, scheduler
