@@ -72,3 +72,12 @@ def test_one_turn_agent_through_the_session_server(tok):
     assert result.status is Status.COMPLETED and result.metadata["agent_turns"] == 1
     assert len(engine.calls) == 1 and result.tokens == engine.calls[0].input_ids + engine.calls[0].output_ids
     assert result.loss_mask == [1] * result.response_length
+
+
+def test_docs_show_the_example_files_as_they_are():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    page = (root / "docs" / "plugins.md").read_text()
+    for example in sorted((root / "examples" / "plugins").glob("[!_]*.py")):
+        assert example.read_text().rstrip() in page, f"docs/plugins.md does not show {example.name} as it is"
