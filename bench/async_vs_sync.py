@@ -54,7 +54,7 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
     from verst.schedules import SCHEDULES
 
     cfg = load_config(None, [
-        "--name", schedule, "--run-dir", str(workdir / schedule), "--schedule", schedule,
+        "--name", schedule, "--run-dir", str(workdir / schedule), "--overwrite", "--schedule", schedule,
         "--model.path", str(model), "--data.train-path", str(data / "train.jsonl"),
         "--data.test-path", str(data / "test.jsonl"), "--data.apply-chat-template", "false",
         "--rollout.batch-size", str(args.batch), "--rollout.n-samples-per-prompt", str(args.n),

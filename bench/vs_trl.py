@@ -186,7 +186,8 @@ def sft_checkpoint(path: str | None, work_dir: Path, task: str) -> Path:
         for stage in stages:
             run_dir = work_dir / load_config(stage).name
             if not (run_dir / "hf" / "config.json").exists():
-                run_sft(load_config(stage, previous + ["--run-dir", str(run_dir), "--logging.tensorboard", "false"]))
+                run_sft(load_config(stage, previous + ["--run-dir", str(run_dir), "--overwrite",
+                                                        "--logging.tensorboard", "false"]))
             previous, source = ["--model.path", str(run_dir / "hf")], run_dir / "hf"
     if not (source / "config.json").exists() or not list(source.glob("*.safetensors")):
         raise FileNotFoundError(f"SFT checkpoint {source}: no config.json or *.safetensors (expected an HF export)")

@@ -150,3 +150,19 @@ def test_bad_input_gets_4xx_naming_the_field_and_the_engine_keeps_serving(http, 
     assert error["field"] == field and error["message"], error
     ok = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] >= 1
+
+
+def test_chat_to_a_model_without_chat_template_is_refused(tiny_model_dir):
+    """A model trained on raw prompts is exported without a template; chat requests get a 400 saying so
+    instead of an empty reply rendered through a format it never learnt."""
+    from verst.engine.openai_api import NO_CHAT_TEMPLATE
+
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = None
+    core = EngineCore(model, tokenizer, EngineConfig(max_running_requests=2, context_length=CONTEXT))
+    with BackgroundServer(core, served_model_name="raw") as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        reply = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+2="}]})
+        assert reply.status_code == 400
+        assert reply.json()["error"] == {"message": NO_CHAT_TEMPLATE, "field": "messages", "code": 400}
+        completion = http.post("/v1/completions", json={"prompt": "1+2=", "max_tokens": 2})
+        assert completion.status_code == 200

@@ -37,6 +37,16 @@ def test_sft_few_steps_writes_run_dir(tiny_model_dir, addition_data_dir, tmp_pat
     assert (run / "config.yaml").exists() and any((run / "checkpoint").iterdir())
     exported = load_model(run / "hf")  # transformers loads the export
     assert exported.config.vocab_size == 265
+    # Trained with the chat template (the default): the export keeps it.
+    assert json.loads((run / "hf" / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_a_model_trained_on_raw_prompts_is_exported_without_chat_template(tiny_model_dir, addition_data_dir, tmp_path):
+    run = tmp_path / "run"
+    assert main(sft_args(tiny_model_dir, addition_data_dir, run, "--sft.num-steps", "1", "--sft.batch-size", "4",
+                         "--eval.max-prompts", "2", "--data.apply-chat-template", "false")) == 0
+    assert "chat_template" not in json.loads((run / "hf" / "tokenizer_config.json").read_text())
+    assert "chat_template" in json.loads((tiny_model_dir / "tokenizer_config.json").read_text())  # source intact
 
 
 @pytest.mark.slow

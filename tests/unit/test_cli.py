@@ -36,10 +36,12 @@ def test_config_command_help_lists_every_field_without_torch(command):
         assert f"(default: {default!r})" in result.stdout
 
 
-def test_dry_run_prints_config_and_arithmetic_without_torch(tmp_path):
+def test_dry_run_prints_config_and_arithmetic_without_torch(tmp_path, tiny_model_dir, addition_data_dir):
     recipe = tmp_path / "r.toml"
     recipe.write_text('name = "dry"\n[rollout]\nbatch_size = 4\nn_samples_per_prompt = 4\n[trainer]\nglobal_batch_size = 8\n')
-    result = run_cli(["train", str(recipe), "--dry-run", "--rollout.num-rollouts", "10"])
+    paths = ["--model.path", str(tiny_model_dir), "--data.train-path", str(addition_data_dir / "train.jsonl"),
+             "--data.test-path", str(addition_data_dir / "test.jsonl"), "--run-dir", str(tmp_path / "runs" / "dry")]
+    result = run_cli(["train", str(recipe), "--dry-run", "--rollout.num-rollouts", "10", *paths])
     assert result.returncode == 0, result.stderr
     assert "name: dry" in result.stdout
     assert "train_steps_per_rollout = 2" in result.stdout

@@ -39,6 +39,7 @@ def load_config(
 
 def validate_tree(tree: dict[str, Any]) -> VerstConfig:
     _check_unknown_keys(tree, VerstConfig, prefix="")
+    _check_booleans(tree, VerstConfig, prefix="")
     try:
         return VerstConfig.model_validate(tree)
     except ValidationError as e:
@@ -67,8 +68,9 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     """`['--rollout.batch-size', '16', '--logging.progress=false']` → `[('rollout.batch_size', 16), ...]`.
 
-    Values are read as YAML scalars or flow lists (`16`, `1e-3`, `true`, `[1, 2]`); a flag followed by
-    another flag (or nothing) means `true`.
+    Values are read as YAML scalars or flow lists (`16`, `1e-3`, `true`, `[1, 2]`). Only a boolean
+    field may stand alone (`--logging.progress` means true); any other field without its value is refused,
+    naming the flag, rather than read as `true` (which pydantic would turn into 1).
     """
     out: list[tuple[str, Any]] = []
     i = 0
@@ -77,14 +79,40 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"expected an override like --section.field VALUE, got {arg!r}")
         key, eq, raw = arg[2:].partition("=")
+        dotted = key.replace("-", "_")
         if not eq:
             if i + 1 < len(args) and not args[i + 1].startswith("--"):
                 raw, i = args[i + 1], i + 1
             else:
+                annotation = field_annotation(dotted)
+                if annotation is not None and not _accepts_bool(annotation):
+                    after = f"; it is followed by {args[i + 1]!r}" if i + 1 < len(args) else ""
+                    raise ConfigError(f"--{key} needs a value ({_type_name(annotation)}){after}")
                 raw = "true"
-        out.append((key.replace("-", "_"), _parse_value(raw)))
+        out.append((dotted, _parse_value(raw)))
         i += 1
     return out
+
+
+def field_annotation(dotted: str, model: type[BaseModel] = VerstConfig) -> Any | None:
+    """The type annotation of the leaf field `dotted` (e.g. 'rollout.batch_size'); None when the name is
+    no leaf field (the unknown-key check names it later, with a suggestion)."""
+    *sections, leaf = dotted.split(".")
+    for name in sections:
+        info = model.model_fields.get(name)
+        model = _section_model(info.annotation) if info is not None else None
+        if model is None:
+            return None
+    info = model.model_fields.get(leaf)
+    if info is None or _section_model(info.annotation) is not None:
+        return None
+    return info.annotation
+
+
+def _accepts_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_accepts_bool(arg) for arg in typing.get_args(annotation) if arg is not type(None))
 
 
 def _parse_value(raw: str) -> Any:
@@ -134,6 +162,17 @@ def _check_unknown_keys(tree: dict[str, Any], model: type[BaseModel], prefix: st
             if not isinstance(value, dict):
                 raise ConfigError(f"{name}: is a section, expected a table of fields, got {value!r}")
             _check_unknown_keys(value, sub, prefix=f"{name}.")
+
+
+def _check_booleans(tree: dict[str, Any], model: type[BaseModel], prefix: str) -> None:
+    """Refuse true/false for a field that is no boolean: pydantic would read them as 1 and 0."""
+    for key, value in tree.items():
+        annotation = model.model_fields[key].annotation
+        sub = _section_model(annotation)
+        if sub is not None:
+            _check_booleans(value, sub, prefix=f"{prefix}{key}.")
+        elif isinstance(value, bool) and not _accepts_bool(annotation):
+            raise ConfigError(f"{prefix}{key}: expected {_type_name(annotation)}, got {value!r}")
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:

@@ -260,6 +260,8 @@ Schedule = Literal["sync", "one_step_off", "fully_async"]
 class VerstConfig(Section):
     name: str = Field("run", min_length=1, description="Run name; the run directory is runs/<name> by default.")
     run_dir: str | None = Field(None, description="Run directory; default runs/<name>.")
+    overwrite: bool = Field(False, description="Empty an existing, non-empty run directory first; without it "
+                            "such a directory is refused, so two runs never mix their files.")
     schedule: Schedule = Field("sync", description="RL schedule: sync, one_step_off or fully_async.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")

@@ -76,6 +76,10 @@ class ChatCompletionRequest(_OpenAIBase):
     tools: list[dict[str, Any]] | None = None
 
 
+NO_CHAT_TEMPLATE = ("this model has no chat template (a model trained on raw prompts, data.apply_chat_template "
+                    "= false, is exported without one): send the prompt text or token ids to /v1/completions")
+
+
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -100,6 +104,9 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         from verst.models.loader import chat_prompt_ids
 
+        if not getattr(state.tokenizer, "chat_template", None):
+            return JSONResponse({"error": {"message": NO_CHAT_TEMPLATE, "field": "messages", "code": 400}},
+                                status_code=400)
         try:
             ids = chat_prompt_ids(state.tokenizer, body.messages, tools=body.tools)
         except (ValueError, KeyError, TypeError) as exc:

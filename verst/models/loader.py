@@ -25,6 +25,43 @@ def _checkpoint_dir(path: str | Path) -> Path:
     return directory
 
 
+def _check_model_files(directory: Path, field: str) -> None:
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(f"{field} {str(directory)!r} has no config.json; not a Hugging Face checkpoint")
+    has_weights = any((directory / name).exists() for name in _WEIGHT_FILES) or any(directory.glob("*.safetensors"))
+    if not has_weights:
+        raise FileNotFoundError(
+            f"{field} {str(directory)!r} has no weights (looked for {', '.join(_WEIGHT_FILES)}, *.safetensors)"
+        )
+
+
+def check_checkpoint_dir(path: str | Path, field: str = "model path") -> None:
+    """Fail fast, naming `field`, unless `path` is a checkpoint directory whose config parses, which has
+    weights, and whose tokenizer files parse (tokenizer.json is loaded by `tokenizers`: no transformers,
+    no torch, well under a second)."""
+    from tokenizers import Tokenizer
+
+    directory = Path(path)
+    if not directory.is_dir():
+        what = "does not exist" if not directory.exists() else "is not a directory"
+        raise FileNotFoundError(f"{field} = {str(path)!r} {what}; expected a Hugging Face checkpoint directory")
+    _check_model_files(directory, field)
+    for name in ("config.json", "tokenizer_config.json"):
+        if (directory / name).exists():
+            try:
+                json.loads((directory / name).read_text())
+            except ValueError as error:
+                raise ValueError(f"{field} = {str(path)!r}: {name} does not parse ({error})") from None
+    tokenizer_file = directory / "tokenizer.json"
+    if tokenizer_file.exists():
+        try:
+            Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # tokenizers raises its own Exception subclass with the parser's message
+            raise ValueError(f"{field} = {str(path)!r}: tokenizer.json does not load ({error})") from None
+    elif not (directory / "tokenizer_config.json").exists():
+        raise FileNotFoundError(f"{field} = {str(path)!r} has no tokenizer.json or tokenizer_config.json")
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     """The tokenizer of a checkpoint directory, with pad_token_id set.
 
@@ -68,13 +105,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", tr
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choices: {', '.join(DTYPES)}")
     directory = _checkpoint_dir(path)
-    if not (directory / "config.json").exists():
-        raise FileNotFoundError(f"model path {str(directory)!r} has no config.json; not a Hugging Face checkpoint")
-    has_weights = any((directory / name).exists() for name in _WEIGHT_FILES) or any(directory.glob("*.safetensors"))
-    if not has_weights:
-        raise FileNotFoundError(
-            f"model path {str(directory)!r} has no weights (looked for {', '.join(_WEIGHT_FILES)}, *.safetensors)"
-        )
+    _check_model_files(directory, "model path")
     model = AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
     )
@@ -118,6 +149,26 @@ def render_chat(
     return tokenizer.apply_chat_template(
         messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
     )
+
+
+def drop_chat_template(directory: str | Path) -> bool:
+    """Remove the chat template from an exported checkpoint's tokenizer files (tokenizer_config.json's
+    `chat_template`, chat_template.jinja/.json); True when there was one. For a model trained on raw
+    prompts: it never learnt the template, so chat requests to it are refused instead of answered with
+    whatever the untrained format yields."""
+    directory = Path(directory)
+    found = False
+    config_file = directory / "tokenizer_config.json"
+    if config_file.exists():
+        config = json.loads(config_file.read_text())
+        if config.pop("chat_template", None) is not None:
+            config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+            found = True
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (directory / name).exists():
+            (directory / name).unlink()
+            found = True
+    return found
 
 
 def chat_prompt_ids(

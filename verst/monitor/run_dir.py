@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,28 @@ def run_dir_of(cfg: VerstConfig) -> Path:
     return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / cfg.name
 
 
-def prepare_run_dir(cfg: VerstConfig) -> Path:
-    """Create the run directory and write the resolved config into it."""
+class RunDirError(ValueError):
+    """The run directory cannot be used as the config asks; the message says how to go on."""
+
+
+def check_run_dir(cfg: VerstConfig) -> Path:
+    """The run directory, refused when it holds another run's files and `overwrite` is off: metrics
+    would append to that run's and its config and summary would be replaced."""
     path = run_dir_of(cfg)
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"run_dir {str(path)!r} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not cfg.overwrite:
+        raise RunDirError(
+            f"run directory {str(path)!r} already holds a run (from name = {cfg.name!r} or run_dir); "
+            "pick another --name or --run-dir, or pass --overwrite to empty it first")
+    return path
+
+
+def prepare_run_dir(cfg: VerstConfig) -> Path:
+    """Create the run directory (emptied first with `overwrite`) and write the resolved config into it."""
+    path = check_run_dir(cfg)
+    if cfg.overwrite and path.is_dir():
+        shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return path

@@ -27,6 +27,7 @@ SFT_DATA_NAME = "sft_teacher.jsonl"
 TEACHER_CARRY_ERROR_RATE = 0.7
 SFT_RECIPE = Path("recipes/sft_addition.toml")
 RL_RECIPE = Path("recipes/grpo_addition.toml")
+FRESH = ["--overwrite"]  # each demo replaces the previous demo's run directories
 
 
 def make_artifacts(task: str = "addition") -> Path:
@@ -56,7 +57,7 @@ def rl_config(sft_run_dir: Path) -> VerstConfig:
     hf = sft_run_dir / "hf"
     if not (hf / "config.json").exists():
         raise FileNotFoundError(f"the SFT run exported no Hugging Face model at {hf} (checkpoint.export_hf off?)")
-    return load_config(RL_RECIPE, overrides=["--model.path", str(hf)])
+    return load_config(RL_RECIPE, overrides=["--model.path", str(hf), *FRESH])
 
 
 def check_rl_summary(summary: dict[str, Any]) -> tuple[float, float]:
@@ -76,7 +77,7 @@ def main() -> int:
 
     start = time.perf_counter()
     make_artifacts()
-    sft_summary, sft_run_dir = run_sft(load_config(SFT_RECIPE))
+    sft_summary, sft_run_dir = run_sft(load_config(SFT_RECIPE, overrides=FRESH))
     sft_s = time.perf_counter() - start
     cfg = rl_config(sft_run_dir)
     if cfg.schedule != "fully_async":

@@ -1,0 +1,127 @@
+"""The mistakes `verst train` and `verst sft` catch before anything starts, each with its exact message:
+a flag without its value, true/false for a number, a run directory that holds another run, and files,
+tokenizers and plug-in modules that are not there."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from verst.cli.preflight import PreflightError, preflight
+from verst.config import ConfigError, load_config
+from verst.monitor import RunDirError, prepare_run_dir
+
+
+def cli(*argv: str, cwd=None) -> subprocess.CompletedProcess:
+    code = "import sys; from verst.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rollout.batch-size"], "--rollout.batch-size needs a value (int)"),
+    (["--rollout.batch-size", "--trainer.lr", "1e-4"],
+     "--rollout.batch-size needs a value (int); it is followed by '--trainer.lr'"),
+    (["--rollout.batch-size", "true"], "rollout.batch_size: expected int, got True"),
+    (["--trainer.lr=false"], "trainer.lr: expected float, got False"),
+    (["--rollout.max-in-flight", "true"], "rollout.max_in_flight: expected int | None, got True"),
+])
+def test_a_number_never_becomes_a_boolean(argv, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, argv)
+    assert message in str(error.value)
+
+
+def test_booleans_still_stand_alone_and_recipes_are_checked_too(tmp_path):
+    assert load_config(None, ["--logging.progress"]).logging.progress is True
+    assert load_config(None, ["--overwrite"]).overwrite is True
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[rollout]\nbatch_size = true\n")
+    with pytest.raises(ConfigError, match="rollout.batch_size: expected int, got True"):
+        load_config(recipe)
+
+
+def test_dry_run_refuses_a_flag_without_value_naming_it():
+    result = cli("train", "--rollout.batch-size", "--dry-run")
+    assert result.returncode == 2
+    assert "verst train: --rollout.batch-size needs a value (int)" in result.stderr
+
+
+def good_config(tmp_path, tiny_model_dir, addition_data_dir, *extra):
+    return load_config(None, [
+        "--model.path", str(tiny_model_dir), "--data.train-path", str(addition_data_dir / "train.jsonl"),
+        "--data.test-path", str(addition_data_dir / "test.jsonl"), "--run-dir", str(tmp_path / "run"), *extra])
+
+
+def test_a_good_config_passes_preflight_in_under_a_second(tmp_path, tiny_model_dir, addition_data_dir):
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir)
+    start = time.perf_counter()
+    preflight(cfg, rl=True)
+    assert time.perf_counter() - start < 1.0  # a bound with wide margin: the check reads a few small files
+    assert not (tmp_path / "run").exists()  # checked, not created
+
+
+def test_preflight_names_every_missing_thing(tmp_path, tiny_model_dir, addition_data_dir):
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir,
+                      "--model.path", str(tmp_path / "no-model"), "--data.train-path", str(tmp_path / "no.jsonl"),
+                      "--eval.path", str(tmp_path), "--rollout.agent-fn", "no_such_pkg_xyz.agent:run",
+                      "--reward.type", "custom", "--reward.path", "verst.no_such_module:fn",
+                      "--checkpoint.load", str(tmp_path / "ckpt"))
+    with pytest.raises(PreflightError) as error:
+        preflight(cfg, rl=True)
+    lines = str(error.value).splitlines()[1:]
+    assert [line.strip() for line in lines] == [
+        f"model.path = {str(tmp_path / 'no-model')!r} does not exist; expected a Hugging Face checkpoint directory",
+        f"data.train_path = {str(tmp_path / 'no.jsonl')!r} does not exist",
+        f"eval.path = {str(tmp_path)!r} is a directory, not a file",
+        f"checkpoint.load = {str(tmp_path / 'ckpt')!r}: resuming a run is not supported; remove checkpoint.load",
+        "rollout.agent_fn = 'no_such_pkg_xyz.agent:run': cannot import a parent of module 'no_such_pkg_xyz.agent' "
+        "(No module named 'no_such_pkg_xyz')",
+        "reward.path = 'verst.no_such_module:fn': no module named 'verst.no_such_module' "
+        "(on sys.path or in the working directory)",
+    ]
+
+
+def test_preflight_checks_the_tokenizer(tmp_path, tiny_model_dir, addition_data_dir):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer.json").write_text("{not json")
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir, "--model.path", str(model))
+    with pytest.raises(PreflightError, match=r"model.path = '.*/model': tokenizer.json does not load"):
+        preflight(cfg, rl=False)
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer_config.json").unlink()
+    with pytest.raises(PreflightError, match=r"model.path = '.*/model' has no tokenizer.json or tokenizer_config"):
+        preflight(cfg, rl=False)
+    (model / "config.json").write_text(json.dumps({"a": 1})[:-1])
+    with pytest.raises(PreflightError, match=r"model.path = '.*/model': config.json does not parse"):
+        preflight(cfg, rl=False)
+
+
+def test_a_run_directory_is_never_mixed(tmp_path, tiny_model_dir, addition_data_dir):
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir)
+    run_dir = prepare_run_dir(cfg)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    message = (f"run directory {str(run_dir)!r} already holds a run (from name = 'run' or run_dir); pick another "
+               "--name or --run-dir, or pass --overwrite to empty it first")
+    with pytest.raises(RunDirError) as error:
+        prepare_run_dir(cfg)
+    assert str(error.value) == message
+    with pytest.raises(PreflightError) as error:
+        preflight(cfg, rl=True)
+    assert message in str(error.value)
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # refused: nothing lost
+    prepare_run_dir(cfg.model_copy(update={"overwrite": True}))
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+
+
+def test_verst_train_stops_before_ray_naming_the_model_path(tmp_path):
+    start = time.perf_counter()
+    result = cli("train", "--model.path", str(tmp_path / "missing"), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert f"model.path = {str(tmp_path / 'missing')!r} does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "ray" not in result.stdout.lower()
+    assert time.perf_counter() - start < 30  # a ceiling far above the check itself: Ray never started

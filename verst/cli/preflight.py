@@ -1,0 +1,71 @@
+"""Checks of a config's files before anything starts (Ray, engines, trainer ranks): every path it
+reads, the model's tokenizer, the plug-in modules it names and the run directory, each problem naming
+its field and path. Fast (no torch, no transformers), so `--dry-run` runs them too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from verst.config import VerstConfig
+from verst.models.loader import check_checkpoint_dir
+from verst.monitor import RunDirError, check_run_dir
+
+BUILTIN_FILTERS = ("zero_std",)
+
+
+class PreflightError(ValueError):
+    """The config names files or modules that are not there; the message lists each, by field."""
+
+
+def preflight(cfg: VerstConfig, *, rl: bool) -> None:
+    """Raise `PreflightError` listing every problem found; `rl` adds the checks only RL runs need."""
+    problems: list[str] = []
+    try:
+        check_checkpoint_dir(cfg.model.path, "model.path")
+    except (OSError, ValueError) as error:
+        problems.append(str(error))
+    if cfg.data.source is None:
+        problems += _missing_file("data.train_path", cfg.data.train_path)
+    eval_path = ("eval.path", cfg.eval.path) if cfg.eval.path else ("data.test_path", cfg.data.test_path)
+    problems += _missing_file(*eval_path)
+    if cfg.checkpoint.load is not None:
+        problems.append(f"checkpoint.load = {cfg.checkpoint.load!r}: resuming a run is not supported; "
+                        "remove checkpoint.load")
+    imports = {"data.source": cfg.data.source, "buffer.path": cfg.buffer.path}
+    if rl:
+        imports |= {"rollout.rollout_fn": cfg.rollout.rollout_fn, "rollout.generate_fn": cfg.rollout.generate_fn,
+                    "rollout.agent_fn": cfg.rollout.agent_fn}
+        if cfg.rollout.dynamic_filter not in BUILTIN_FILTERS:
+            imports["rollout.dynamic_filter"] = cfg.rollout.dynamic_filter
+        if cfg.reward.type == "custom":
+            imports["reward.path"] = cfg.reward.path
+    for field, path in imports.items():
+        if path:
+            problems += _missing_module(field, path)
+    try:
+        check_run_dir(cfg)
+    except RunDirError as error:
+        problems.append(str(error))
+    if problems:
+        raise PreflightError("the config names things that are not there:\n  " + "\n  ".join(problems))
+
+
+def _missing_file(field: str, path: str | None) -> list[str]:
+    if path is None or Path(path).is_file():
+        return []
+    what = "is a directory, not a file" if Path(path).is_dir() else "does not exist"
+    return [f"{field} = {path!r} {what}"]
+
+
+def _missing_module(field: str, path: str) -> list[str]:
+    """The module part of an import path must be found (its parents are imported, the module is not)."""
+    module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
+    if not module:
+        return [f"{field} = {path!r} is not of the form 'package.module:name'"]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError) as error:
+        return [f"{field} = {path!r}: cannot import a parent of module {module!r} ({error})"]
+    return [] if found else [f"{field} = {path!r}: no module named {module!r} (on sys.path or in the working directory)"]
