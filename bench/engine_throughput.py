@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from verst.engine.client import EngineClient  # noqa: E402
 from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
 from verst.engine.process import EngineProcess  # noqa: E402
 from verst.engine.request import Request, Sampling  # noqa: E402
+from verst.inference_client.client import EngineClient  # noqa: E402
 from verst.models.factory import init_model  # noqa: E402
 from verst.models.loader import load_model_and_tokenizer  # noqa: E402
 

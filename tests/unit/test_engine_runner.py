@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from verst.engine.core import EngineConfig, EngineCore
-from verst.engine.request import InvalidRequest, Request, Sampling
+from verst.engine.request import Request, Sampling
 from verst.engine.runner import EngineRunner
+from verst.inference_client.protocol import InvalidRequest
 from verst.models.factory import init_model
 from verst.models.loader import load_model_and_tokenizer
 

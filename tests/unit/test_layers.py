@@ -8,7 +8,7 @@ import verst
 LAYERS = {
     "types": 0, "config": 0,
     "algo": 1, "data": 1, "rewards": 1, "monitor": 1, "models": 1,
-    "engine": 2, "router": 2, "session": 2, "rollout": 2, "trainer": 2, "sync": 2, "eval": 2,
+    "inference_client": 2, "engine": 2, "router": 2, "session": 2, "rollout": 2, "trainer": 2, "sync": 2, "eval": 2,
     "orchestration": 3,
     "schedules": 4, "cli": 4,
 }

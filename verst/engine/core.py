@@ -18,8 +18,9 @@ import torch
 from verst.engine.config import EngineConfig
 from verst.engine.model_runner import ModelRunner
 from verst.engine.prefix_cache import PrefixCache
-from verst.engine.request import FinishReason, InvalidRequest, Phase, Request
+from verst.engine.request import FinishReason, Phase, Request
 from verst.engine.sampling import RowSampling, sample
+from verst.inference_client.protocol import InvalidRequest
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")

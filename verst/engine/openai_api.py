@@ -13,10 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
 
-from verst.engine.protocol import WireModel, check_default_only
 from verst.engine.request import Request as EngineRequest
 from verst.engine.request import Sampling
 from verst.engine.service import ServerState, build_request, run_to_completion
+from verst.inference_client.protocol import WireModel, check_default_only
 
 # OpenAI fields accepted only at their "off" value; anything else is refused by name.
 _OFF_VALUES = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "stream": (False, None),

@@ -15,20 +15,6 @@ from typing import Any
 import numpy as np
 
 
-class InvalidRequest(ValueError):
-    """A request the engine refuses before scheduling it; the HTTP layer answers 400 with field and value."""
-
-    def __init__(self, field: str, value: Any, message: str):
-        super().__init__(f"{field} = {_short(value)}: {message}")
-        self.field = field
-        self.value = value
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 class Phase(str, enum.Enum):
     WAITING = "waiting"  # queued, no KV
     RUNNING = "running"  # owns a KV slot

@@ -12,9 +12,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from verst.engine.protocol import SamplingParams
-from verst.engine.request import InvalidRequest, Request, Sampling
+from verst.engine.request import Request, Sampling
 from verst.engine.runner import EngineRunner
+from verst.inference_client.protocol import InvalidRequest, SamplingParams
 
 DISCONNECT_POLL_S = 1.0
 

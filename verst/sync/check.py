@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from verst.engine.client import GenerateResult
-from verst.router.fleet import EngineFleet
+from verst.inference_client.client import GenerateResult
+from verst.inference_client.fleet import EngineFleet
 from verst.trainer.items import TrainItem
 
 LogprobsFn = Callable[[list[TrainItem]], list[torch.Tensor]]

@@ -1,4 +1,5 @@
-"""SGLang's native HTTP dialect as pydantic models: field names, defaults and ranges of each request body.
+"""SGLang's native HTTP dialect as pydantic models (field names, defaults and ranges of each request body),
+and `InvalidRequest`, the 400 that names the refused field and value.
 
 Unknown fields are rejected; SGLang fields the embedded engine does not implement are accepted only at
 their default value (sglang-router re-serialises requests with those defaults filled in).
@@ -50,6 +51,20 @@ _SAMPLING_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "custom_params": (None,),
     "stream_interval": (None,),
 }
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses before scheduling it; the HTTP layer answers 400 with field and value."""
+
+    def __init__(self, field: str, value: Any, message: str):
+        super().__init__(f"{field} = {_short(value)}: {message}")
+        self.field = field
+        self.value = value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_default_only(data: Any, allowed: dict[str, tuple[Any, ...]], where: str) -> Any:
