@@ -17,7 +17,7 @@ from pathlib import Path
 import verst
 
 LAYERS = {
-    "types": (0, 0), "config": (0, 0),
+    "types": (0, 0), "config": (0, 1),  # the config's sampling section extends types' SamplingKnobs
     "algo": (1, 0), "data": (1, 0), "rewards": (1, 0), "monitor": (1, 0), "models": (1, 0),
     "inference_client": (2, 0),
     "engine": (2, 1), "router": (2, 1), "session": (2, 1), "trainer": (2, 1), "sync": (2, 1),

@@ -331,10 +331,7 @@ class EngineCore:
         banned: tuple[int, ...] = ()
         if len(req.output_ids) < s.min_new_tokens:
             banned = tuple(s.stop_token_ids) + (() if s.ignore_eos else tuple(self.eos_ids))
-        return RowSampling(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.sampling_seed,
-            position=len(req.output_ids), banned=banned, top_logprobs=req.top_logprobs_num,
-        )
+        return RowSampling(s, len(req.output_ids), banned, req.top_logprobs_num)
 
     def _check_finish(self, req: Request) -> None:
         """SGLang's order: the length limit, then stop/eos tokens, then stop strings, then the context."""

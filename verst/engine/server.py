@@ -30,7 +30,6 @@ from verst.engine.service import (
     error_response,
     invalid_request_response,
     run_all_to_completion,
-    sampling_from_wire,
 )
 from verst.engine.weights import read_safetensors_dir
 from verst.inference_client import weights
@@ -117,7 +116,7 @@ def _engine_request(state: ServerState, body: GenerateRequest):
     """The engine request of a single-prompt /generate body."""
     ids = body.input_ids if body.input_ids is not None else state.encode(body.text or "")
     return build_request(
-        state, ids, sampling_from_wire(body.sampling_params), rid=body.rid,
+        state, ids, body.sampling_params, rid=body.rid,
         return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num or 0,
         return_routed_experts=body.return_routed_experts, priority=body.priority or 0,
     )
