@@ -12,6 +12,8 @@ Packages at one position never import each other; only orchestration and schedul
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import verst
@@ -61,3 +63,10 @@ def test_packages_import_only_lower_positions_and_ray_stays_in_orchestration():
                 if other is None or other >= position:
                     violations.append(f"{path.relative_to(root)} {position} imports {name} {other}")
     assert violations == []
+
+
+def test_the_engine_client_imports_no_torch():
+    # every caller of an engine imports it, the torch-free driver of an RL run included
+    modules = ", ".join(f"verst.inference_client.{m}" for m in ("client", "batching", "protocol", "fleet", "ports"))
+    code = f"import sys, verst.inference_client, {modules}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
