@@ -32,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from verst.engine.client import EngineClient  # noqa: E402
 from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
 from verst.engine.process import EngineProcess  # noqa: E402
-from verst.engine.request import Request, Sampling  # noqa: E402
+from verst.engine.request import Request  # noqa: E402
+from verst.inference_client.client import EngineClient  # noqa: E402
+from verst.inference_client.protocol import SamplingParams  # noqa: E402
 from verst.models.factory import init_model  # noqa: E402
 from verst.models.loader import load_model_and_tokenizer  # noqa: E402
 
@@ -74,7 +75,7 @@ def run_hf(model, work, batch: int, seed: int) -> tuple[float, int]:
 def run_engine(model, tokenizer, work, batch: int, seed: int, impl: str = "auto") -> tuple[float, int, int]:
     core = EngineCore(model, tokenizer, EngineConfig(max_running_requests=batch, seed=seed, model_impl=impl))
     reqs = [Request(rid=str(i), prompt_ids=p, return_logprob=True,
-                    sampling=Sampling(temperature=1.0, max_new_tokens=n, ignore_eos=True))
+                    sampling=SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(work)]
     start = time.perf_counter()
     for r in reqs:

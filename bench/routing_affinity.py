@@ -36,9 +36,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verst.engine.client import EngineClient  # noqa: E402
 from verst.engine.process import EngineProcess  # noqa: E402
-from verst.router import EngineFleet, RouterManager  # noqa: E402
+from verst.inference_client.client import EngineClient  # noqa: E402
+from verst.inference_client.fleet import EngineFleet  # noqa: E402
+from verst.router import RouterManager  # noqa: E402
 
 TARGET_HIT_RATE = 0.96
 PROMPT_ID_RANGE = 256  # byte ids of the tiny tokenizer: no special tokens inside prompts

@@ -31,10 +31,10 @@ import torch  # noqa: E402
 
 from verst.config.schema import SyncConfig  # noqa: E402
 from verst.engine.process import EngineProcess  # noqa: E402
+from verst.inference_client.fleet import EngineFleet  # noqa: E402
 from verst.models.chat_template import TINY_CHAT_TEMPLATE  # noqa: E402
 from verst.models.factory import count_parameters, model_config  # noqa: E402
 from verst.models.tokenizer import save_tokenizer  # noqa: E402
-from verst.router.fleet import EngineFleet  # noqa: E402
 from verst.sync import build_syncer  # noqa: E402
 from verst.trainer.checkpoint import named_tensors  # noqa: E402
 

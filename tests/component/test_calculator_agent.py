@@ -11,12 +11,12 @@ import pytest
 from examples.calculator.agent import MAX_TURNS
 from verst.config import VerstConfig
 from verst.data.calculator import CONVERSATION_KEY, calculator_problem
-from verst.engine.client import EngineClient
 from verst.eval import MixedVersionError
 from verst.eval.agentic import evaluate_agentic, evaluate_agentic_local
+from verst.inference_client.client import EngineClient
 from verst.models import load_tokenizer
-from verst.models.loader import load_model_and_tokenizer
 from verst.models.chat_template import TINY_CHAT_TEMPLATE
+from verst.models.loader import load_model_and_tokenizer
 from verst.models.prompts import encode_sft_conversation
 from verst.models.tokenizer import save_tokenizer
 from verst.rollout import RolloutContext, generate_and_reward

@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-from verst.engine.client import EngineClient
-from verst.engine.process import EngineProcess, free_port
-from verst.engine.weights import broadcast_tensors, dtype_name, open_weight_update_group, write_shm_bucket
+from verst.engine.process import EngineProcess
+from verst.inference_client.client import EngineClient
+from verst.inference_client.ports import free_port
+from verst.inference_client.weights import broadcast_tensors, dtype_name, open_weight_update_group, write_shm_bucket
 from verst.models.factory import init_model
 from verst.models.loader import load_model
 
@@ -190,7 +191,7 @@ async def _idle(client):
 
 
 def test_idle_meter_reads_busy_time_between_reads(engine):
-    from verst.router.fleet import EngineFleet, IdleMeter
+    from verst.inference_client.fleet import EngineFleet, IdleMeter
 
     async def main():
         async with EngineFleet([engine.url]) as fleet, EngineClient(engine.url) as client:

@@ -33,7 +33,7 @@ def test_evaluation_goes_ahead_of_queued_rollout_requests(tiny_model_dir):
     import threading
     import time
 
-    from verst.engine.client import EngineClient
+    from verst.inference_client.client import EngineClient
 
     with EngineProcess(tiny_model_dir, args=["--max-running-requests", "2"]) as engine:
         finished = []
@@ -64,7 +64,7 @@ def test_evaluation_goes_ahead_of_queued_rollout_requests(tiny_model_dir):
 
 
 async def _engine_waiting(url: str) -> int:
-    from verst.engine.client import EngineClient
+    from verst.inference_client.client import EngineClient
 
     async with EngineClient(url) as client:
         return sum(int(rank["num_waiting_reqs"]) for rank in await client.get_load())

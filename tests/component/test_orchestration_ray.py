@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 
 from verst.config.schema import ClusterConfig, ModelConfig, TrainerConfig
-from verst.engine.client import EngineClient
+from verst.inference_client.client import EngineClient
 from verst.models.factory import init_model
 from verst.orchestration import (
+    SLOT_RESOURCE,
     Orchestration,
     Placement,
     RaySession,
     RolloutParts,
     RouterSpec,
-    SLOT_RESOURCE,
     plan_bundles,
 )
 from verst.orchestration.placement import current_bundle

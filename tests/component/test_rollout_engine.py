@@ -11,9 +11,9 @@ import torch
 
 from verst.config import RewardConfig, RolloutConfig, SamplingConfig
 from verst.data import PromptSource
-from verst.engine.client import EngineClient
 from verst.engine.core import EngineConfig, EngineCore
 from verst.engine.process import BackgroundServer
+from verst.inference_client.client import EngineClient
 from verst.models.loader import load_model_and_tokenizer
 from verst.models.prompts import encode_prompt
 from verst.rollout.generate import CACHED_TOKENS_KEY, ENGINE_PROMPT_TOKENS_KEY, generate

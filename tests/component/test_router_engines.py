@@ -12,12 +12,13 @@ import time
 import pytest
 import torch
 
-from verst.engine.client import EngineClient
 from verst.engine.core import EngineConfig, EngineCore
 from verst.engine.process import BackgroundServer
+from verst.inference_client.client import EngineClient
+from verst.inference_client.fleet import EngineFleet
 from verst.models.factory import init_model
 from verst.models.loader import load_model, load_model_and_tokenizer
-from verst.router import EngineFleet, RouterManager
+from verst.router import RouterManager
 
 torch.set_num_threads(1)
 

@@ -12,9 +12,9 @@ import torch
 
 from verst.config import RolloutConfig, SamplingConfig
 from verst.data import PromptSource
-from verst.engine.client import EngineClient
 from verst.engine.core import EngineConfig, EngineCore
 from verst.engine.process import BackgroundServer
+from verst.inference_client.client import EngineClient
 from verst.models.loader import load_model_and_tokenizer
 from verst.models.tokenizer import VOCAB_SIZE
 from verst.rollout.agentic import SERVER_KEY, session_metrics, tito_metrics

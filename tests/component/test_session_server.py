@@ -10,9 +10,9 @@ import openai
 import pytest
 import torch
 
-from verst.engine.client import EngineClient
 from verst.engine.core import EngineConfig, EngineCore
 from verst.engine.process import BackgroundServer, EngineProcess
+from verst.inference_client.client import EngineClient
 from verst.models.loader import chat_prompt_ids, load_model_and_tokenizer
 from verst.session.http import SessionServer
 from verst.session.manager import SessionManager

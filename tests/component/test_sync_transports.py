@@ -12,10 +12,10 @@ import torch.distributed as dist
 from verst.config.schema import ModelConfig, SyncConfig, TrainerConfig
 from verst.engine.core import EngineConfig, EngineCore
 from verst.engine.process import BackgroundServer, EngineProcess
-from verst.engine.weights import write_shm_bucket
+from verst.inference_client.fleet import EngineFleet
+from verst.inference_client.weights import write_shm_bucket
 from verst.models.factory import init_model
 from verst.models.loader import load_model, load_tokenizer
-from verst.router.fleet import EngineFleet
 from verst.sync import LogprobChecker, VersionError, WeightCheckError, WeightSyncError, build_syncer, list_snapshots
 from verst.trainer import FSDP2Backend, TrainItem, sft_loss_fn
 

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.engine.core import EngineConfig, EngineCore
-from verst.engine.request import Request, Sampling
+from verst.engine.request import Request
+from verst.inference_client.protocol import SamplingParams
 from verst.models.factory import init_model
 from verst.models.loader import load_model, load_tokenizer
 from verst.trainer import FSDP2Backend, TrainItem, sft_loss_fn
@@ -30,8 +31,8 @@ def single_process_group():
 
 def rollout(engine: EngineCore, version: str) -> list[Request]:
     requests = [
-        Request(f"{version}-{i}", prompt, Sampling(temperature=TEMPERATURE, max_new_tokens=10, ignore_eos=True,
-                                                   sampling_seed=i), return_logprob=True)
+        Request(f"{version}-{i}", prompt, SamplingParams(temperature=TEMPERATURE, max_new_tokens=10,
+                                                         ignore_eos=True, sampling_seed=i), return_logprob=True)
         for i, prompt in enumerate(PROMPTS)
     ]
     for request in requests:

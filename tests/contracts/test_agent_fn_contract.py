@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from verst.config import RolloutConfig, SamplingConfig
-from verst.engine.client import EngineClient
+from verst.inference_client.client import EngineClient
 from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import load_tokenizer
 from verst.models.tokenizer import save_tokenizer

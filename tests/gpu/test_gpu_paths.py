@@ -49,8 +49,8 @@ def test_fsdp2_bf16_step_on_cuda_tracks_float32(tiny_model_dir):
 
 
 def test_engine_on_cuda_logprobs_match_forward(tiny_model_dir):
-    from verst.engine.client import EngineClient
     from verst.engine.process import EngineProcess
+    from verst.inference_client.client import EngineClient
     from verst.models import load_model
 
     prompt = [257, 49, 50, 43, 51, 52, 61]
@@ -71,7 +71,7 @@ def test_engine_on_cuda_logprobs_match_forward(tiny_model_dir):
 def test_nccl_weight_sync_to_cuda_engine(tiny_model_dir):
     from verst.config import ModelConfig, SyncConfig, TrainerConfig
     from verst.engine.process import EngineProcess
-    from verst.router.fleet import EngineFleet
+    from verst.inference_client.fleet import EngineFleet
     from verst.sync import build_syncer
     from verst.trainer import FSDP2Backend, sft_loss_fn
 

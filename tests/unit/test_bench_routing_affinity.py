@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from verst.engine.client import GenerateResult
+from verst.inference_client.client import GenerateResult
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "routing_affinity.py"
 _spec = importlib.util.spec_from_file_location("bench_routing_affinity", _PATH)

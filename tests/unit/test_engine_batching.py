@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from verst.engine.batching import BatchReplyError, RequestBatcher
-from verst.engine.client import EngineError
-from verst.engine.protocol import BatchGenerateRequest, is_batch
+from verst.inference_client.batching import BatchReplyError, RequestBatcher
+from verst.inference_client.client import EngineError
+from verst.inference_client.protocol import BatchGenerateRequest, is_batch
 
 
 class FakeEngine:

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from verst.engine.client import ROUTING_KEY_HEADER, EngineClient, EngineError, RoutingKeyError
+from verst.inference_client.client import ROUTING_KEY_HEADER, EngineClient, EngineError, RoutingKeyError
 
 REPLY = {
     "text": "hi", "output_ids": [5, 6],

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from verst.engine.core import EngineConfig, EngineCore
-from verst.engine.request import InvalidRequest, Request, Sampling
+from verst.engine.request import Request
+from verst.inference_client.protocol import InvalidRequest, SamplingParams
 from verst.models.factory import init_model
 from verst.models.loader import load_model, load_model_and_tokenizer
 
@@ -37,7 +38,7 @@ def prompts(n, seed=0, lo=5, hi=40):
 
 
 def req(rid, prompt, max_new=12, temperature=1.0, seed=None, **sampling):
-    return Request(rid=rid, prompt_ids=list(prompt), return_logprob=True, sampling=Sampling(
+    return Request(rid=rid, prompt_ids=list(prompt), return_logprob=True, sampling=SamplingParams(
         temperature=temperature, max_new_tokens=max_new, sampling_seed=seed, ignore_eos=True, **sampling))
 
 
@@ -309,14 +310,14 @@ def test_stop_tokens_eos_stop_strings_and_limits(qwen):
     core = make_core(qwen, context_length=40)
     free = run(core, [req("free", [65, 66, 67], max_new=8, temperature=0.0)])[0]
     target = free.output_ids[3]
-    by_id = Request("id", [65, 66, 67], Sampling(temperature=0.0, max_new_tokens=8, stop_token_ids=[target]))
+    by_id = Request("id", [65, 66, 67], SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[target]))
     text = tokenizer.decode(free.output_ids, skip_special_tokens=False)
     stop_str = text[2:4]
-    by_str = Request("str", [65, 66, 67], Sampling(temperature=0.0, max_new_tokens=8, stop=[stop_str]))
-    banned = Request("min", [65, 66, 67], Sampling(temperature=0.0, max_new_tokens=8, min_new_tokens=8,
+    by_str = Request("str", [65, 66, 67], SamplingParams(temperature=0.0, max_new_tokens=8, stop=[stop_str]))
+    banned = Request("min", [65, 66, 67], SamplingParams(temperature=0.0, max_new_tokens=8, min_new_tokens=8,
                                                   stop_token_ids=[target]))
-    zero = Request("zero", [65, 66, 67], Sampling(max_new_tokens=0))
-    ctx = Request("ctx", list(range(30)), Sampling(temperature=0.0, max_new_tokens=None, ignore_eos=True))
+    zero = Request("zero", [65, 66, 67], SamplingParams(max_new_tokens=0))
+    ctx = Request("ctx", list(range(30)), SamplingParams(temperature=0.0, max_new_tokens=None, ignore_eos=True))
     run(core, [by_id, by_str, banned, zero, ctx])
     first = free.output_ids.index(target)
     assert by_id.output_ids == free.output_ids[: first + 1]
@@ -326,7 +327,7 @@ def test_stop_tokens_eos_stop_strings_and_limits(qwen):
     assert zero.output_ids == [] and zero.finish.to_json() == {"type": "length", "length": 0}
     assert ctx.num_tokens == 40 and ctx.finish.type == "length"
     eos = sorted(core.eos_ids)[0]
-    forced = Request("eos", [65], Sampling(temperature=0.0, max_new_tokens=5, stop_token_ids=[], min_new_tokens=0))
+    forced = Request("eos", [65], SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=[], min_new_tokens=0))
     core.load_weights([("lm_head.weight", _favour(model, eos))], None)  # make eos the greedy choice
     run(core, [forced])
     assert forced.output_ids == [eos] and forced.finish.matched == eos
@@ -357,19 +358,19 @@ def test_moe_routed_experts_match_the_model_router(model_dirs):
 def test_invalid_requests_are_refused_by_field(qwen):
     core = make_core(qwen, context_length=16)
     cases = [
-        (Request("e", [], Sampling()), "input_ids", "empty"),
-        (Request("v", [1, 300], Sampling()), "input_ids", "outside the vocabulary"),
-        (Request("l", list(range(16)), Sampling()), "input_ids", "shorter than the context length"),
-        (Request("s", [1], Sampling(stop_token_ids=[-1])), "sampling_params.stop_token_ids", "outside"),
+        (Request("e", [], SamplingParams()), "input_ids", "empty"),
+        (Request("v", [1, 300], SamplingParams()), "input_ids", "outside the vocabulary"),
+        (Request("l", list(range(16)), SamplingParams()), "input_ids", "shorter than the context length"),
+        (Request("s", [1], SamplingParams(stop_token_ids=[-1])), "sampling_params.stop_token_ids", "outside"),
     ]
     for bad, field, message in cases:
         with pytest.raises(InvalidRequest, match=message) as info:
             core.add_request(bad)
         assert info.value.field == field
-    first = Request("dup", [1, 2], Sampling(max_new_tokens=2))
+    first = Request("dup", [1, 2], SamplingParams(max_new_tokens=2))
     core.add_request(first)
     with pytest.raises(InvalidRequest, match="still in flight"):
-        core.add_request(Request("dup", [1, 2], Sampling()))
+        core.add_request(Request("dup", [1, 2], SamplingParams()))
     while core.has_work():
         core.step()
     assert first.finished and 1 <= len(first.output_ids) <= 2

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from verst.engine.core import EngineConfig, EngineCore
-from verst.engine.request import InvalidRequest, Request, Sampling
+from verst.engine.request import Request
 from verst.engine.runner import EngineRunner
+from verst.inference_client.protocol import InvalidRequest, SamplingParams
 from verst.models.factory import init_model
 from verst.models.loader import load_model_and_tokenizer
 
@@ -32,7 +33,7 @@ def runner(model_and_tokenizer):
 
 def req(rid, n, prompt=(5, 6, 7, 8)):
     return Request(rid=rid, prompt_ids=list(prompt), return_logprob=True,
-                   sampling=Sampling(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+                   sampling=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
 
 
 def test_a_batch_finishes_every_request_and_wakes_the_caller_once(runner):

@@ -1,18 +1,33 @@
-"""DESIGN.md's layer rule as a test: a package imports only from its own layer or those below."""
+"""The layer order as a test: a package imports only packages at a strictly lower position.
+
+Positions are (layer, sublayer). Layer 0 holds the record and the config, layer 1 algorithms, data and
+models, layer 2 the running parts, layer 3 orchestration, layer 4 the schedules and the command line.
+Inside layer 2:
+  2.0 inference_client                    what every caller of an engine needs (client, wire, fleet)
+  2.1 engine, router, session, trainer, sync   each alone, on top of the client (sync hands the
+      trainer's weights to engines and asks the trainer for logprobs through callables, not imports)
+  2.2 rollout (uses session)
+  2.3 eval (uses rollout, and runs an in-process engine for agent evaluation)
+Packages at one position never import each other; only orchestration and schedules import ray.
+"""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import verst
 
 LAYERS = {
-    "types": 0, "config": 0,
-    "algo": 1, "data": 1, "rewards": 1, "monitor": 1, "models": 1,
-    "engine": 2, "router": 2, "session": 2, "rollout": 2, "trainer": 2, "sync": 2, "eval": 2,
-    "orchestration": 3,
-    "schedules": 4, "cli": 4,
+    "types": (0, 0), "config": (0, 1),  # the config's sampling section extends types' SamplingKnobs
+    "algo": (1, 0), "data": (1, 0), "rewards": (1, 0), "monitor": (1, 0), "models": (1, 0),
+    "inference_client": (2, 0),
+    "engine": (2, 1), "router": (2, 1), "session": (2, 1), "trainer": (2, 1), "sync": (2, 1),
+    "rollout": (2, 2),
+    "eval": (2, 3),
+    "orchestration": (3, 0),
+    "schedules": (4, 0), "cli": (4, 1),  # the command line starts the schedules
 }
-# Same-layer imports are allowed only where DESIGN.md names the dependency.
 RAY_AWARE = {"orchestration", "schedules"}
 
 
@@ -33,10 +48,10 @@ def test_every_package_has_a_layer():
     assert packages == set(LAYERS)
 
 
-def test_layers_import_only_downward_and_ray_stays_in_orchestration():
+def test_packages_import_only_lower_positions_and_ray_stays_in_orchestration():
     root = Path(verst.__file__).parent
     violations = []
-    for package, layer in LAYERS.items():
+    for package, position in LAYERS.items():
         for path in (root / package).rglob("*.py"):
             for name in imports_of(path):
                 parts = name.split(".")
@@ -45,6 +60,13 @@ def test_layers_import_only_downward_and_ray_stays_in_orchestration():
                 if parts[0] != "verst" or len(parts) < 2 or parts[1] == package:
                     continue
                 other = LAYERS.get(parts[1])
-                if other is None or other > layer:
-                    violations.append(f"{path.relative_to(root)} (layer {layer}) imports {name} (layer {other})")
+                if other is None or other >= position:
+                    violations.append(f"{path.relative_to(root)} {position} imports {name} {other}")
     assert violations == []
+
+
+def test_the_engine_client_imports_no_torch():
+    # every caller of an engine imports it, the torch-free driver of an RL run included
+    modules = ", ".join(f"verst.inference_client.{m}" for m in ("client", "batching", "protocol", "fleet", "ports"))
+    code = f"import sys, verst.inference_client, {modules}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,7 +9,7 @@ import pytest
 
 from verst.config import RewardConfig, RolloutConfig, SamplingConfig
 from verst.data import PromptSource
-from verst.engine.client import EngineError, GenerateResult
+from verst.inference_client.client import EngineError, GenerateResult
 from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import load_tokenizer
 from verst.models.tokenizer import save_tokenizer

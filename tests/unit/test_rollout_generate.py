@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from verst.config import DataConfig, RolloutConfig, SamplingConfig
-from verst.engine.client import GenerateResult
+from verst.inference_client.client import GenerateResult
 from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import load_tokenizer
 from verst.models.prompts import encode_prompt

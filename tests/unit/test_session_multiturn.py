@@ -7,7 +7,7 @@ import json
 import pytest
 
 from verst.config import ImportPathError, RolloutConfig
-from verst.engine.client import EngineClient
+from verst.inference_client.client import EngineClient
 from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import chat_prompt_ids, load_tokenizer
 from verst.models.tokenizer import save_tokenizer

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from verst.engine.client import EngineClient
+from verst.inference_client.client import EngineClient
 from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import load_tokenizer
 from verst.models.tokenizer import save_tokenizer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from verst.config.schema import SyncConfig
-from verst.router.fleet import FleetError
+from verst.inference_client.fleet import FleetError
 from verst.sync import TRANSPORT_IDS, VersionError, WeightSyncer, WeightSyncError, build_syncer, build_transport
 from verst.sync.disk import DiskTransport
 from verst.sync.distributed import DistributedTransport

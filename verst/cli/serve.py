@@ -70,7 +70,7 @@ def _serve_session(argv: list[str]) -> int:
     import asyncio
     import os
 
-    from verst.engine.client import EngineClient
+    from verst.inference_client.client import EngineClient
     from verst.models.loader import load_tokenizer
     from verst.session.http import SessionServer
     from verst.session.manager import SessionManager

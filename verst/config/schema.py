@@ -10,6 +10,8 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from verst.types.sampling import SamplingKnobs
+
 # Which model class runs a checkpoint: verst's native one (dense Llama-family, built without transformers:
 # verst.models.native), transformers', or auto (native where it applies).
 ModelImpl = Literal["auto", "native", "transformers"]
@@ -50,19 +52,10 @@ class DataConfig(Section):
     seed: int = Field(42, description="Seed of the prompt shuffle.")
 
 
-class SamplingConfig(Section):
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 keeps all.")
+class SamplingConfig(Section, SamplingKnobs):  # temperature, top_p, top_k: shared with the engines' wire
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation.")
     seed: int | None = Field(None, description="Base sampling seed (per request: seed + sample index); None is random.")
-
-    @model_validator(mode="after")
-    def _top_k_not_zero(self) -> SamplingConfig:
-        if self.top_k == 0:
-            raise ValueError("top_k = 0 keeps no token; use -1 for all or a positive k")
-        return self
 
 
 class RolloutConfig(Section):

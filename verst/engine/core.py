@@ -18,8 +18,9 @@ import torch
 from verst.engine.config import EngineConfig
 from verst.engine.model_runner import ModelRunner
 from verst.engine.prefix_cache import PrefixCache
-from verst.engine.request import FinishReason, InvalidRequest, Phase, Request
+from verst.engine.request import FinishReason, Phase, Request
 from verst.engine.sampling import RowSampling, sample
+from verst.inference_client.protocol import InvalidRequest
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -330,10 +331,7 @@ class EngineCore:
         banned: tuple[int, ...] = ()
         if len(req.output_ids) < s.min_new_tokens:
             banned = tuple(s.stop_token_ids) + (() if s.ignore_eos else tuple(self.eos_ids))
-        return RowSampling(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.sampling_seed,
-            position=len(req.output_ids), banned=banned, top_logprobs=req.top_logprobs_num,
-        )
+        return RowSampling(s, len(req.output_ids), banned, req.top_logprobs_num)
 
     def _check_finish(self, req: Request) -> None:
         """SGLang's order: the length limit, then stop/eos tokens, then stop strings, then the context."""

@@ -13,10 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
 
-from verst.engine.protocol import WireModel, check_default_only
 from verst.engine.request import Request as EngineRequest
-from verst.engine.request import Sampling
 from verst.engine.service import ServerState, build_request, run_to_completion
+from verst.inference_client.protocol import SamplingOptions, SamplingParams, check_default_only
 
 # OpenAI fields accepted only at their "off" value; anything else is refused by name.
 _OFF_VALUES = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "stream": (False, None),
@@ -25,18 +24,12 @@ _OFF_VALUES = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "str
                "parallel_tool_calls": (None, True, False), "stream_options": (None,)}
 
 
-class _OpenAIBase(WireModel):
+class _OpenAIBase(SamplingOptions):
+    """The shared sampling fields plus those OpenAI names its own way (seed, min_tokens, max_tokens)."""
+
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=0)
-    ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    skip_special_tokens: bool = True
     return_token_ids: bool = False
     user: str | None = None
 
@@ -45,19 +38,11 @@ class _OpenAIBase(WireModel):
     def _off_only(cls, data: Any) -> Any:
         return check_default_only(data, _OFF_VALUES, "")
 
-    @model_validator(mode="after")
-    def _top_k(self) -> _OpenAIBase:
-        if self.top_k == 0:
-            raise ValueError("top_k = 0 keeps no token; use -1 for all or a positive k")
-        return self
-
-    def sampling(self, max_tokens: int | None) -> Sampling:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return Sampling(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, stop=stops,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens, sampling_seed=self.seed,
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """The engine's sampling params; the fields are validated already, so none is checked again."""
+        shared = {name: getattr(self, name) for name in SamplingOptions.model_fields}
+        return SamplingParams.model_construct(
+            **shared, max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, sampling_seed=self.seed,
         )
 
 

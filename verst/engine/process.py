@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,29 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for servers that cannot bind port 0 themselves)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, path: str = "/health") -> None:
-    """Poll `url + path` until 200; fail early if `proc` exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with code {proc.returncode} before becoming healthy")
-        try:
-            if httpx.get(url + path, timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url}{path} not healthy after {timeout:g}s")
+from verst.inference_client.ports import wait_healthy
 
 
 class EngineProcess:

@@ -1,4 +1,4 @@
-"""One generation request inside the engine: its tokens, sampling settings, progress and finish reason.
+"""One generation request inside the engine: its tokens, sampling params, progress and finish reason.
 
 Also the SGLang-shaped reply built from a finished (or streaming) request.
 """
@@ -14,43 +14,13 @@ from typing import Any
 
 import numpy as np
 
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses before scheduling it; the HTTP layer answers 400 with field and value."""
-
-    def __init__(self, field: str, value: Any, message: str):
-        super().__init__(f"{field} = {_short(value)}: {message}")
-        self.field = field
-        self.value = value
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+from verst.inference_client.protocol import SamplingParams
 
 
 class Phase(str, enum.Enum):
     WAITING = "waiting"  # queued, no KV
     RUNNING = "running"  # owns a KV slot
     FINISHED = "finished"
-
-
-@dataclasses.dataclass
-class Sampling:
-    """Validated sampling settings (SGLang names); `max_new_tokens` None means up to the context."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_new_tokens: int | None = 128
-    min_new_tokens: int = 0
-    stop: list[str] = dataclasses.field(default_factory=list)
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    ignore_eos: bool = False
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
-    sampling_seed: int | None = None
 
 
 @dataclasses.dataclass
@@ -83,7 +53,7 @@ class Request:
 
     rid: str
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_routed_experts: bool = False

@@ -11,18 +11,17 @@ import dataclasses
 
 import torch
 
+from verst.inference_client.protocol import SamplingParams
+
 _SEED_MIX = 1_000_003  # seed and position combine into one generator seed: same (seed, position), same draw
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RowSampling:
-    """One row's settings; `position` is the index of the token being sampled within the output."""
+    """One row's step: its request's sampling params (temperature, top-p/k, min-p and seed are read
+    there), `position`, the index of the token being sampled within the output, and this step's extras."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     position: int = 0
     banned: tuple[int, ...] = ()  # ids masked out (stop tokens before min_new_tokens)
     top_logprobs: int = 0
@@ -44,7 +43,7 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Gener
     for i, row in enumerate(rows):
         if row.banned:
             logits[i, list(row.banned)] = float("-inf")
-    temps = torch.tensor([row.temperature for row in rows], dtype=torch.float32)
+    temps = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]  # [batch, vocab]
     logprobs = torch.log_softmax(scaled, dim=-1)
@@ -66,25 +65,25 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Gener
 def _truncate(scaled: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Apply top-k, top-p and min-p per row; removed tokens get -inf."""
     batch, vocab = scaled.shape
-    need_k = any(0 < row.top_k < vocab for row in rows)
-    need_p = any(row.top_p < 1.0 for row in rows)
-    need_min_p = any(row.min_p > 0.0 for row in rows)
+    need_k = any(0 < row.params.top_k < vocab for row in rows)
+    need_p = any(row.params.top_p < 1.0 for row in rows)
+    need_min_p = any(row.params.min_p > 0.0 for row in rows)
     if not (need_k or need_p or need_min_p):
         return scaled
     out = scaled.clone()
     if need_k:
-        ks = torch.tensor([row.top_k if 0 < row.top_k < vocab else vocab for row in rows])
+        ks = torch.tensor([row.params.top_k if 0 < row.params.top_k < vocab else vocab for row in rows])
         kth = scaled.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])  # [batch, 1]
         out = out.masked_fill(out < kth, float("-inf"))
     if need_p:
-        top_p = torch.tensor([row.top_p for row in rows])[:, None]
+        top_p = torch.tensor([row.params.top_p for row in rows])[:, None]
         probs, order = torch.softmax(out, dim=-1).sort(dim=-1, descending=True)
         # drop a token when the mass before it already reaches top_p; the first token always stays
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     if need_min_p:
-        min_p = torch.tensor([row.min_p for row in rows])[:, None]
+        min_p = torch.tensor([row.params.min_p for row in rows])[:, None]
         probs = torch.softmax(out, dim=-1)
         out = out.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return out
@@ -98,12 +97,12 @@ def _draw(scaled: torch.Tensor, rows: list[RowSampling], generator: torch.Genera
     """
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)
-    unseeded = [i for i, row in enumerate(rows) if row.seed is None]
+    unseeded = [i for i, row in enumerate(rows) if row.params.sampling_seed is None]
     if unseeded:
         block = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=generator)
         noise[unseeded] = block
     for i, row in enumerate(rows):
-        if row.seed is not None:
-            g = torch.Generator().manual_seed((row.seed * _SEED_MIX + row.position) % (2**63))
+        if row.params.sampling_seed is not None:
+            g = torch.Generator().manual_seed((row.params.sampling_seed * _SEED_MIX + row.position) % (2**63))
             noise[i].exponential_(generator=g)
     return (probs / noise).argmax(dim=-1)

@@ -22,28 +22,29 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from verst.engine import weights
 from verst.engine.config import IMPLS
-from verst.engine.protocol import (
-    AbortRequest,
-    BatchGenerateRequest,
-    GenerateRequest,
-    InitWeightsUpdateGroupRequest,
-    PauseRequest,
-    UpdateWeightsFromDiskRequest,
-    UpdateWeightsFromDistributedRequest,
-    UpdateWeightsFromTensorRequest,
-    UpdateWeightVersionRequest,
-    is_batch,
-)
-from verst.engine.request import InvalidRequest, generate_reply
+from verst.engine.request import generate_reply
 from verst.engine.service import (
     ServerState,
     build_request,
     error_response,
     invalid_request_response,
     run_all_to_completion,
-    sampling_from_wire,
+)
+from verst.engine.weights import read_safetensors_dir
+from verst.inference_client import weights
+from verst.inference_client.protocol import (
+    AbortRequest,
+    BatchGenerateRequest,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    InvalidRequest,
+    PauseRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
+    is_batch,
 )
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def _engine_request(state: ServerState, body: GenerateRequest):
     """The engine request of a single-prompt /generate body."""
     ids = body.input_ids if body.input_ids is not None else state.encode(body.text or "")
     return build_request(
-        state, ids, sampling_from_wire(body.sampling_params), rid=body.rid,
+        state, ids, body.sampling_params, rid=body.rid,
         return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num or 0,
         return_routed_experts=body.return_routed_experts, priority=body.priority or 0,
     )
@@ -230,7 +231,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
-        named = await asyncio.to_thread(lambda: list(weights.read_safetensors_dir(body.model_path).items()))
+        named = await asyncio.to_thread(lambda: list(read_safetensors_dir(body.model_path).items()))
         return await load(named, body.weight_version, True, body.abort_all_requests)
 
     @app.post("/update_weights_from_tensor")

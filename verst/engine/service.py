@@ -12,9 +12,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from verst.engine.protocol import SamplingParams
-from verst.engine.request import InvalidRequest, Request, Sampling
+from verst.engine.request import Request
 from verst.engine.runner import EngineRunner
+from verst.inference_client.protocol import InvalidRequest, SamplingParams
 
 DISCONNECT_POLL_S = 1.0
 
@@ -47,18 +47,8 @@ class ServerState:
         return list(self.tokenizer.encode(text))
 
 
-def sampling_from_wire(params: SamplingParams) -> Sampling:
-    return Sampling(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens, stop=params.stop_strings(),
-        stop_token_ids=list(params.stop_token_ids or []), ignore_eos=params.ignore_eos,
-        no_stop_trim=params.no_stop_trim, skip_special_tokens=params.skip_special_tokens,
-        sampling_seed=params.sampling_seed,
-    )
-
-
 def build_request(
-    state: ServerState, input_ids: list[int], sampling: Sampling, *, rid: str | None = None,
+    state: ServerState, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
     return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
     priority: int = 0,
 ) -> Request:

@@ -110,9 +110,9 @@ def evaluate_agentic_local(
     """`evaluate_agentic` over an in-process embedded engine serving `model` (a Hugging Face model in
     memory), for loops without rollout engines (SFT). A fresh engine per call: no prefix cache survives
     a weight change."""
-    from verst.engine.client import EngineClient
     from verst.engine.core import EngineConfig, EngineCore
     from verst.engine.process import BackgroundServer
+    from verst.inference_client.client import EngineClient
 
     core = EngineCore(model, tokenizer, EngineConfig(max_running_requests=max_running_requests))
     server = BackgroundServer(core).start()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-from verst.engine.client import EngineClient
 from verst.eval.greedy import GenerateFn
+from verst.inference_client.client import EngineClient
 
 # The next weight push waits for an evaluation while rollouts (fully async) keep the engines busy: its
 # requests go ahead of waiting rollout requests and, on verst's engine, take the slots of running ones

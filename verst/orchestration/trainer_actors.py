@@ -24,9 +24,10 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from verst.config.schema import SyncConfig
-from verst.engine.process import free_port
+from verst.inference_client.ports import free_port
 from verst.orchestration.placement import Placement, current_bundle
-from verst.trainer.backend import CollectiveCalls, RankError, TrainBackend, WeightBucket
+from verst.trainer.backend import CollectiveCalls, RankError, TrainBackend
+from verst.types import WeightBucket
 
 # Buckets rank 0 may have produced ahead of the driver: bounds the object store's share of weights.
 STREAM_AHEAD_BUCKETS = 2
@@ -331,7 +332,7 @@ class _SyncerLoop:
 
     @staticmethod
     async def _open(sync: SyncConfig, engine_urls: list[str], options: dict[str, Any]) -> tuple[Any, Any]:
-        from verst.router.fleet import EngineFleet
+        from verst.inference_client.fleet import EngineFleet
         from verst.sync.factory import build_syncer
 
         fleet = EngineFleet(engine_urls)  # its clients belong to this loop

@@ -18,7 +18,7 @@ from verst.rollout.worker import GENERATE_ERROR_KEY
 from verst.types import Sample, Status
 
 if TYPE_CHECKING:
-    from verst.engine.client import GenerateResult
+    from verst.inference_client.client import GenerateResult
     from verst.rollout.plugins import RolloutContext
 
 logger = logging.getLogger(__name__)

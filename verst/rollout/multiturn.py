@@ -27,7 +27,7 @@ from verst.session.tito import ChatTemplate, check_conversation
 from verst.types import Sample
 
 if TYPE_CHECKING:
-    from verst.engine.client import GenerateResult
+    from verst.inference_client.client import GenerateResult
     from verst.rollout.plugins import RolloutContext
 
 EnvStep = Callable[[list[dict[str, Any]], dict[str, Any]], Awaitable[list[dict[str, Any]] | None]]

@@ -34,7 +34,7 @@ from verst.types import Group, Sample
 if TYPE_CHECKING:
     from verst.config import VerstConfig
     from verst.data import DataSource
-    from verst.engine.client import EngineClient
+    from verst.inference_client.client import EngineClient
     from verst.rewards import GroupRewardFn, RewardFn
 
 

@@ -1,6 +1,6 @@
-"""sglang-router in front of the engines (`RouterManager`) and direct fan-out to every engine (`EngineFleet`)."""
+"""sglang-router in front of the engines (`RouterManager`); the direct fan-out to every engine is
+`verst.inference_client.EngineFleet`."""
 
-from verst.router.fleet import EngineFleet, FleetError
 from verst.router.manager import RouterManager
 
-__all__ = ["EngineFleet", "FleetError", "RouterManager"]
+__all__ = ["RouterManager"]

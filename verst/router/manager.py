@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 
-from verst.engine.client import Timeouts
-from verst.engine.process import free_port, wait_healthy
-from verst.router.fleet import EngineFleet
+from verst.inference_client.client import Timeouts
+from verst.inference_client.fleet import EngineFleet
+from verst.inference_client.ports import free_port, wait_healthy
 
 POLICIES = ("manual", "power_of_two", "round_robin", "cache_aware", "random")
 ASSIGNMENT_MODES = ("min_load", "min_group", "random")

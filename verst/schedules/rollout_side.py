@@ -9,7 +9,7 @@ import asyncio
 
 from verst.config import VerstConfig, batch_plan, load_object
 from verst.data import PromptSource
-from verst.engine.client import EngineClient
+from verst.inference_client.client import EngineClient
 from verst.models import load_tokenizer
 from verst.orchestration.rollout_manager import RolloutEndpoints, RolloutParts
 from verst.rollout import (

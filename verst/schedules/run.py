@@ -18,7 +18,7 @@ from typing import Any
 from verst.config import BatchPlan, VerstConfig, batch_plan
 from verst.config.imports import call_path
 from verst.data import load_prompts_from_config
-from verst.engine.client import EngineClient
+from verst.inference_client.client import EngineClient
 from verst.eval import engine_greedy_generate, evaluate_greedy
 from verst.eval.agentic import evaluate_agentic, score_key
 from verst.models import load_tokenizer
@@ -29,7 +29,7 @@ from verst.orchestration import Orchestration, RouterSpec
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.rollout import prefix_cache_metrics, sample_metrics
-from verst.router.fleet import EngineFleet, IdleMeter
+from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.types import Group
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long

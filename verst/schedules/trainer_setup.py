@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.trainer import FSDP2Backend, TrainBackend, TrainerGroup, WeightBucket
+from verst.trainer import FSDP2Backend, TrainBackend, TrainerGroup
+from verst.types import WeightBucket
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from verst.engine.client import EngineClient, EngineError, GenerateResult
+from verst.inference_client.client import EngineClient, EngineError, GenerateResult
 from verst.session.assemble import ERROR_KEY, FINISH_STATUS, Trajectory, assemble
 from verst.session.errors import SessionError
 from verst.session.messages import first_difference, parse_reply

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from verst.engine.client import ROUTING_KEY_HEADER
+from verst.inference_client.client import ROUTING_KEY_HEADER
 
 
 @dataclasses.dataclass(frozen=True)

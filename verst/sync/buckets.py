@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from verst.trainer.backend import WeightBucket
+from verst.types import WeightBucket
 
 _END = object()
 

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from verst.engine.client import GenerateResult
-from verst.router.fleet import EngineFleet
-from verst.trainer.items import TrainItem
+from verst.inference_client.client import GenerateResult
+from verst.inference_client.fleet import EngineFleet
+from verst.types import Sample
 
-LogprobsFn = Callable[[list[TrainItem]], list[torch.Tensor]]
+# The trainer's forward-only logprobs of each sample's response tokens.
+LogprobsFn = Callable[[list[Sample]], list[torch.Tensor]]
 
 
 class WeightCheckError(RuntimeError):
@@ -61,13 +62,14 @@ class LogprobChecker:
         start = time.perf_counter()
         probes = self.probes or default_probes(await _vocab_size(fleet))
         replies = await fleet.each("weight check probe", lambda c: self._sample(c, probes))
-        items, owners = [], []
+        samples, owners = [], []
         for url, results in replies.items():
             for p, (prompt, result) in enumerate(zip(probes, results)):
                 n = len(result.output_ids)
-                items.append(TrainItem(prompt + result.output_ids, n, torch.ones(n), {}, len(items)))
+                samples.append(Sample(tokens=prompt + result.output_ids, response_length=n, loss_mask=[1] * n,
+                                      rollout_logprobs=result.logprobs or [0.0] * n, index=len(samples)))
                 owners.append((url, p, result))
-        want = await asyncio.to_thread(self.logprobs_fn, items)
+        want = await asyncio.to_thread(self.logprobs_fn, samples)
         mismatches: dict[str, str] = {}
         worst = 0.0
         for (url, p, result), expected in zip(owners, want):

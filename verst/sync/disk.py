@@ -12,10 +12,10 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from verst.router.fleet import EngineFleet
+from verst.inference_client.fleet import EngineFleet
 from verst.sync.buckets import BucketStream
 from verst.sync.transport import PushStats
-from verst.trainer.backend import WeightBucket
+from verst.types import WeightBucket
 
 SNAPSHOT_PREFIX = "weights_v"
 SNAPSHOT_INFO = "verst_snapshot.json"

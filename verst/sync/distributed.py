@@ -19,12 +19,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from verst.engine.process import free_port
-from verst.engine.weights import WeightUpdateGroup, broadcast_tensors, dtype_name, open_weight_update_group
-from verst.router.fleet import EngineFleet, FleetError
+from verst.inference_client.fleet import EngineFleet, FleetError
+from verst.inference_client.ports import free_port
+from verst.inference_client.weights import WeightUpdateGroup, broadcast_tensors, dtype_name, open_weight_update_group
 from verst.sync.buckets import BucketStream
 from verst.sync.transport import PushStats
-from verst.trainer.backend import WeightBucket
+from verst.types import WeightBucket
 
 log = logging.getLogger(__name__)
 _thread_ids = itertools.count()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from verst.config.schema import SyncConfig
-from verst.router.fleet import EngineFleet
+from verst.inference_client.fleet import EngineFleet
 from verst.sync.check import LogprobChecker, LogprobsFn
 from verst.sync.disk import DiskTransport
 from verst.sync.distributed import DistributedTransport

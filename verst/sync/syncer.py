@@ -9,10 +9,10 @@ import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from verst.router.fleet import EngineFleet
+from verst.inference_client.fleet import EngineFleet
 from verst.sync.buckets import PrefetchedSource
 from verst.sync.transport import TRANSPORT_IDS, WeightTransport
-from verst.trainer.backend import WeightBucket
+from verst.types import WeightBucket
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")

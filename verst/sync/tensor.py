@@ -1,5 +1,5 @@
 """The `tensor` transport for colocated engines: each bucket is handed over in memory, written once and
-mapped by every engine. CPU: a /dev/shm file (`verst.engine.weights`); GPU: CUDA IPC handles (SGLang).
+mapped by every engine. CPU: a /dev/shm file (`verst.inference_client.weights`); GPU: CUDA IPC handles (SGLang).
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from verst.engine.weights import SHM_DIR, ShmBucket, write_shm_bucket
-from verst.router.fleet import EngineFleet
+from verst.inference_client.fleet import EngineFleet
+from verst.inference_client.weights import SHM_DIR, ShmBucket, write_shm_bucket
 from verst.sync.buckets import BucketStream
 from verst.sync.transport import PushStats
-from verst.trainer.backend import WeightBucket
+from verst.types import WeightBucket
 
 IPC_MODES = ("shm", "cuda_ipc")
 

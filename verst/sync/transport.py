@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-from verst.trainer.backend import WeightBucket
+from verst.types import WeightBucket
 
 # Metrics are numbers, so the transport appears as `sync/transport_id`; its name is also in the run
 # config (`sync.transport`). Ids are stable: append, never renumber.

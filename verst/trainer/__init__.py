@@ -14,7 +14,6 @@ _EXPORTS = {
     "CollectiveCalls": "verst.trainer.backend",
     "RankError": "verst.trainer.backend",
     "TrainBackend": "verst.trainer.backend",
-    "WeightBucket": "verst.trainer.backend",
     "ForwardOutputs": "verst.trainer.batching",
     "MicroBatch": "verst.trainer.batching",
     "FSDP2Backend": "verst.trainer.fsdp",

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from verst.types import Sample
+from verst.types import Sample, WeightBucket
 
 if TYPE_CHECKING:  # this module is imported by torch-free driver code (handles, transports' types)
     import torch
@@ -17,8 +17,6 @@ if TYPE_CHECKING:  # this module is imported by torch-free driver code (handles,
     from verst.trainer.losses import LossFn, Normalizer
 
 Batch = Sequence["TrainItem | Sample"]
-# One bucket of full (unsharded), Hugging Face-named tensors for weight sync.
-WeightBucket = list[tuple[str, "torch.Tensor"]]
 
 
 class RankError(RuntimeError):

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.models.native import load_causal_lm
 from verst.trainer import checkpoint
-from verst.trainer.backend import Batch, WeightBucket
+from verst.trainer.backend import Batch
 from verst.trainer.batching import (
     ForwardOutputs,
     MicroBatch,
@@ -35,6 +35,7 @@ from verst.trainer.distributed import ensure_single_process_group, resolve_devic
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, count_policy_tokens
 from verst.trainer.schedule import build_optimizer
+from verst.types import WeightBucket
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verst.trainer.backend import CollectiveCalls, RankError, TrainBackend, WeightBucket
+from verst.trainer.backend import CollectiveCalls, RankError, TrainBackend
 from verst.trainer.distributed import init_process_group, resolve_device
+from verst.types import WeightBucket
 
 LOOPBACK = "127.0.0.1"
 _SHUTDOWN = "__shutdown__"

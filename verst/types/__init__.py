@@ -1,4 +1,4 @@
-"""Layer 0: the Sample record, its status, group helpers and the binary codec."""
+"""Layer 0: the Sample record, its status, group helpers, the binary codec and the weight-sync bucket type."""
 
 from verst.types.codec import decode_samples, encode_samples
 from verst.types.group import (
@@ -10,12 +10,14 @@ from verst.types.group import (
     group_staleness,
 )
 from verst.types.sample import Sample, SampleError, Status
+from verst.types.weights import WeightBucket
 
 __all__ = [
     "Group",
     "Sample",
     "SampleError",
     "Status",
+    "WeightBucket",
     "decode_samples",
     "encode_samples",
     "expand_group",

@@ -1,4 +1,5 @@
-"""SGLang's native HTTP dialect as pydantic models: field names, defaults and ranges of each request body.
+"""SGLang's native HTTP dialect as pydantic models (field names, defaults and ranges of each request body),
+and `InvalidRequest`, the 400 that names the refused field and value.
 
 Unknown fields are rejected; SGLang fields the embedded engine does not implement are accepted only at
 their default value (sglang-router re-serialises requests with those defaults filled in).
@@ -6,9 +7,11 @@ their default value (sglang-router re-serialises requests with those defaults fi
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from verst.types.sampling import SamplingKnobs
 
 # SGLang fields the embedded engine accepts only at these values. sglang-router adds several of them to
 # every forwarded /generate body, so they cannot simply be unknown fields; any other value is refused
@@ -52,6 +55,20 @@ _SAMPLING_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 }
 
 
+class InvalidRequest(ValueError):
+    """A request the engine refuses before scheduling it; the HTTP layer answers 400 with field and value."""
+
+    def __init__(self, field: str, value: Any, message: str):
+        super().__init__(f"{field} = {_short(value)}: {message}")
+        self.field = field
+        self.value = value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def check_default_only(data: Any, allowed: dict[str, tuple[Any, ...]], where: str) -> Any:
     """Pop `allowed` fields from a raw body, refusing any value other than the listed ones."""
     if not isinstance(data, dict):
@@ -74,43 +91,49 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SamplingParams(WireModel):
-    """SGLang `sampling_params` of one /generate request."""
+def _as_list(value: Any) -> Any:
+    """SGLang and OpenAI take one stop string, a list, or null; the engine reads a list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else value
 
-    temperature: float = Field(1.0, ge=0.0, description="0 is greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 keeps every token; 0 is refused.")
+
+class SamplingOptions(WireModel, SamplingKnobs):
+    """The sampling fields SGLang's `sampling_params` and the OpenAI routes share, under the same names."""
+
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: Annotated[list[str], BeforeValidator(_as_list)] = Field(default_factory=list)
+    stop_token_ids: Annotated[list[int], BeforeValidator(_as_list)] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class SamplingParams(SamplingOptions):
+    """SGLang `sampling_params` of one /generate request; the engine samples each request by it."""
+
+    error_prefix: ClassVar[str] = "sampling_params."
+
     max_new_tokens: int | None = Field(128, ge=0, description="None: up to the context length.")
     min_new_tokens: int = Field(0, ge=0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
     no_stop_trim: bool = False
-    skip_special_tokens: bool = True
     sampling_seed: int | None = Field(None, ge=0, description="Per-request seed; same seed, same tokens.")
 
     @model_validator(mode="before")
     @classmethod
     def _default_only(cls, data: Any) -> Any:
-        return check_default_only(data, _SAMPLING_DEFAULT_ONLY, "sampling_params.")
+        data = check_default_only(data, _SAMPLING_DEFAULT_ONLY, "sampling_params.")
+        stop = data.get("stop") if isinstance(data, dict) else None
+        if stop == "" or isinstance(stop, list) and any(s == "" for s in stop):
+            raise ValueError(f"sampling_params.stop = {stop!r} contains an empty string")
+        return data
 
     @model_validator(mode="after")
     def _ranges(self) -> SamplingParams:
-        if self.top_k == 0:
-            raise ValueError("sampling_params.top_k = 0 keeps no token; use -1 for all or a positive k")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"sampling_params.min_new_tokens = {self.min_new_tokens} exceeds max_new_tokens = {self.max_new_tokens}"
             )
-        if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
-            raise ValueError(f"sampling_params.stop = {self.stop!r} contains an empty string")
         return self
-
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class _GenerateOptions(WireModel):

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from verst.engine.client import EngineClient, Timeouts
+from verst.inference_client.client import EngineClient, Timeouts
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from verst.engine.batching import RequestBatcher
+from verst.inference_client.batching import RequestBatcher
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
@@ -202,7 +202,7 @@ class EngineClient:
         return await self._post("/update_weights_from_disk", body, self.timeouts.weights)
 
     async def update_weights_from_tensor(self, manifest: str, weight_version: str, flush_cache: bool = True) -> dict:
-        """`manifest` from `verst.engine.weights.write_shm_bucket` (the sender keeps the file until this returns)."""
+        """`manifest` from `verst.inference_client.weights.write_shm_bucket` (the sender keeps the file until this returns)."""
         body = {"serialized_named_tensors": [manifest], "load_format": "shm", "flush_cache": flush_cache,
                 "weight_version": weight_version}
         return await self._post("/update_weights_from_tensor", body, self.timeouts.weights)
