@@ -68,7 +68,7 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
     steps = [r for r in read_metrics(Path(cfg.run_dir)) if "train/loss" in r][1:]
     step_s = statistics.fmean(r["perf/step_time_s"] for r in steps)
     idle = statistics.fmean(r["perf/engine_idle_fraction"] for r in steps)
-    slots = statistics.fmean(r["rollout/idle_slot_fraction"] for r in steps) if schedule == "fully_async" else None
+    slots = statistics.fmean(1.0 - r["rollout/slot_occupancy"] for r in steps) if schedule == "fully_async" else None
     tokens = statistics.fmean(r["rollout/response_length_mean"] for r in steps)
     return {"step_s": step_s, "idle": idle, "idle_slots": slots, "response_length_mean": tokens,
             "steps": len(steps)}

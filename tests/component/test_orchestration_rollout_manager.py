@@ -82,7 +82,7 @@ def test_the_manager_hosts_the_fully_async_worker():
         more = await manager.take(4, version=4, timeout=10)
         assert [g[0].group_index for g in more] == [2, 3, 4, 5]
         metrics = await manager.metrics()
-        assert metrics["buffer/staleness_max"] == 1.0 and metrics["rollout/groups_produced"] >= 6
+        assert metrics["buffer/staleness_max"] == 1.0 and metrics["rollout/groups_produced_total"] >= 6
         state = await manager.state_dict()
         assert state["position"] >= 6
         leftovers = await manager.shutdown()

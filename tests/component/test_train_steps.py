@@ -52,7 +52,7 @@ def test_first_step_is_on_policy_and_updates(tiny_model_dir, estimator):
         after = _weights(trainer)
     assert metrics["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["train/pg_clipfrac"] == 0.0
-    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert metrics["train/rollout_logprob_abs_diff"] < 1e-5
     assert metrics["train/entropy"] > 0 and metrics["train/grad_norm"] > 0
     assert metrics["train/advantage_abs_mean"] > 0
     assert any(not torch.equal(before[n], after[n]) for n in before)
@@ -74,7 +74,7 @@ def test_reading_old_logprobs_off_the_step_forward_equals_recomputing_them(tiny_
     assert old_logprob_source(load_config(None, base)) == "forward"
     (forward, w_forward), (recompute, w_recompute) = results["auto"], results["recompute"]
     assert forward["time/logprob_s"] < recompute["time/logprob_s"]  # no pass at all vs one forward
-    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff"):
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/rollout_logprob_abs_diff"):
         assert forward[key] == pytest.approx(recompute[key], rel=1e-4, abs=1e-6), key
     for name in w_forward:
         torch.testing.assert_close(w_forward[name], w_recompute[name], rtol=1e-5, atol=1e-6)
@@ -100,7 +100,7 @@ def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_mod
     assert run.version == 2
     assert first["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy has not moved yet
     assert abs(second["train/ppo_kl"]) > 1e-4  # it has, by the first step (a per-step recompute gives 0 here)
-    assert second["train/train_rollout_logprob_abs_diff"] < 1e-5  # old policy = the sampling policy
+    assert second["train/rollout_logprob_abs_diff"] < 1e-5  # old policy = the sampling policy
     assert first["time/logprob_s"] > 0
 
 

@@ -13,8 +13,8 @@ from verst.rollout import build_buffer, is_unusable
 from verst.types import Group, Sample, Status, group_staleness
 
 REQUIRED_METRICS = {
-    "buffer/queue_size", "buffer/capacity", "buffer/dropped_aborted", "buffer/dropped_filtered",
-    "buffer/dropped_stale", "buffer/staleness_mean", "buffer/staleness_max", "buffer/waiting_staleness_mean",
+    "buffer/queue_size", "buffer/capacity", "buffer/dropped_aborted_total", "buffer/dropped_filtered_total",
+    "buffer/dropped_stale_total", "buffer/staleness_mean", "buffer/staleness_max", "buffer/waiting_staleness_mean",
     "buffer/waiting_staleness_max", "buffer/put_wait_s", "buffer/take_wait_s",
 }
 
@@ -65,7 +65,7 @@ class NewestFirstBuffer:
         waiting = [group_staleness(g, self.version) for g in self.items]
         return {
             "buffer/queue_size": len(self.items), "buffer/capacity": self.capacity,
-            **{f"buffer/dropped_{k}": v for k, v in self.dropped.items()},
+            **{f"buffer/dropped_{k}_total": v for k, v in self.dropped.items()},
             "buffer/staleness_mean": 0.0, "buffer/staleness_max": 0.0,
             "buffer/waiting_staleness_mean": sum(waiting) / len(waiting) if waiting else 0.0,
             "buffer/waiting_staleness_max": max(waiting, default=0),
@@ -154,6 +154,6 @@ def test_discards_match_callbacks_and_metrics(path):
     assert sorted(g[0].group_index for g in got) == [3, 4]
     assert all(group_staleness(g, 3) <= 2 for g in got)
     for reason, groups in by_reason.items():
-        assert m[f"buffer/dropped_{reason}"] == len(groups)
+        assert m[f"buffer/dropped_{reason}_total"] == len(groups)
     # what was neither taken nor discarded is still queued
     assert m["buffer/queue_size"] == 6 - len(discarded) - len(got)

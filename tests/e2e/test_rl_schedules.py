@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.metrics_doc import undocumented
 from verst.config import ConfigError, load_config
 from verst.monitor import read_metrics
 from verst.schedules import SCHEDULES
@@ -85,6 +86,7 @@ def check_run(cfg, summary, steps, steps_per_rollout=1):
     assert 0 < train[0]["time/startup/trainer_s"] < train[0]["time"] - run_start + 1.0
     assert all("time/startup/trainer_s" not in r for r in train[1:])
     assert (run_dir / "report.html").exists()
+    assert undocumented(records) == []  # every logged key has its line in docs/metrics.md
     return records
 
 
@@ -134,7 +136,7 @@ def test_fully_async_staleness_drops_and_return_to_source(ray_session, tiny_mode
     assert stale, "max_staleness 0 with a full buffer must drop stale groups"
     # Stale groups are discarded only by take, and every take is followed by a metrics read: the last
     # logged cumulative count equals the groups the buffer actually discarded as stale.
-    assert max(r["buffer/dropped_stale"] for r in records if "buffer/dropped_stale" in r) == len(stale)
+    assert max(r["buffer/dropped_stale_total"] for r in records if "buffer/dropped_stale_total" in r) == len(stale)
     returned = [json.loads(line) for line in (ray_session / "returned.jsonl").read_text().splitlines()]
     assert {d["group"] for d in stale} <= {g for r in returned for g in r["groups"]}  # their prompts went back
 

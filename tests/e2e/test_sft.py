@@ -6,6 +6,7 @@ import pytest
 
 from verst.cli.main import main
 from verst.models import load_model
+from tests.metrics_doc import undocumented
 from verst.monitor import read_metrics
 
 
@@ -33,6 +34,7 @@ def test_sft_few_steps_writes_run_dir(tiny_model_dir, addition_data_dir, tmp_pat
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == [1, 2, 3]
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 3]
+    assert undocumented(records) == []  # every logged key has its line in docs/metrics.md
     assert all(r["train/lr"] > 0 and r["train/grad_norm"] > 0 for r in records if "train/loss" in r)
     assert (run / "config.yaml").exists() and any((run / "checkpoint").iterdir())
     exported = load_model(run / "hf")  # transformers loads the export

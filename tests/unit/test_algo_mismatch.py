@@ -105,8 +105,8 @@ def test_mismatch_metrics_match_reference():
              for o, r, m in zip(o_row, r_row, m_row) if m]  # fmt: skip
     abs_diff = sum(abs(d) for d in diffs) / len(diffs)
     kl = sum(math.exp(d) - 1 - d for d in diffs) / len(diffs)  # k3 of KL(rollout ‖ old), log r = old − rollout
-    assert metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx(abs_diff)
-    assert metrics["train/train_rollout_kl"] == pytest.approx(kl)
+    assert metrics["train/rollout_logprob_abs_diff"] == pytest.approx(abs_diff)
+    assert metrics["train/rollout_kl"] == pytest.approx(kl)
 
 
 def test_bad_band_and_mode_fail_loudly():

@@ -84,8 +84,8 @@ def test_rl_loss_composes_every_term_like_the_reference(mode):
         assert metrics[key] == pytest.approx(value, rel=1e-10), key
     assert loss.item() == pytest.approx(want["train/loss"], rel=1e-10)
     assert all(type(v) is float for v in metrics.values())
-    expected_keys = set(want) | {"train/ppo_kl", "train/value_clipfrac", "train/train_rollout_logprob_abs_diff",
-                                 "train/train_rollout_kl"}  # fmt: skip
+    expected_keys = set(want) | {"train/ppo_kl", "train/value_clipfrac", "train/rollout_logprob_abs_diff",
+                                 "train/rollout_kl"}  # fmt: skip
     assert set(metrics) == expected_keys
 
 

@@ -91,10 +91,9 @@ def occupancy(granularity):
 def test_sample_granularity_keeps_occupancy_higher_than_group_granularity():
     by_sample, by_group = occupancy("sample"), occupancy("group")
     # Expected (analytically) about 0.85 vs 0.45 for this latency mix.
-    assert by_sample["rollout/occupancy"] > by_group["rollout/occupancy"] + 0.2, (by_sample, by_group)
-    assert by_sample["rollout/occupancy"] > 0.65
-    assert by_sample["rollout/idle_slot_fraction"] == pytest.approx(1 - by_sample["rollout/occupancy"])
-    assert by_sample["rollout/groups_produced"] > by_group["rollout/groups_produced"]
+    assert by_sample["rollout/slot_occupancy"] > by_group["rollout/slot_occupancy"] + 0.2, (by_sample, by_group)
+    assert by_sample["rollout/slot_occupancy"] > 0.65
+    assert by_sample["rollout/groups_produced_total"] > by_group["rollout/groups_produced_total"]
     # one response token per sample: more samples finished is more tokens per second
     assert by_sample["perf/rollout_tokens_per_s"] > by_group["perf/rollout_tokens_per_s"] > 0
 
@@ -193,7 +192,7 @@ def test_generation_exceptions_become_aborted_samples_counted_and_discarded():
     failed = [s for g, _ in discarded for s in g if s.status is Status.ABORTED]
     assert sorted(s.index for s in failed) == [0, 5]
     assert all("ConnectionError" in s.metadata[GENERATE_ERROR_KEY] for s in failed)
-    assert m["rollout/generate_errors"] == 2 and bm["buffer/dropped_aborted"] == 2
+    assert m["rollout/generate_errors_total"] == 2 and bm["buffer/dropped_aborted_total"] == 2
     assert [g[0].group_index for g in got] == [1, 3, 4]
 
 
@@ -221,7 +220,7 @@ def test_generate_group_with_group_granularity_and_a_failing_finish_hook():
 
     got, m, bm = asyncio.run(go())
     assert 1 not in [g[0].group_index for g in got] and all(s.reward == 1.0 for g in got for s in g)
-    assert m["rollout/generate_errors"] == 3 and bm["buffer/dropped_aborted"] == 1
+    assert m["rollout/generate_errors_total"] == 3 and bm["buffer/dropped_aborted_total"] == 1
 
 
 def test_worker_bug_propagates_to_take_and_stop():

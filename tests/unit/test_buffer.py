@@ -109,7 +109,7 @@ def test_unusable_groups_discarded_on_put(bad):
 
     calls, size, m = run(go())
     assert calls == [(0, "aborted")] and size == 1
-    assert m["buffer/dropped_aborted"] == 1 and m["buffer/dropped_filtered"] == 0
+    assert m["buffer/dropped_aborted_total"] == 1 and m["buffer/dropped_filtered_total"] == 0
 
 
 def test_filtered_groups_discarded_on_put_with_counts():
@@ -125,7 +125,7 @@ def test_filtered_groups_discarded_on_put_with_counts():
     calls, kept, m, fm = run(go())
     assert calls == [(0, "filtered"), (2, "filtered")]
     assert kept == [1, 3]
-    assert m["buffer/dropped_filtered"] == 2 == fm["rollout/zero_std_groups_dropped"]
+    assert m["buffer/dropped_filtered_total"] == 2 == fm["rollout/zero_std_groups_dropped_total"]
 
 
 def test_stale_groups_discarded_on_take_never_returned_and_counts_match():
@@ -141,7 +141,7 @@ def test_stale_groups_discarded_on_take_never_returned_and_counts_match():
     calls, taken, m = run(go())
     assert calls == [(0, "stale"), (1, "stale")]
     assert taken == [2, 3]
-    assert m["buffer/dropped_stale"] == len(calls) == 2
+    assert m["buffer/dropped_stale_total"] == len(calls) == 2
     assert m["buffer/staleness_mean"] == 0.5 and m["buffer/staleness_max"] == 1
     # group 4 still waits: version 1 against the last seen version 3.
     assert m["buffer/waiting_staleness_mean"] == 2 and m["buffer/waiting_staleness_max"] == 2
@@ -158,7 +158,7 @@ def test_take_rejects_a_version_that_goes_back_and_counts_unversioned_groups():
         return got, buf.metrics()
 
     got, m = run(go())
-    assert len(got) == 1 and m["buffer/unversioned_groups"] == 1 and m["buffer/dropped_stale"] == 0
+    assert len(got) == 1 and m["buffer/unversioned_groups_total"] == 1 and m["buffer/dropped_stale_total"] == 0
 
 
 def test_wait_times_are_per_metrics_window():
@@ -211,4 +211,4 @@ def test_filters_registry_import_paths_and_return_type():
         apply_filter(lambda g: None, group)
     single = ZeroStdFilter()
     assert single(make_group(0, rewards=(1.0,))) is False
-    assert single.metrics() == {"rollout/zero_std_groups_dropped": 1.0}
+    assert single.metrics() == {"rollout/zero_std_groups_dropped_total": 1.0}

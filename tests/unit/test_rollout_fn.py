@@ -232,8 +232,8 @@ def test_worker_hooks_drive_the_fully_async_worker(tokenizer):
     groups, buffer_metrics, worker_metrics = asyncio.run(main())
     assert all(g[0].group_index % 2 == 1 and g[0].group_index != 2 for g in groups)
     assert all(s.reward == s.index % 2 for g in groups for s in g)
-    assert buffer_metrics["buffer/dropped_filtered"] >= 1 and buffer_metrics["buffer/dropped_aborted"] == 1
-    assert worker_metrics["rollout/generate_errors"] == 1  # the engine error reached the worker's counter
+    assert buffer_metrics["buffer/dropped_filtered_total"] >= 1 and buffer_metrics["buffer/dropped_aborted_total"] == 1
+    assert worker_metrics["rollout/generate_errors_total"] == 1  # the engine error reached the worker's counter
 
 
 def test_abort_in_flight_ends_the_worker_requests_by_rid(tokenizer):
@@ -250,14 +250,14 @@ def test_abort_in_flight_ends_the_worker_requests_by_rid(tokenizer):
         worker.pause()
         aborted = await abort_in_flight(ctx)
         async with asyncio.timeout(10):
-            while buffer.metrics()["buffer/dropped_aborted"] < 2:  # the aborted groups reach the buffer
+            while buffer.metrics()["buffer/dropped_aborted_total"] < 2:  # the aborted groups reach the buffer
                 await asyncio.sleep(0.01)
         await worker.stop()
         return aborted, buffer.metrics()
 
     aborted, metrics = asyncio.run(main())
     assert aborted == 2 * N and engine.cancelled == [] and ctx.state.in_flight == {}
-    assert metrics["buffer/dropped_aborted"] == 2  # every aborted group discarded on put
+    assert metrics["buffer/dropped_aborted_total"] == 2  # every aborted group discarded on put
 
 
 def test_run_rollout_dumps_and_load_dump_restores(tokenizer, tmp_path):

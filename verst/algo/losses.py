@@ -128,7 +128,7 @@ def rl_loss(
     combine micro-batches). Metrics present only when their inputs are: `train/pg_loss`,
     `train/pg_clipfrac`, `train/ppo_kl`, `train/loss`, `train/kl`, `train/entropy`, `train/distill_kl`,
     `train/value_loss`, `train/value_clipfrac`, and with rollout logprobs
-    `train/train_rollout_logprob_abs_diff`, `train/train_rollout_kl`, `train/tis_mean`,
+    `train/rollout_logprob_abs_diff`, `train/rollout_kl`, `train/tis_mean`,
     `train/tis_clipfrac` or `train/mis_reject_frac`.
     """
     check_token_shapes(

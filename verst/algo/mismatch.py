@@ -66,13 +66,13 @@ def mismatch_metrics(
     *,
     aggregation: str,
 ) -> dict[str, float]:
-    """`train/train_rollout_logprob_abs_diff` (|log π_old − log π_rollout|) and `train/train_rollout_kl`
+    """`train/rollout_logprob_abs_diff` (|log π_old − log π_rollout|) and `train/rollout_kl`
     (k3 estimate of KL(π_rollout ‖ π_old) on the rollout's tokens): local means by `metric_aggregation`."""
     old, rollout = old_logprobs.detach(), rollout_logprobs.detach()
     mode = metric_aggregation(aggregation)
     abs_diff = aggregate((old - rollout).abs(), loss_mask, mode)
     kl = aggregate(kl_estimate(rollout, old, "k3"), loss_mask, mode)
-    return {"train/train_rollout_logprob_abs_diff": abs_diff.item(), "train/train_rollout_kl": kl.item()}
+    return {"train/rollout_logprob_abs_diff": abs_diff.item(), "train/rollout_kl": kl.item()}
 
 
 def correction_metrics(

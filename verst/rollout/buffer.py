@@ -51,7 +51,7 @@ class FifoBuffer:
     spent blocked since the previous `metrics()` call; `staleness_*` describe the groups returned by
     the last `take`, `waiting_staleness_*` the groups still queued, against the last version seen.
     A group with no weight version recorded (no engine call, e.g. every sample truncated before
-    generation) cannot be stale; it is counted in `buffer/unversioned_groups` and left out of the means.
+    generation) cannot be stale; it is counted in `buffer/unversioned_groups_total` and left out of the means.
     """
 
     def __init__(
@@ -129,10 +129,10 @@ class FifoBuffer:
         out = {
             "buffer/queue_size": float(len(self._queue)),
             "buffer/capacity": float(self.capacity),
-            "buffer/dropped_aborted": float(self._dropped["aborted"]),
-            "buffer/dropped_filtered": float(self._dropped["filtered"]),
-            "buffer/dropped_stale": float(self._dropped["stale"]),
-            "buffer/unversioned_groups": float(self._unversioned),
+            "buffer/dropped_aborted_total": float(self._dropped["aborted"]),
+            "buffer/dropped_filtered_total": float(self._dropped["filtered"]),
+            "buffer/dropped_stale_total": float(self._dropped["stale"]),
+            "buffer/unversioned_groups_total": float(self._unversioned),
             "buffer/staleness_mean": _mean(self._consumed_staleness),
             "buffer/staleness_max": float(max(self._consumed_staleness, default=0)),
             "buffer/waiting_staleness_mean": _mean(waiting),

@@ -42,7 +42,7 @@ class ZeroStdFilter:
         return keep
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/zero_std_groups_dropped": float(self.dropped)}
+        return {"rollout/zero_std_groups_dropped_total": float(self.dropped)}  # over the run
 
 
 # Built-in filters by name: each entry builds a filter from the run's reward key.

@@ -50,7 +50,7 @@ class AsyncRolloutWorker:
     Exactly one of `generate_sample` (per-sample; needed for sample granularity) or `generate_group`
     is given. An exception raised by generation makes the sample (or the whole group, for
     `generate_group` and `finish_group`) ABORTED with the reason in `metadata['generate_error']`,
-    counted in `rollout/generate_errors`; the buffer then discards the group. Anything else that
+    counted in `rollout/generate_errors_total`; the buffer then discards the group. Anything else that
     goes wrong (a wrong return type, a buffer or filter error) stops the worker, and the error is
     raised from `check()`, `take()` and `stop()`.
     """
@@ -179,9 +179,9 @@ class AsyncRolloutWorker:
 
     # ---- metrics -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        """Counters are cumulative (groups_produced: groups handed to the buffer, kept or discarded);
-        occupancy is the time-weighted mean of generating samples / limit since the previous
-        `metrics()` call (or `start()`). With `generate_group` a group counts as n until it returns.
+        """`*_total` counters are cumulative over the run (groups_produced_total: groups handed to the
+        buffer, kept or discarded); slot_occupancy is the time-weighted mean of generating samples / limit
+        since the previous `metrics()` call (or `start()`). With `generate_group` a group counts as n until it returns.
         `perf/rollout_tokens_per_s`: response tokens of the groups finished in that window, per second."""
         now = time.monotonic()
         self._set_generating(self._generating, now)
@@ -193,11 +193,10 @@ class AsyncRolloutWorker:
             "perf/rollout_tokens_per_s": tokens_per_s,
             "rollout/in_flight": float(self._generating),
             "rollout/max_in_flight": float(self.max_in_flight),
-            "rollout/occupancy": occupancy,
-            "rollout/idle_slot_fraction": 1.0 - occupancy,
-            "rollout/groups_produced": float(self._groups_produced),
-            "rollout/samples_produced": float(self._samples_produced),
-            "rollout/generate_errors": float(self._generate_errors),
+            "rollout/slot_occupancy": occupancy,
+            "rollout/groups_produced_total": float(self._groups_produced),
+            "rollout/samples_produced_total": float(self._samples_produced),
+            "rollout/generate_errors_total": float(self._generate_errors),
         }
 
     # ---- the loop ------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from verst.config.imports import lazy_exports
 
 _EXPORTS = {
     "WeightTransport": "verst.sync.transport",
-    "TRANSPORT_IDS": "verst.sync.transport",
     "DistributedTransport": "verst.sync.distributed",
     "TensorTransport": "verst.sync.tensor",
     "DiskTransport": "verst.sync.disk",

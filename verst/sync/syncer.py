@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from verst.inference_client.fleet import EngineFleet
 from verst.sync.buckets import PrefetchedSource
-from verst.sync.transport import TRANSPORT_IDS, WeightTransport
+from verst.sync.transport import WeightTransport
 from verst.types import WeightBucket
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,6 @@ class WeightSyncer:
         metrics.update({
             "sync/seconds": time.perf_counter() - start, "sync/paused_seconds": time.perf_counter() - paused,
             "sync/version": float(version),
-            "sync/transport_id": float(TRANSPORT_IDS.get(self.transport.name, -1)),
         })
         if self.checker is not None and not self._checked:
             metrics.update(await self.checker.check(self.fleet, version))
@@ -140,6 +139,6 @@ class WeightSyncer:
         await self.transport.close()
 
     def describe(self) -> dict[str, Any]:
-        """For the run config / logs: the transport by name (metrics carry only `sync/transport_id`)."""
+        """For the run config / logs: the transport by name (metrics are numbers; the run's config.yaml and summary.json name the transport)."""
         return {"transport": self.transport.name, "pause_mode": self.pause_mode, "interval": self.interval,
                 "check_weights": self.checker is not None}

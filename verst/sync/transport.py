@@ -11,11 +11,6 @@ from typing import Protocol, runtime_checkable
 
 from verst.types import WeightBucket
 
-# Metrics are numbers, so the transport appears as `sync/transport_id`; its name is also in the run
-# config (`sync.transport`). Ids are stable: append, never renumber.
-TRANSPORT_IDS = {"distributed": 0, "tensor": 1, "disk": 2}
-
-
 @runtime_checkable
 class WeightTransport(Protocol):
     """Moves weights to every engine; never pauses engines nor sets their version (the syncer does).
