@@ -51,7 +51,7 @@ pre.config{background:#fff;border:1px solid #ddd;padding:1em;overflow:auto;font-
 .links{font-size:14px;margin:10px 0}"""
 # Draw the overview at once and the other charts as they scroll near: a long report opens fast.
 DRAW_JS = """(function(){var F=JSON.parse(document.getElementById('verst-figures').textContent);
-var C={displaylogo:false,responsive:true};function draw(el){var f=F[el.id];Plotly.newPlot(el,f.data,f.layout,C);}
+var C={displaylogo:false,responsive:true,displayModeBar:'hover'};function draw(el){var f=F[el.id];Plotly.newPlot(el,f.data,f.layout,C);}
 var io='IntersectionObserver' in window?new IntersectionObserver(function(es){es.forEach(function(e){
 if(e.isIntersecting){io.unobserve(e.target);draw(e.target);}});},{rootMargin:'800px'}):null;
 document.querySelectorAll('.fig').forEach(function(el){if(io&&!el.closest('#overview'))io.observe(el);else draw(el);});
@@ -154,7 +154,7 @@ def _panels(panels: list[figs.Panel], figures: dict[str, Any], grid: str = "grid
 
 
 def _overview(runs: list[Run], figures: dict[str, Any]) -> str:
-    panels = _panels(figs.overview_panels(runs), figures)
+    panels = _panels(figs.overview_panels(runs), figures, "grid small")
     return _cards(runs[0]) + panels + _summary_table(runs) if len(runs) == 1 else panels + _summary_table(runs)
 
 

@@ -18,7 +18,8 @@ TIME_COLOURS = {"generate": "#1f77b4", "wait for data": "#bcbd22", "old logprobs
                 "weight sync": "#d62728", "eval": "#ff7f0e", "other": "#c7c7c7", "train step": "#2ca02c"}
 
 
-LEGEND = {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0}
+# Below the plot: the mode bar (zoom, download) takes the top right on hover.
+LEGEND = {"orientation": "h", "y": -0.3, "yanchor": "top", "x": 0}
 
 
 @dataclasses.dataclass
