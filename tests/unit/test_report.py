@@ -159,7 +159,7 @@ def test_sft_report_has_no_rollout_sections_and_links_to_the_rl_run(tmp_path, ca
     sft = sft_run(tmp_path / "sft")
     page = write_report(sft).read_text()
     assert headings(page) == ["Overview", "Where the time goes", "Everything else", "Config"]
-    assert "loss" in figures_of(page) and "RL runs started" not in page
+    assert "loss" in figures_of(page) and "m-train-loss" not in figures_of(page) and "RL runs started" not in page
     rl = rl_run(tmp_path / "rl", model=str(tmp_path / "elsewhere" / "sft" / "hf"))  # moved: found by name
     rl_page = write_report(rl).read_text()
     assert 'started from the model of SFT run <a href="../sft/report.html">sft</a>' in rl_page

@@ -21,7 +21,8 @@ from verst.monitor.samples import examples, pick_steps, read_samples
 
 REPORT_FILE = "report.html"
 COMPARE_FILE = "report-compare.html"
-# Keys the first three sections draw; "everything else" shows the rest.
+# Keys the first three sections draw (and train/loss, in place of the reward, for SFT runs);
+# "everything else" shows the rest.
 SHOWN_PREFIXES = ("time/startup/", "buffer/dropped_")
 SHOWN_KEYS = frozenset({
     "eval/accuracy", "eval/success", "rollout/reward_mean", "rollout/reward_std", "rollout/reward_min",
@@ -219,8 +220,8 @@ def _reward(record: dict[str, Any]) -> str:
 
 
 def _everything_else(runs: list[Run], figures: dict[str, Any]) -> str:
-    keys = sorted({k for r in runs for k in r.series
-                   if k not in SHOWN_KEYS and not k.startswith(SHOWN_PREFIXES)})
+    shown = SHOWN_KEYS if any("rollout/reward_mean" in r.series for r in runs) else SHOWN_KEYS | {"train/loss"}
+    keys = sorted({k for r in runs for k in r.series if k not in shown and not k.startswith(SHOWN_PREFIXES)})
     plotted, folded = split_constant(runs, keys)
     parts = [f"<h3>{html.escape(ns)}</h3>" + _panels([figs.metric_panel(runs, k) for k in ns_keys], figures,
                                                      "grid small")

@@ -267,12 +267,12 @@ def truncated_fraction(run: Run) -> float | None:
 
 # ---- lineage: the SFT run an RL run started from ---------------------------------------------------
 def parent_run_dir(run_dir: Path, config: dict[str, Any]) -> Path | None:
-    """The run directory whose `hf` export is this run's model.path, if it still holds a run (also when
-    the runs were moved together: a sibling directory of the same name)."""
+    """The run directory whose `hf` export is this run's model.path, if it still holds a run: a sibling
+    directory of that name first (runs copied or moved together), else the path itself."""
     model = Path(str((config.get("model") or {}).get("path") or ""))
     if model.name != "hf":
         return None
-    for candidate in (model.parent, run_dir.parent / model.parent.name):
+    for candidate in (run_dir.parent / model.parent.name, model.parent):
         if (candidate / CONFIG_FILE).exists() and candidate.resolve() != run_dir.resolve():
             return candidate
     return None
