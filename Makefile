@@ -30,8 +30,10 @@ demo-agentic: $(STAMP)
 	$(PY) -m verst.cli.main sft recipes/sft_calculator.toml
 	$(PY) -m verst.cli.main train recipes/grpo_calculator.toml
 
+# The report's browser test loads pages in Debian's chromium (installed here when missing; needs root).
 test: $(STAMP)
 	$(VENV)/bin/ruff check verst tests bench
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)

@@ -1,108 +1,246 @@
-"""The HTML report of a run: summary table, PNG plots of every metric by namespace, the config.
+"""The HTML report of one run, or of several overlaid: one self-contained page (plotly.js inline, no network)
+with an overview, where the time and the data go, sample generations and every other metric by namespace.
 
-Written by `verst report RUN_DIR` and at the end of training; reads only files in the run directory.
+Written by `verst report RUN_DIR [RUN_DIR ...]` and at the end of training; reads only the run directories.
 """
 
 from __future__ import annotations
 
+import datetime
 import html
 import json
-from collections import defaultdict
+import os
 from pathlib import Path
+from typing import Any
 
-from verst.monitor.run_dir import CONFIG_FILE, SUMMARY_FILE, read_metrics
+from verst.monitor import report_figures as figs
+from verst.monitor.report_data import (
+    Run, by_namespace, child_run_dirs, format_value, load_run, parent_run_dir, split_constant,
+)
+from verst.monitor.samples import examples, pick_steps, read_samples
 
 REPORT_FILE = "report.html"
-# Plots a reader looks for first, in this order, when the run logged them.
-HEADLINE = ("rollout/reward_mean", "eval/accuracy", "buffer/staleness_mean", "buffer/queue_size", "perf/rollout_tokens_per_s")
-MAX_PANELS = 12
+COMPARE_FILE = "report-compare.html"
+# Keys the first three sections draw (and train/loss, in place of the reward, for SFT runs);
+# "everything else" shows the rest.
+SHOWN_PREFIXES = ("time/startup/", "buffer/dropped_")
+SHOWN_KEYS = frozenset({
+    "eval/accuracy", "eval/success", "rollout/reward_mean", "rollout/reward_std", "rollout/reward_min",
+    "rollout/reward_max", "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "time/rollout_s",
+    "perf/trainer_wait_s", "time/logprob_s", "time/train_s", "sync/seconds", "time/eval_s", "perf/step_time_s",
+    "time/startup_s", "rollout/groups_produced", "rollout/groups_produced_total", "rollout/launched_groups",
+    "rollout/kept_groups", "rollout/filtered_groups", "rollout/failed_groups", "rollout/aborted_groups",
+    "buffer/staleness_mean", "buffer/staleness_max",
+})
+STYLE = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#fff;border-bottom:1px solid #ddd;padding:14px 28px;position:sticky;top:0;z-index:10}
+h1{font-size:20px;margin:0 0 4px}.meta{color:#666;font-size:13px;margin:0}
+nav a{margin-right:14px;font-size:13px;color:#1f77b4;text-decoration:none}
+main{padding:0 28px 40px;max-width:1500px}h2{margin:28px 0 8px;font-size:18px;border-bottom:2px solid #1f77b4}
+h3{font-size:14px;margin:18px 0 6px;color:#444}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(440px,1fr));gap:12px}
+.grid.small{grid-template-columns:repeat(auto-fill,minmax(340px,1fr))}
+.panel{background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px 10px}.panel.wide{grid-column:1/-1}
+.panel h4{margin:0;font-size:13px}.caption{color:#888;font-size:11px;margin:2px 0 0}
+.cards{display:flex;flex-wrap:wrap;gap:10px;margin:10px 0}
+.card{background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px 14px;min-width:150px}
+.card b{display:block;font-size:20px}.card span{color:#666;font-size:12px}
+table{border-collapse:collapse;background:#fff;font-size:13px;margin:6px 0}
+td,th{border:1px solid #ddd;padding:3px 9px;text-align:left;vertical-align:top}th{background:#f3f3f3}
+td.num{text-align:right;font-variant-numeric:tabular-nums}.sample pre{white-space:pre-wrap;margin:0;font-size:12px}
+pre.config{background:#fff;border:1px solid #ddd;padding:1em;overflow:auto;font-size:12px}
+.links{font-size:14px;margin:10px 0}"""
+# Draw the overview at once and the other charts as they scroll near: a long report opens fast.
+DRAW_JS = """(function(){var F=JSON.parse(document.getElementById('verst-figures').textContent);
+var C={displaylogo:false,responsive:true,displayModeBar:'hover'};function draw(el){var f=F[el.id];Plotly.newPlot(el,f.data,f.layout,C);}
+var io='IntersectionObserver' in window?new IntersectionObserver(function(es){es.forEach(function(e){
+if(e.isIntersecting){io.unobserve(e.target);draw(e.target);}});},{rootMargin:'800px'}):null;
+document.querySelectorAll('.fig').forEach(function(el){if(io&&!el.closest('#overview'))io.observe(el);else draw(el);});
+})();"""
 
 
-def write_report(run_dir: str | Path) -> Path:
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
-    records = read_metrics(run_dir)
-    series = _series(records)
-    plots_dir = run_dir / "plots"
-    plots_dir.mkdir(exist_ok=True)
-    images = []
-    headline = [k for k in HEADLINE if k in series]
-    if headline:
-        images.append(_plot(series, headline, plots_dir / "headline.png", "headline"))
-    by_namespace: dict[str, list[str]] = defaultdict(list)
-    for key in series:
-        by_namespace[key.split("/", 1)[0]].append(key)
-    for namespace, keys in sorted(by_namespace.items()):
-        for i in range(0, len(keys), MAX_PANELS):
-            chunk = sorted(keys)[i : i + MAX_PANELS]
-            suffix = f"_{i // MAX_PANELS}" if len(keys) > MAX_PANELS else ""
-            images.append(_plot(series, chunk, plots_dir / f"{namespace}{suffix}.png", namespace))
-    out = run_dir / REPORT_FILE
-    out.write_text(_html(run_dir, records, images))
+def write_report(run_dir: str | Path, out: str | Path | None = None, refresh_parent: bool = True) -> Path:
+    """RUN_DIR/report.html (or `out`). The report of the SFT run this run started from is written again
+    too, so that it links forward to this run."""
+    run = load_run(run_dir)
+    out = Path(out) if out is not None else run.path / REPORT_FILE
+    out.write_text(render([run], out))
+    parent = parent_run_dir(run.path, run.config)
+    if refresh_parent and parent is not None and (parent / REPORT_FILE).exists():
+        try:
+            write_report(parent, refresh_parent=False)
+        except OSError:
+            pass  # a read-only parent keeps its report; this run's own report is written
     return out
 
 
-def _series(records: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
-    series: dict[str, tuple[list[float], list[float]]] = {}
-    for rec in records:
-        step = rec.get("step")
-        for key, value in rec.items():
-            if key in ("step", "time") or not isinstance(value, (int, float)):
-                continue
-            xs, ys = series.setdefault(key, ([], []))
-            xs.append(step)
-            ys.append(value)
-    return series
+def write_compare_report(run_dirs: list[str | Path], out: str | Path = COMPARE_FILE) -> Path:
+    """One report overlaying several runs, a colour each, named by their directories."""
+    paths = [Path(p) for p in run_dirs]
+    names = [p.name for p in paths]
+    if len(set(names)) < len(names):  # same directory name in different places: add the parent's
+        names = [f"{p.parent.name}/{p.name}" for p in paths]
+    runs = [load_run(p, n) for p, n in zip(paths, names)]
+    out = Path(out)
+    out.write_text(render(runs, out))
+    return out
 
 
-def _plot(series, keys: list[str], path: Path, title: str) -> Path:
-    import matplotlib
+def render(runs: list[Run], out: Path) -> str:
+    from plotly.offline import get_plotlyjs  # the report writer alone needs plotly
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(3, len(keys))
-    rows = (len(keys) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        xs, ys = series[key]
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3)
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys) :]:
-        ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def _html(run_dir: Path, records: list[dict], images: list[Path]) -> str:
-    summary_file = run_dir / SUMMARY_FILE
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    config_file = run_dir / CONFIG_FILE
-    config = config_file.read_text() if config_file.exists() else "(no config.yaml)"
-    rows = "".join(
-        f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in sorted(summary.items())
-    )
-    imgs = "".join(f'<img src="{p.relative_to(run_dir)}" alt="{p.stem}">' for p in images)
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>verst run {html.escape(run_dir.name)}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1400px}}table{{border-collapse:collapse}}
-td{{border:1px solid #ccc;padding:2px 8px}}img{{max-width:100%;display:block;margin:1em 0}}
-pre{{background:#f6f6f6;padding:1em;overflow:auto}}</style></head><body>
-<h1>verst run: {html.escape(run_dir.name)}</h1>
-<p>{len(records)} metric records in metrics.jsonl.</p>
-<h2>Summary</h2><table>{rows or "<tr><td>(no summary.json yet)</td></tr>"}</table>
-<h2>Metrics</h2>{imgs or "<p>(no metrics logged)</p>"}
-<h2>Config</h2><pre>{html.escape(config)}</pre>
-</body></html>
-"""
+    figures: dict[str, Any] = {}
+    sections = [
+        ("overview", "Overview", _overview(runs, figures)),
+        ("time", "Where the time goes", _panels(figs.time_panels(runs), figures)),
+        ("data", "Where the data goes", _panels(figs.data_panels(runs), figures)),
+        ("samples", "Sample generations", _samples(runs[0]) if len(runs) == 1 else ""),
+        ("metrics", "Everything else", _everything_else(runs, figures)),
+        ("config", "Config", _config(runs)),
+    ]
+    sections = [(sid, title, body) for sid, title, body in sections if body]
+    nav = "".join(f'<a href="#{sid}">{title}</a>' for sid, title, _ in sections)
+    body = "".join(f'<section id="{sid}"><h2>{title}</h2>{content}</section>' for sid, title, content in sections)
+    title = runs[0].name if len(runs) == 1 else " vs ".join(r.name for r in runs)
+    data = json.dumps(figures, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>verst · {html.escape(title)}</title>'
+            f"<style>{STYLE}</style><script>{get_plotlyjs()}</script></head><body>"
+            f"<header><h1>verst {'run' if len(runs) == 1 else 'runs'}: {html.escape(title)}</h1>"
+            f'<p class="meta">{html.escape(_meta(runs))}</p><nav>{nav}</nav></header>'
+            f"<main>{_links(runs, out)}{body}</main>"
+            f'<script type="application/json" id="verst-figures">{data}</script><script>{DRAW_JS}</script>'
+            "</body></html>")
 
 
-def _fmt(value: object) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+def _meta(runs: list[Run]) -> str:
+    def one(run: Run) -> str:
+        kind = run.summary.get("schedule") or ("sft" if "rollout/reward_mean" not in run.series else "rl")
+        model = (run.config.get("model") or {}).get("path", "?")
+        return f"{run.name}: {kind}, model {model}, {len(run.records)} records"
+
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return " · ".join(one(r) for r in runs) + f" · written {when}"
+
+
+def _links(runs: list[Run], out: Path) -> str:
+    """Runs overlaid (with their own reports), the SFT run a run started from, the RL runs started from it."""
+    def link(run_dir: Path, text: str) -> str:
+        target = run_dir / REPORT_FILE
+        href = os.path.relpath(target.resolve(), out.resolve().parent)
+        return f'<a href="{html.escape(href)}">{html.escape(text)}</a>' if target.exists() else html.escape(text)
+
+    parts = []
+    if len(runs) > 1:
+        parts.append("Runs: " + ", ".join(link(r.path, r.name) for r in runs))
+    for run in runs:
+        parent = parent_run_dir(run.path, run.config)
+        if parent is not None:
+            parts.append(f"{html.escape(run.name)} started from the model of SFT run {link(parent, parent.name)}")
+        if len(runs) == 1:
+            children = child_run_dirs(run.path)
+            if children:
+                parts.append("RL runs started from this run's model: "
+                             + ", ".join(link(c, c.name) for c in children))
+    return "".join(f'<p class="links">{p}</p>' for p in parts)
+
+
+def _panels(panels: list[figs.Panel], figures: dict[str, Any], grid: str = "grid") -> str:
+    cells = []
+    for p in panels:
+        figures[p.id] = p.figure
+        caption = f'<p class="caption">{html.escape(p.caption)}</p>' if p.caption else ""
+        cells.append(f'<div class="panel{" wide" if p.wide else ""}"><h4>{html.escape(p.title)}</h4>{caption}'
+                     f'<div class="fig" id="{html.escape(p.id)}"></div></div>')
+    return f'<div class="{grid}">{"".join(cells)}</div>' if cells else ""
+
+
+def _overview(runs: list[Run], figures: dict[str, Any]) -> str:
+    panels = _panels(figs.overview_panels(runs), figures, "grid small")
+    return _cards(runs[0]) + panels + _summary_table(runs) if len(runs) == 1 else panels + _summary_table(runs)
+
+
+def _cards(run: Run) -> str:
+    cards, s = [], run.summary
+    key = run.score_key or "eval/accuracy"
+    before, after = s.get(f"{key}_before"), s.get(f"{key}_after")
+    if isinstance(before, (int, float)) and isinstance(after, (int, float)):
+        cards.append((f"{before:.1%} → {after:.1%}", f"held-out {key[5:]} ({(after - before) * 100:+.1f} points)"))
+    if isinstance(s.get("time/total_s"), (int, float)):
+        start = run.series.get("time/startup_s")
+        extra = f" (start-up {start.values[-1]:.0f} s)" if start else ""
+        cards.append((format_value("time/total_s", s["time/total_s"]), f"wall-clock{extra}"))
+    if "train/steps" in s:
+        cards.append((f"{s['train/steps']:,}", "train steps"))
+    for key, what in (("perf/rollout_tokens_per_s", "rollout tokens/s (mean)"),
+                      ("perf/train_tokens_per_s", "train tokens/s (mean)")):
+        if key in run.series:
+            values = run.series[key].values
+            cards.append((f"{sum(values) / len(values):,.0f}", what))
+    html_cards = "".join(f"<div class=card><b>{html.escape(v)}</b><span>{html.escape(w)}</span></div>"
+                         for v, w in cards)
+    return f'<div class="cards">{html_cards}</div>' if cards else ""
+
+
+def _summary_table(runs: list[Run]) -> str:
+    keys = sorted({k for r in runs for k in r.summary})
+    if not keys:
+        return ""
+    head = "".join(f"<th>{html.escape(r.name)}</th>" for r in runs) if len(runs) > 1 else "<th>value</th>"
+    rows = "".join(f"<tr><td>{html.escape(k)}</td>" + "".join(
+        f'<td class="num">{html.escape(format_value(k, r.summary[k])) if k in r.summary else ""}</td>' for r in runs)
+        + "</tr>" for k in keys)
+    return f"<h3>Summary (summary.json)</h3><table><tr><th>key</th>{head}</tr>{rows}</table>"
+
+
+def _samples(run: Run) -> str:
+    dump_dir = (run.config.get("rollout") or {}).get("dump_dir")
+    by_step = read_samples(run.path, dump_dir)
+    if not by_step:
+        return ""
+    parts = []
+    for step in pick_steps(sorted(by_step)):
+        rows = []
+        for ex in examples(by_step[step]):
+            responses = "".join(
+                f"<tr><td><pre>{html.escape(r['response'])}</pre></td><td class=num>{html.escape(_reward(r))}</td>"
+                f"<td>{html.escape(str(r.get('status') or ''))}</td></tr>" for r in ex["responses"])
+            label = "" if ex["label"] is None else f"<br><small>label: {html.escape(str(ex['label']))}</small>"
+            rows.append(f'<tr class="sample"><td rowspan="{len(ex["responses"]) + 1}"><pre>'
+                        f"{html.escape(ex['prompt'])}</pre>{label}</td></tr>{responses}")
+        parts.append(f"<h3>Step {step}</h3><table><tr><th>prompt</th><th>response</th><th>reward</th>"
+                     f"<th>status</th></tr>{''.join(rows)}</table>")
+    return "".join(parts)
+
+
+def _reward(record: dict[str, Any]) -> str:
+    reward = record.get("reward")
+    if isinstance(reward, dict):
+        return ", ".join(f"{k}={v:.3g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in reward.items())
+    return f"{reward:.3g}" if isinstance(reward, (int, float)) else str(reward)
+
+
+def _everything_else(runs: list[Run], figures: dict[str, Any]) -> str:
+    shown = SHOWN_KEYS if any("rollout/reward_mean" in r.series for r in runs) else SHOWN_KEYS | {"train/loss"}
+    keys = sorted({k for r in runs for k in r.series if k not in shown and not k.startswith(SHOWN_PREFIXES)})
+    plotted, folded = split_constant(runs, keys)
+    parts = [f"<h3>{html.escape(ns)}</h3>" + _panels([figs.metric_panel(runs, k) for k in ns_keys], figures,
+                                                     "grid small")
+             for ns, ns_keys in by_namespace(plotted).items()]
+    if folded:
+        head = "".join(f"<th>{html.escape(r.name)}</th>" for r in runs) if len(runs) > 1 else "<th>value</th>"
+        rows = "".join(
+            f"<tr><td>{html.escape(k)}</td>" + "".join(
+                f'<td class="num">{html.escape(format_value(k, r.series[k].values[-1])) if k in r.series else ""}'
+                "</td>" for r in runs) + "</tr>" for k in folded)
+        parts.append(f"<h3>Constant over the run (or logged once)</h3><table><tr><th>key</th>{head}</tr>{rows}</table>")
+    return "".join(parts)
+
+
+def _config(runs: list[Run]) -> str:
+    blocks = []
+    for run in runs:
+        config_file = run.path / "config.yaml"
+        if config_file.exists():
+            blocks.append(f"<details><summary>{html.escape(run.name)}: config.yaml</summary>"
+                          f'<pre class="config">{html.escape(config_file.read_text())}</pre></details>')
+    return "".join(blocks)

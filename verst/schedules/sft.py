@@ -19,6 +19,7 @@ from verst.models.loader import drop_chat_template
 from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
+from verst.monitor.report import write_report
 from verst.schedules.trainer_setup import load_weights_into, open_trainer
 from verst.trainer import sft_loss_fn
 from verst.types import Sample, Status
@@ -83,6 +84,7 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     write_summary(run_dir, summary)
     print(f"[sft] held-out greedy {scored_by} {before[score]:.1%} -> {after[score]:.1%} "
           f"in {summary['time/total_s']:.0f} s; run directory {run_dir}", flush=True)
+    print(f"[sft] report {write_report(run_dir)}", flush=True)
     return summary, run_dir
 
 
