@@ -6,6 +6,8 @@ from `ClusterConfig` and shut down together in reverse order, even on failure.
         rollout = orch.start_rollout_manager(None, parts_factory)  # so does the manager's process
         trainer = orch.start_trainer(functools.partial(FSDP2Backend, cfg.model, cfg.trainer, device=orch.device))
         rollout.start(engines.wait_ready().urls)
+
+A trainer-only run (SFT over N ranks) passes `engines=False`: the placement holds the trainer ranks only.
 """
 
 from __future__ import annotations
@@ -51,10 +53,11 @@ class Orchestration:
         timeout_s: float = 600.0,
         start_timeout_s: float = 300.0,
         log_dir: str | Path | None = None,
+        engines: bool = True,
     ):
         check_schedule_placement(schedule, cluster.placement)
         check_engine_type(cluster.engine)
-        self.cluster, self.schedule = cluster, schedule
+        self.cluster, self.schedule, self.engines = cluster, schedule, engines
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.log_dir = Path(log_dir) if log_dir else None
         self.session: RaySession | None = None
@@ -96,6 +99,8 @@ class Orchestration:
     def start_engines(self, model: str | Path, *, args: list[str] | None = None, wait: bool = True) -> EngineActorGroup:
         """`cluster.num_engines` engine actors serving `model`; `args` go to the server command line.
         With `wait=False` the servers start in the background until `group.wait_ready()`."""
+        if not self.engines:
+            raise RuntimeError("this orchestration was planned without engines (engines=False)")
         group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
                                  startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait)
         self._stack.append(group)
@@ -133,7 +138,8 @@ class Orchestration:
 
     # ---- internals -----------------------------------------------------------------------
     def _plan(self, device: Literal["cpu", "cuda"]) -> BundlePlan:
-        return plan_bundles(self.cluster.placement, self.cluster.trainer_ranks, self.cluster.num_engines, device)
+        num_engines = self.cluster.num_engines if self.engines else 0
+        return plan_bundles(self.cluster.placement, self.cluster.trainer_ranks, num_engines, device)
 
     def _resolve_device(self) -> Literal["cpu", "cuda"]:
         gpus = ray.cluster_resources().get("GPU", 0.0)

@@ -1,5 +1,5 @@
 """Trainer ranks as Ray actors, each hosting one backend rank, and `TrainerActorGroup`, the driver's
-handle that runs every backend method on all ranks (the Ray twin of `verst.trainer.TrainerGroup`).
+handle that runs every backend method on all ranks: the one launcher of ranks (RL, and SFT over N > 1).
 
 Rank 0 also runs the weight syncer (pause → flush → push → version → continue): it holds the full
 weights after each gather, so buckets go from there to the engines without a trip through the driver,
@@ -62,7 +62,7 @@ class TrainerRank:
             torch.set_num_threads(1)  # one thread per rank; see PLATFORM.md
         _quiet_transformers()
         # Rank 0 serves the rendezvous store itself (the torchrun arrangement); the others connect.
-        init_process_group(self.rank, self.world_size, *rendezvous, device, timeout_s, host_store=True)
+        init_process_group(self.rank, self.world_size, *rendezvous, device, timeout_s)
         self.backend = factory()
         self.ready_at = time.time()  # wall clock: when the backend was built (the driver's start-up metric)
         return self.info()
@@ -82,9 +82,11 @@ class TrainerRank:
         return fn(self.backend, *args, **kwargs)
 
     def stream_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """Rank 0: yield each bucket (a Ray streaming generator: one object per bucket)."""
+        """Rank 0: yield each bucket (a Ray streaming generator: one object per bucket). Copies: the wire form
+        views a tensor's storage through NumPy, which makes it non-resizable, and a full weight may share
+        the storage FSDP frees (by resizing it) at the next reshard."""
         for bucket in self.backend.named_weights(bucket_bytes):
-            yield [(name, tensor.cpu()) for name, tensor in bucket]
+            yield [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
 
     def drain_weights(self, bucket_bytes: int) -> None:
         """Ranks > 0: take part in the gathers of `named_weights`, keeping nothing."""

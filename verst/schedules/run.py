@@ -303,7 +303,7 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
 
 def on_ranks(trainer: Any, path: str, *args: Any) -> Any:
     """`path(backend, *args)` next to the model: on every rank of a Ray rank group (`apply`, a collective
-    step; rank 0's result), or here against any other backend or handle (in-process, `TrainerGroup`)."""
+    step; rank 0's result), or here against any other backend or handle (in-process)."""
     step = functools.partial(call_path, path)
     if hasattr(trainer, "apply"):
         return trainer.apply(step, *args)[0]

@@ -7,7 +7,7 @@ ratio and PPO's clip), taken from the engine, or (`auto`, one step per batch) re
 step's own forward pass, detached, which is the same number without a second pass.
 
 In an RL run each trainer rank calls these on its own backend (`RLRun.train`, by import path); they
-also run against a driver-side handle of the ranks (`TrainerGroup`), as the component tests do.
+also run against an in-process backend, as the component tests do.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Layer 2: training backends behind the `TrainBackend` contract (FSDP2 first) and the launcher
-that starts their ranks; algorithm-agnostic (losses come in as `loss_fn` callables).
+"""Layer 2: training backends behind the `TrainBackend` contract (FSDP2 first); algorithm-agnostic
+(losses come in as `loss_fn` callables). Their ranks are started by `verst.orchestration`.
 
 Importing this package imports no torch; names resolve lazily, so driver-side code (rank handles,
 transports' types) stays light.
@@ -23,7 +23,6 @@ _EXPORTS = {
     "TrainItemError": "verst.trainer.items",
     "as_items": "verst.trainer.items",
     "make_items": "verst.trainer.items",
-    "TrainerGroup": "verst.trainer.launcher",
     "LossFn": "verst.trainer.losses",
     "Normalizer": "verst.trainer.losses",
     "count_policy_sequences": "verst.trainer.losses",

@@ -1,5 +1,5 @@
 """The TrainBackend contract: the handful of methods every training backend (FSDP2 now, Megatron
-later) offers to the schedules, the driver-side `TrainerGroup` and weight transports.
+later) offers to the schedules, the driver-side handle of N ranks and weight transports.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ class TrainBackend(Protocol):
 
 
 class CollectiveCalls:
-    """The TrainBackend methods of a driver-side handle of N ranks (`TrainerGroup`, the Ray actor
-    group): each runs on every rank through `self.call(method, ...)` and returns rank 0's result."""
+    """The TrainBackend methods of a driver-side handle of N ranks (the Ray rank actor
+    group, `verst.orchestration.TrainerActorGroup`): each runs on every rank through `self.call(method, ...)` and returns rank 0's result."""
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         raise NotImplementedError
