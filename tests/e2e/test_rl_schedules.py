@@ -170,8 +170,8 @@ print("steps", summary["train/steps"], "torch" in sys.modules)
 
 
 def test_the_driver_of_a_run_imports_no_torch(tiny_model_dir, addition_data_dir, tmp_path):
-    """The driver only sends groups and control calls: train steps and weight pushes run in the ranks, so
-    its imports stay off a small machine's start-up (and off a GPU cluster's head node)."""
+    """The driver only passes references to the groups and control calls: train steps and weight pushes
+    run in the ranks, so its imports stay off a small machine's start-up (and off a GPU cluster's head node)."""
     args = rl_args(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "fully_async", quiet=False)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", DRIVER_WITHOUT_TORCH, *args], capture_output=True, text=True,

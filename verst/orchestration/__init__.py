@@ -17,6 +17,7 @@ _EXPORTS = {
     "plan_bundles": "verst.orchestration.placement",
     "RaySession": "verst.orchestration.ray_session",
     "SLOT_RESOURCE": "verst.orchestration.ray_session",
+    "RolloutBatch": "verst.orchestration.rollout_manager",
     "RolloutEndpoints": "verst.orchestration.rollout_manager",
     "RolloutManager": "verst.orchestration.rollout_manager",
     "RolloutParts": "verst.orchestration.rollout_manager",

@@ -78,7 +78,10 @@ class TrainerRank:
         return attribute(*args, **kwargs) if callable(attribute) else attribute
 
     def apply(self, fn: Callable[..., Any], payload: tuple[tuple, dict]) -> Any:
+        """`fn(backend, *args, **kwargs)`; an object reference among `args` is resolved here (a rollout
+        batch goes from the object store straight to the ranks)."""
         args, kwargs = payload
+        args = tuple(ray.get(arg) if isinstance(arg, ray.ObjectRef) else arg for arg in args)
         return fn(self.backend, *args, **kwargs)
 
     def stream_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
@@ -194,7 +197,8 @@ class TrainerActorGroup(CollectiveCalls):
 
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run `fn(backend, *args, **kwargs)` on every rank (e.g. a weight transport's rank-side push);
-        `fn` must be picklable and collective-safe. Results by rank."""
+        `fn` must be picklable and collective-safe; each rank resolves an object reference in `args`.
+        Results by rank."""
         self._check_open(getattr(fn, "__name__", "apply"))
         payload = ray.put((args, kwargs))
         refs = {actor.apply.remote(fn, payload): rank for rank, actor in enumerate(self._actors)}

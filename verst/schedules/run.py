@@ -25,18 +25,15 @@ from verst.models import load_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
-from verst.orchestration import Orchestration, RouterSpec
+from verst.orchestration import Orchestration, RolloutBatch, RouterSpec
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
-from verst.rollout import prefix_cache_metrics, sample_metrics
 from verst.router.fleet import EngineFleet, IdleMeter
-from verst.types import Group
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
 # What every trainer rank runs on its own backend (by import path: the driver imports no torch). The
-# driver sends the groups; tensors are built, and advantages computed, next to the model.
-TRAIN_STEP = "verst.schedules.train_steps:train_on_groups"
-OLD_LOGPROBS = "verst.schedules.train_steps:old_logprob_arrays"
+# ranks fetch the groups; tensors are built, and advantages computed, next to the model.
+TRAIN_STEP = "verst.schedules.train_steps:train_rollout_step"
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -64,50 +61,41 @@ class RLRun:
     _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
 
     # -- named steps ---------------------------------------------------------------------------
-    async def generate(self, rollout_id: int) -> tuple[list[Group], dict[str, float]]:
-        groups = await asyncio.to_thread(self.rollout.generate_batch, rollout_id, self.version)
-        return groups, await asyncio.to_thread(self.rollout.metrics)
+    async def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """One rollout batch (its groups stay on the rollout side until the ranks fetch them) and its metrics."""
+        return await asyncio.to_thread(self.rollout.generate_train_batch, rollout_id, self.version)
 
-    async def take(self) -> tuple[list[Group], dict[str, float]]:
+    async def take(self) -> tuple[RolloutBatch, dict[str, float]]:
         """Fully async: one train step's groups from the buffer (stale ones are dropped there)."""
-        start, need, groups = time.perf_counter(), self.plan.groups_per_train_step, []
-        while len(groups) < need:
-            got = await asyncio.to_thread(self.rollout.take, need - len(groups), self.version, TAKE_TIMEOUT_S)
+        start, need, have = time.perf_counter(), self.plan.groups_per_train_step, 0
+        while have < need:
+            got = await asyncio.to_thread(self.rollout.take_into_batch, need - have, self.version, TAKE_TIMEOUT_S)
             if not got:
-                print(f"[rl] no finished group for {TAKE_TIMEOUT_S:.0f} s (have {len(groups)}/{need}); waiting", flush=True)
-            groups += got
-        metrics = await asyncio.to_thread(self.rollout.metrics)
-        metrics.update(batch_metrics(groups, self.cfg.reward.key))
+                print(f"[rl] no finished group for {TAKE_TIMEOUT_S:.0f} s (have {have}/{need}); waiting", flush=True)
+            have += got
+        batch, metrics = await asyncio.to_thread(self.rollout.taken_batch)
         metrics["perf/trainer_wait_s"] = time.perf_counter() - start
-        return groups, metrics
+        return batch, metrics
 
-    async def train(self, groups: list[Group]) -> AsyncIterator[dict[str, float]]:
+    async def train(self, batch: RolloutBatch) -> AsyncIterator[dict[str, float]]:
         """The optimizer steps on one rollout batch, `plan.groups_per_train_step` groups each, yielding each
-        step's metrics (the caller pushes weights in between). With more than one step, the old policy's
-        logprobs are taken before the first (see `train_steps`). Each runs in the trainer ranks. Colocated
-        engines free memory meanwhile."""
-        per_step, old, offset = self.plan.groups_per_train_step, None, 0
-        for first in range(0, len(groups), per_step):
-            step_groups = groups[first : first + per_step]
-            n_samples = sum(len(g) for g in step_groups)
+        step's metrics (the caller pushes weights in between). Each runs in the trainer ranks, which fetch
+        the batch at its first step and keep it, with the old policy's logprobs taken before that step when
+        it gets more than one (see `train_steps`). Colocated engines free memory meanwhile."""
+        for first in range(0, batch.num_groups, self.plan.groups_per_train_step):
             if self.cfg.cluster.placement == "colocated":
                 await self.settle_evaluation()  # it needs the engines' memory
                 await asyncio.to_thread(self.engines.release_memory)
             try:
                 start = time.perf_counter()
-                if first == 0 and len(groups) > per_step:
-                    old = await asyncio.to_thread(on_ranks, self.trainer, OLD_LOGPROBS, groups, self.cfg)
-                old_s = time.perf_counter() - start
-                rows = None if old is None else old[offset : offset + n_samples]
-                metrics = await asyncio.to_thread(on_ranks, self.trainer, TRAIN_STEP, step_groups, self.cfg, rows)
+                groups = batch.groups if first == 0 else None  # later steps use the ranks' copy
+                metrics = await asyncio.to_thread(on_ranks, self.trainer, TRAIN_STEP, groups, first, self.cfg)
                 metrics["time/train_s"] = time.perf_counter() - start  # with the trips to the ranks
             finally:
                 if self.cfg.cluster.placement == "colocated":
                     await asyncio.to_thread(self.engines.resume_memory)
-            metrics["time/logprob_s"] += old_s
             if self.version == 0:
                 metrics.update(trainer_startup_metrics(self.trainer, self.started_at))
-            offset += n_samples
             self.version += 1
             yield metrics
 
@@ -336,12 +324,6 @@ def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:
     if cfg.rollout.agent_fn is not None:
         return RouterSpec()
     return RouterSpec(policy="round_robin", assignment_mode="min_load")
-
-
-def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:
-    """`rollout/` metrics of the groups a train step consumes (the fully async path's view)."""
-    samples = [s for g in groups for s in g]
-    return {**sample_metrics(samples, key), **prefix_cache_metrics(samples)}
 
 
 @functools.lru_cache(maxsize=4)

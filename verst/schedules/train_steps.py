@@ -6,17 +6,19 @@ are recomputed once per rollout batch (every later step of the batch then sees a
 ratio and PPO's clip), taken from the engine, or (`auto`, one step per batch) read off the train
 step's own forward pass, detached, which is the same number without a second pass.
 
-In an RL run each trainer rank calls these on its own backend (`RLRun.train`, by import path); they
-also run against an in-process backend, as the component tests do.
+In an RL run each trainer rank calls `train_rollout_step` on its own backend (`RLRun.train`, by import
+path) and keeps the rollout batch, with its old logprobs, between the batch's steps; the steps also run
+against an in-process backend, as the component tests do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from verst.algo import aggregation_normalizer, compute_advantages, rl_loss
@@ -24,9 +26,8 @@ from verst.config import AlgorithmConfig, VerstConfig, batch_plan
 from verst.trainer import ROLLOUT_LOGPROBS, ForwardOutputs, MicroBatch, TrainBackend, make_items
 from verst.types import Group, Sample
 
-# Per sample of a rollout batch ([response_length] each; NumPy arrays when they travel through a driver
-# that imports no torch); None: each step's own forward.
-OldLogprobs = Sequence[torch.Tensor | np.ndarray] | None
+# Per sample of a rollout batch ([response_length] each); None: each step's own forward.
+OldLogprobs = Sequence[torch.Tensor] | None
 
 
 def old_logprob_source(cfg: VerstConfig) -> str:
@@ -51,12 +52,6 @@ def old_logprobs(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfi
     if source == "recompute":
         return trainer.logprobs(samples)
     return None
-
-
-def old_logprob_arrays(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig) -> list[np.ndarray] | None:
-    """`old_logprobs` as float32 NumPy arrays, the form in which a rank hands them to the driver."""
-    old = old_logprobs(trainer, groups, cfg)
-    return None if old is None else [t.detach().float().cpu().numpy() for t in old]
 
 
 def rl_loss_fn(
@@ -117,4 +112,42 @@ def train_on_groups(
     metrics["time/logprob_s"] = logprob_s
     metrics["time/train_s"] = time.perf_counter() - start
     metrics["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
+    return metrics
+
+
+@dataclasses.dataclass
+class _KeptBatch:
+    groups: list[Group]
+    old: OldLogprobs  # the whole batch's, when it gets several steps; else None (each step takes its own)
+
+
+# The rollout batch each backend is training on, kept between its optimizer steps: in an RL run each
+# rank holds its own, so the groups arrive once and the old logprobs never leave the rank.
+_kept: weakref.WeakKeyDictionary[TrainBackend, _KeptBatch] = weakref.WeakKeyDictionary()
+
+
+def train_rollout_step(
+    trainer: TrainBackend, batch: Sequence[Group] | None, first: int, cfg: VerstConfig
+) -> dict[str, float]:
+    """One optimizer step on groups [first, first + groups_per_train_step) of a rollout batch. Its first
+    step passes the `batch`, kept here for the later ones (which pass None) with, when it gets more than
+    one step, the old policy's logprobs taken now, before the first."""
+    per_step, start = batch_plan(cfg).groups_per_train_step, time.perf_counter()
+    if batch is not None:
+        groups = list(batch)
+        _kept[trainer] = _KeptBatch(groups, old_logprobs(trainer, groups, cfg) if len(groups) > per_step else None)
+    kept = _kept.get(trainer)
+    if kept is None:
+        raise RuntimeError(f"train_rollout_step: no rollout batch kept for the step at group {first}; "
+                           "the batch's first step passes it")
+    old_s = time.perf_counter() - start
+    step_groups = kept.groups[first : first + per_step]
+    rows = None
+    if kept.old is not None:
+        offset = sum(len(g) for g in kept.groups[:first])
+        rows = kept.old[offset : offset + sum(len(g) for g in step_groups)]
+    metrics = train_on_groups(trainer, step_groups, cfg, rows)
+    metrics["time/logprob_s"] += old_s
+    if first + per_step >= len(kept.groups):
+        del _kept[trainer]  # the batch's last step
     return metrics
