@@ -14,7 +14,7 @@ from verst.config.schema import ClusterConfig
 from verst.orchestration import Orchestration, RaySession, RolloutBatch
 from verst.schedules.trainer_setup import open_trainer
 from verst.schedules.run import RLRun
-from verst.trainer import FSDP2Backend
+from verst.trainer import FSDP2Backend, InProcessRank
 from verst.schedules.train_steps import old_logprob_source, old_logprobs, train_on_groups
 from verst.types import Sample, Status
 
@@ -105,11 +105,12 @@ def object_store_batch(groups):
     return RolloutBatch(ray.put(groups), len(groups))
 
 
-@pytest.mark.parametrize("start_trainer, make_batch", [
-    (lambda cfg: open_trainer(cfg, total_steps=2), in_process_batch),
-    (lambda cfg: ray_rank(cfg, total_steps=2), object_store_batch),
+@pytest.mark.parametrize("start_trainer, as_ranks, make_batch", [
+    (lambda cfg: open_trainer(cfg, total_steps=2), InProcessRank, in_process_batch),
+    (lambda cfg: ray_rank(cfg, total_steps=2), lambda group: group, object_store_batch),
 ], ids=["in_process", "ray_rank"])
-def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_model_dir, start_trainer, make_batch):
+def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_model_dir, start_trainer, as_ranks,
+                                                                        make_batch):
     """Two optimizer steps per rollout batch: the old logprobs are taken once, before the first step, and
     kept with the batch where the steps run (in this process, or on the rank, which receives the groups
     once), so the second step's importance ratios differ from 1 (PPO's clip can act), as in Miles."""
@@ -124,7 +125,7 @@ def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_mod
         return [m async for m in RLRun.train(run, batch)]
 
     with start_trainer(cfg) as trainer:
-        run.trainer = trainer
+        run.trainer = as_ranks(trainer)
         _on_policy(trainer, groups)
         first, second = asyncio.run(steps(make_batch(groups)))
     assert run.version == 2

@@ -61,3 +61,26 @@ def test_the_rollout_side_module_loads_without_the_trainer_stack():
     code = ("import sys, verst.schedules.rollout_side; "
             "print(sorted(m for m in ('torch', 'ray', 'verst.trainer', 'verst.sync') if m in sys.modules))")
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "[]"
+
+
+def test_the_run_handles_offer_what_their_protocols_ask():
+    """`RLRun`'s fields are typed by protocols; the Ray handles of an RL run (and the in-process rank)
+    have every member those protocols name."""
+    from verst.orchestration import EngineMemory, RolloutSource, WeightPush
+    from verst.orchestration.cluster import RolloutManagerHandle
+    from verst.orchestration.engine_actors import EngineActorGroup
+    from verst.orchestration.trainer_actors import TrainerActorGroup
+    from verst.orchestration.weight_sync import TrainerWeightSync
+    from verst.trainer import InProcessRank, TrainerRanks
+
+    def members(protocol):
+        names = set(protocol.__annotations__) | {n for n in vars(protocol) if not n.startswith("_")}
+        return names - {"mro"}
+
+    for protocol, handles in [(TrainerRanks, [TrainerActorGroup, InProcessRank]), (EngineMemory, [EngineActorGroup]),
+                              (RolloutSource, [RolloutManagerHandle]), (WeightPush, [TrainerWeightSync])]:
+        for handle in handles:
+            # a member is a class attribute or one `__init__` sets
+            missing = {n for n in members(protocol)
+                       if not hasattr(handle, n) and n not in handle.__init__.__code__.co_names}
+            assert not missing, (protocol.__name__, handle.__name__, missing)

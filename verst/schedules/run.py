@@ -25,10 +25,11 @@ from verst.models import load_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
-from verst.orchestration import Orchestration, RolloutBatch, RouterSpec
+from verst.orchestration import EngineMemory, Orchestration, RolloutBatch, RolloutSource, RouterSpec, WeightPush
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.router.fleet import EngineFleet, IdleMeter
+from verst.trainer.backend import TrainerRanks
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
 # What every trainer rank runs on its own backend (by import path: the driver imports no torch). The
@@ -46,10 +47,10 @@ class RLRun:
     plan: BatchPlan
     run_dir: Path
     logger: MetricsLogger
-    trainer: Any  # TrainerActorGroup: FSDP2 rank actors
-    engines: Any  # EngineActorGroup
-    rollout: Any  # RolloutManagerHandle
-    syncer: Any  # TrainerWeightSync: pushes run in trainer rank 0
+    trainer: TrainerRanks  # FSDP2 rank actors
+    engines: EngineMemory
+    rollout: RolloutSource  # the rollout manager actor
+    syncer: WeightPush  # pushes run in trainer rank 0
     router_url: str  # the router, or the one engine when there is no router (cluster.router)
     idle_meter: IdleMeter
     progress: RunProgress
@@ -289,19 +290,15 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
     })
 
 
-def on_ranks(trainer: Any, path: str, *args: Any) -> Any:
-    """`path(backend, *args)` next to the model: on every rank of a Ray rank group (`apply`, a collective
-    step; rank 0's result), or here against any other backend or handle (in-process)."""
-    step = functools.partial(call_path, path)
-    if hasattr(trainer, "apply"):
-        return trainer.apply(step, *args)[0]
-    return step(trainer, *args)
+def on_ranks(trainer: TrainerRanks, path: str, *args: Any) -> Any:
+    """`path(backend, *args)` next to the model, on every rank (a collective step); rank 0's result."""
+    return trainer.apply(functools.partial(call_path, path), *args)[0]
 
 
-def trainer_startup_metrics(trainer: Any, started_at: float) -> dict[str, float]:
+def trainer_startup_metrics(trainer: TrainerRanks, started_at: float) -> dict[str, float]:
     """`time/startup/trainer_s`: from the run's start (wall clock) until the last trainer rank had built its
     backend; nothing for a backend without rank infos (in this process)."""
-    infos = getattr(trainer, "infos", None)
+    infos = trainer.infos
     if not infos:
         return {}
     return {"time/startup/trainer_s": max(info["ready_at"] for info in infos) - started_at}

@@ -12,8 +12,10 @@ from verst.config.imports import lazy_exports
 _EXPORTS = {
     "Batch": "verst.trainer.backend",
     "CollectiveCalls": "verst.trainer.backend",
+    "InProcessRank": "verst.trainer.backend",
     "RankError": "verst.trainer.backend",
     "TrainBackend": "verst.trainer.backend",
+    "TrainerRanks": "verst.trainer.backend",
     "WeightBucket": "verst.trainer.backend",
     "ForwardOutputs": "verst.trainer.batching",
     "MicroBatch": "verst.trainer.batching",

@@ -4,7 +4,7 @@ later) offers to the schedules, the driver-side handle of N ranks and weight tra
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -70,6 +70,32 @@ class TrainBackend(Protocol):
     def export_hf(self, directory: str | Path) -> None:
         """A checkpoint `transformers` loads, with the source model's tokenizer files copied."""
         ...
+
+
+class TrainerRanks(Protocol):
+    """The driver's handle of the trainer ranks as an RL run uses it: functions that run next to the model
+    (the Ray rank group, `verst.orchestration.TrainerActorGroup`, or `InProcessRank`)."""
+
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """`fn(backend, *args, **kwargs)` on every rank (collective); the results, by rank."""
+        ...
+
+    @property
+    def infos(self) -> list[dict[str, Any]]:
+        """Per rank: at least `ready_at` (wall clock, backend built); empty where there is no start-up."""
+        ...
+
+
+class InProcessRank:
+    """A backend in this process as `TrainerRanks`: one rank, already built."""
+
+    infos: list[dict[str, Any]] = []
+
+    def __init__(self, backend: TrainBackend):
+        self.backend = backend
+
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return [fn(self.backend, *args, **kwargs)]
 
 
 class CollectiveCalls:
