@@ -11,12 +11,11 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
-from verst.config.imports import call_path
 from verst.data import load_prompts_from_config
 from verst.engine.client import EngineClient
 from verst.eval import engine_greedy_generate, evaluate_greedy
@@ -28,13 +27,11 @@ from verst.monitor.report import write_report
 from verst.orchestration import EngineMemory, Orchestration, RolloutBatch, RolloutSource, RouterSpec, WeightPush
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
+from verst.schedules.train_steps import train_rollout_step
 from verst.router.fleet import EngineFleet, IdleMeter
-from verst.trainer.backend import TrainerRanks
+from verst.trainer.backend import TrainerRanks, fsdp2_backend
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
-# What every trainer rank runs on its own backend (by import path: the driver imports no torch). The
-# ranks fetch the groups; tensors are built, and advantages computed, next to the model.
-TRAIN_STEP = "verst.schedules.train_steps:train_rollout_step"
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -90,7 +87,8 @@ class RLRun:
             try:
                 start = time.perf_counter()
                 groups = batch.groups if first == 0 else None  # later steps use the ranks' copy
-                metrics = await asyncio.to_thread(on_ranks, self.trainer, TRAIN_STEP, groups, first, self.cfg)
+                # Tensors are built, and advantages computed, next to the model.
+                metrics = await asyncio.to_thread(on_ranks, self.trainer, train_rollout_step, groups, first, self.cfg)
                 metrics["time/train_s"] = time.perf_counter() - start  # with the trips to the ranks
             finally:
                 if self.cfg.cluster.placement == "colocated":
@@ -215,9 +213,9 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs") as orch:
         clock.lap("ray")
         # The trainer ranks, the slowest to start, are created first: they get the worker processes Ray has
-        # already started. The backend class goes by import path: the driver never imports torch.
+        # already started. The factory imports the backend (and torch) in the ranks only.
         trainer = orch.start_trainer(functools.partial(
-            call_path, "verst.trainer.fsdp:FSDP2Backend", cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
+            fsdp2_backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
             temperature=temperature, device=orch.device,
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
@@ -290,9 +288,9 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
     })
 
 
-def on_ranks(trainer: TrainerRanks, path: str, *args: Any) -> Any:
-    """`path(backend, *args)` next to the model, on every rank (a collective step); rank 0's result."""
-    return trainer.apply(functools.partial(call_path, path), *args)[0]
+def on_ranks(trainer: TrainerRanks, step: Callable[..., Any], *args: Any) -> Any:
+    """`step(backend, *args)` next to the model, on every rank (a collective step); rank 0's result."""
+    return trainer.apply(step, *args)[0]
 
 
 def trainer_startup_metrics(trainer: TrainerRanks, started_at: float) -> dict[str, float]:

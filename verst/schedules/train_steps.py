@@ -6,9 +6,10 @@ are recomputed once per rollout batch (every later step of the batch then sees a
 ratio and PPO's clip), taken from the engine, or (`auto`, one step per batch) read off the train
 step's own forward pass, detached, which is the same number without a second pass.
 
-In an RL run each trainer rank calls `train_rollout_step` on its own backend (`RLRun.train`, by import
-path) and keeps the rollout batch, with its old logprobs, between the batch's steps; the steps also run
-against an in-process backend, as the component tests do.
+In an RL run each trainer rank calls `train_rollout_step` on its own backend (`RLRun.train` passes the
+function; Ray pickles it by reference) and keeps the rollout batch, with its old logprobs, between the
+batch's steps; the steps also run against an in-process backend, as the component tests do. torch is
+imported inside the functions: the driver imports this module, and no torch.
 """
 
 from __future__ import annotations
@@ -18,16 +19,19 @@ import functools
 import time
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-
-from verst.algo import aggregation_normalizer, compute_advantages, rl_loss
 from verst.config import AlgorithmConfig, VerstConfig, batch_plan
-from verst.trainer import ROLLOUT_LOGPROBS, ForwardOutputs, MicroBatch, TrainBackend, make_items
+from verst.trainer.backend import TrainBackend
 from verst.types import Group, Sample
 
+if TYPE_CHECKING:
+    import torch
+
+    from verst.trainer import ForwardOutputs, MicroBatch
+
 # Per sample of a rollout batch ([response_length] each); None: each step's own forward.
-OldLogprobs = Sequence[torch.Tensor] | None
+OldLogprobs = Sequence["torch.Tensor"] | None
 
 
 def old_logprob_source(cfg: VerstConfig) -> str:
@@ -45,6 +49,8 @@ def old_logprob_source(cfg: VerstConfig) -> str:
 def old_logprobs(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig) -> OldLogprobs:
     """The old policy's logprobs of every sample of a rollout batch, in order; call it before the
     batch's first optimizer step. None when each step reads them off its own forward pass."""
+    import torch
+
     samples = [s for g in groups for s in g]
     source = old_logprob_source(cfg)
     if source == "rollout":
@@ -59,6 +65,9 @@ def rl_loss_fn(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The backend's loss fn for RL: `algo.rl_loss` over one micro-batch (picklable via partial). The old
     logprobs are the batch's `old_logprobs`, or with `old_from_forward` this forward's own, detached."""
+    from verst.algo import rl_loss
+    from verst.trainer import ROLLOUT_LOGPROBS
+
     extras = batch.extras
     old = outputs.logprobs.detach() if old_from_forward else batch["old_logprobs"]
     return rl_loss(
@@ -69,6 +78,8 @@ def rl_loss_fn(
 
 
 def _pad(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor]) -> torch.Tensor:
+    import torch
+
     width = max((len(r) for r in rows), default=0)
     out = torch.zeros(len(rows), width)  # [batch, max_resp]
     for i, r in enumerate(rows):
@@ -82,6 +93,11 @@ def train_on_groups(
     """One optimizer step on whole groups: reference logprobs → advantages → loss → step. `old` are the
     groups' old-policy logprobs from `old_logprobs` (computed here when None and the source is not the
     step's own forward: a batch that gets one step)."""
+    import torch
+
+    from verst.algo import aggregation_normalizer, compute_advantages
+    from verst.trainer import make_items
+
     algo = cfg.algorithm
     samples: list[Sample] = [s for g in groups for s in g]
     start = time.perf_counter()

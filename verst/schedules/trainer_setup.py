@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.trainer import FSDP2Backend, TrainBackend, WeightBucket
+from verst.trainer import TrainBackend, WeightBucket, fsdp2_backend
 
 
 @contextlib.contextmanager
@@ -19,7 +19,7 @@ def open_trainer(cfg: VerstConfig, total_steps: int, temperature: float = 1.0,
 
     `temperature` must be the sampling temperature in RL, so recomputed logprobs match the engine's.
     """
-    factory = functools.partial(FSDP2Backend, cfg.model, cfg.trainer, total_steps=total_steps,
+    factory = functools.partial(fsdp2_backend, cfg.model, cfg.trainer, total_steps=total_steps,
                                 temperature=temperature, ref_model_path=ref_model_path)
     if cfg.cluster.trainer_ranks == 1:
         yield factory(device=cfg.cluster.device)

@@ -16,6 +16,7 @@ _EXPORTS = {
     "RankError": "verst.trainer.backend",
     "TrainBackend": "verst.trainer.backend",
     "TrainerRanks": "verst.trainer.backend",
+    "fsdp2_backend": "verst.trainer.backend",
     "WeightBucket": "verst.trainer.backend",
     "ForwardOutputs": "verst.trainer.batching",
     "MicroBatch": "verst.trainer.batching",

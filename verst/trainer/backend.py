@@ -129,3 +129,11 @@ class CollectiveCalls:
 
     def export_hf(self, directory: str | Path) -> None:
         self.call("export_hf", str(directory))
+
+
+def fsdp2_backend(*args: Any, **kwargs: Any) -> TrainBackend:
+    """`FSDP2Backend(*args, **kwargs)`, imported when called: a factory a torch-free driver hands the
+    ranks (`functools.partial(fsdp2_backend, model_cfg, trainer_cfg, ...)`), which import torch there."""
+    from verst.trainer.fsdp import FSDP2Backend
+
+    return FSDP2Backend(*args, **kwargs)
