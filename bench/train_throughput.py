@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from verst.config.schema import ModelConfig, TrainerConfig  # noqa: E402
+from verst.config.schema import ClusterConfig, ModelConfig, TrainerConfig  # noqa: E402
 from verst.models.factory import init_model  # noqa: E402
-from verst.trainer import FSDP2Backend, TrainerGroup, TrainItem, sft_loss_fn  # noqa: E402
+from verst.orchestration import Orchestration  # noqa: E402
+from verst.trainer import FSDP2Backend, TrainItem, sft_loss_fn  # noqa: E402
 
 
 def make_batch(n: int, seed: int, vocab: int) -> list[TrainItem]:
@@ -126,7 +127,9 @@ def main() -> None:
         )
         model = optimizer = backend = None  # free the 1-rank copies before starting two ranks
         factory = functools.partial(FSDP2Backend, model_cfg, trainer_cfg, device="cpu")
-        with TrainerGroup(factory, world_size=2) as group:
+        # Two rank actors on a local Ray, as `verst sft` starts them with cluster.trainer_ranks = 2.
+        with Orchestration(ClusterConfig(trainer_ranks=2, device="cpu"), engines=False) as orch:
+            group = orch.start_trainer(factory)
             two_rank = interleaved({"verst2": lambda: group.train_step(items, sft_loss_fn)}, args.steps)["verst2"]
 
     (plain_s, plain_cpu), (verst_s, verst_cpu) = one_rank["plain"], one_rank["verst"]

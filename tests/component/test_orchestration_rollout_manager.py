@@ -94,6 +94,29 @@ def test_the_manager_hosts_the_fully_async_worker():
     asyncio.run(main())
 
 
+def test_a_train_batch_is_assembled_from_takes_and_handed_over_with_its_metrics():
+    """The fully async driver reads counts while the groups gather in the manager, then one summary."""
+    def factory(endpoints):
+        parts = parts_factory([])(endpoints)
+        parts.batch_metrics = lambda groups: {"rollout/groups": float(len(groups))}
+        return parts
+
+    async def main():
+        manager = RolloutManager(["http://e"], factory, router=None)
+        await manager.start()
+        await manager.start_async()
+        assert await manager.take_into_batch(2, version=3, timeout=10) == 2
+        assert await manager.take_into_batch(1, version=3, timeout=10) == 1
+        groups, (count, metrics) = await manager.taken_batch()
+        assert [g[0].group_index for g in groups] == [0, 1, 2] and count == 3
+        assert metrics["rollout/groups"] == 3.0 and "buffer/staleness_max" in metrics
+        groups, (count, _) = await manager.taken_batch()  # a new batch began
+        assert groups == [] and count == 0
+        await manager.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_sync_set_up_serves_generate_batch_and_refuses_the_worker_calls():
     async def generate_batch(rollout_id, weight_version):
         return [[Sample(tokens=[1], metadata={"rollout": rollout_id, "version": weight_version})]]
@@ -104,6 +127,8 @@ def test_a_sync_set_up_serves_generate_batch_and_refuses_the_worker_calls():
         await manager.start()
         groups = await manager.generate_batch(5, 2)
         assert groups[0][0].metadata == {"rollout": 5, "version": 2}
+        groups, summary = await manager.generate_train_batch(6, 3)  # a train batch: the groups and a summary
+        assert groups[0][0].metadata == {"rollout": 6, "version": 3} and summary == (1, {})
         for call in (manager.start_async(), manager.pause(), manager.take(1, 0)):
             with pytest.raises(RuntimeError, match="no fully async worker"):
                 await call

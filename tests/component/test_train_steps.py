@@ -1,6 +1,8 @@
 """The RL train step over a real 1-rank backend: on-policy invariants and metric wiring."""
 
 import asyncio
+import contextlib
+import functools
 import random
 from types import SimpleNamespace
 
@@ -8,8 +10,11 @@ import pytest
 import torch
 
 from verst.config import batch_plan, load_config
+from verst.config.schema import ClusterConfig
+from verst.orchestration import Orchestration, RaySession, RolloutBatch
 from verst.schedules.trainer_setup import open_trainer
 from verst.schedules.run import RLRun
+from verst.trainer import FSDP2Backend, InProcessRank
 from verst.schedules.train_steps import old_logprob_source, old_logprobs, train_on_groups
 from verst.types import Sample, Status
 
@@ -80,9 +85,35 @@ def test_reading_old_logprobs_off_the_step_forward_equals_recomputing_them(tiny_
         torch.testing.assert_close(w_forward[name], w_recompute[name], rtol=1e-5, atol=1e-6)
 
 
-def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_model_dir):
-    """Two optimizer steps per rollout batch: the old logprobs are taken once, before the first step,
-    so the second step's importance ratios differ from 1 (PPO's clip can act), as in Miles."""
+@contextlib.contextmanager
+def ray_rank(cfg, total_steps):
+    """One trainer rank actor on a local Ray (as an RL run starts it), and a batch's groups go to it as an
+    object reference, which the rank resolves."""
+    with RaySession(slots=1, log_to_driver=False), \
+            Orchestration(ClusterConfig(trainer_ranks=1, device="cpu"), engines=False, timeout_s=120) as orch:
+        yield orch.start_trainer(functools.partial(FSDP2Backend, cfg.model, cfg.trainer, total_steps=total_steps,
+                                                   device="cpu"))
+
+
+def in_process_batch(groups):
+    return RolloutBatch(groups, len(groups))
+
+
+def object_store_batch(groups):
+    import ray
+
+    return RolloutBatch(ray.put(groups), len(groups))
+
+
+@pytest.mark.parametrize("start_trainer, as_ranks, make_batch", [
+    (lambda cfg: open_trainer(cfg, total_steps=2), InProcessRank, in_process_batch),
+    (lambda cfg: ray_rank(cfg, total_steps=2), lambda group: group, object_store_batch),
+], ids=["in_process", "ray_rank"])
+def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_model_dir, start_trainer, as_ranks,
+                                                                        make_batch):
+    """Two optimizer steps per rollout batch: the old logprobs are taken once, before the first step, and
+    kept with the batch where the steps run (in this process, or on the rank, which receives the groups
+    once), so the second step's importance ratios differ from 1 (PPO's clip can act), as in Miles."""
     cfg = load_config(None, ["--model.path", str(tiny_model_dir), "--trainer.lr", "3e-2",
                              "--rollout.batch-size", "4", "--rollout.n-samples-per-prompt", "4",
                              "--trainer.global-batch-size", "8"])
@@ -90,13 +121,13 @@ def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_mod
     groups = make_groups(4, 4, seed=2)
     run = SimpleNamespace(cfg=cfg, plan=batch_plan(cfg), trainer=None, engines=None, version=0, started_at=0.0)
 
-    async def steps() -> list[dict[str, float]]:
-        return [m async for m in RLRun.train(run, groups)]
+    async def steps(batch) -> list[dict[str, float]]:
+        return [m async for m in RLRun.train(run, batch)]
 
-    with open_trainer(cfg, total_steps=2) as trainer:
-        run.trainer = trainer
+    with start_trainer(cfg) as trainer:
+        run.trainer = as_ranks(trainer)
         _on_policy(trainer, groups)
-        first, second = asyncio.run(steps())
+        first, second = asyncio.run(steps(make_batch(groups)))
     assert run.version == 2
     assert first["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy has not moved yet
     assert abs(second["train/ppo_kl"]) > 1e-4  # it has, by the first step (a per-step recompute gives 0 here)

@@ -44,7 +44,9 @@ def rl_config(tmp_path, model_dir, data_dir, *overrides):
     return load_config(None, rl_args(tmp_path, model_dir, data_dir, *overrides))
 
 
-def rl_args(tmp_path, model_dir, data_dir, *overrides):
+def rl_args(tmp_path, model_dir, data_dir, *overrides, quiet=True):
+    """quiet: no TensorBoard files and no progress display (both on by default)."""
+    logging = ["--logging.tensorboard", "false", "--logging.progress", "false"] if quiet else []
     return [
         "--name", "e2e", "--run-dir", str(tmp_path / "run"),
         "--model.path", str(model_dir),
@@ -52,8 +54,7 @@ def rl_args(tmp_path, model_dir, data_dir, *overrides):
         "--data.apply-chat-template", "false",
         "--rollout.batch-size", "4", "--rollout.n-samples-per-prompt", "4", "--rollout.num-rollouts", "2",
         "--rollout.max-response-tokens", "4", "--trainer.lr", "1e-4",
-        "--eval.max-prompts", "8", "--logging.tensorboard", "false", "--logging.progress", "false",
-        *overrides,
+        "--eval.max-prompts", "8", *logging, *overrides,
     ]
 
 
@@ -171,11 +172,12 @@ print("steps", summary["train/steps"], "torch" in sys.modules)
 
 
 def test_the_driver_of_a_run_imports_no_torch(tiny_model_dir, addition_data_dir, tmp_path):
-    """The driver only sends groups and control calls: train steps and weight pushes run in the ranks, so
-    its imports stay off a small machine's start-up (and off a GPU cluster's head node)."""
-    args = rl_args(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "fully_async")
+    """The driver only passes references to the groups and control calls: train steps and weight pushes
+    run in the ranks, so its imports stay off a small machine's start-up (and off a GPU cluster's head node)."""
+    args = rl_args(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "fully_async", quiet=False)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", DRIVER_WITHOUT_TORCH, *args], capture_output=True, text=True,
                           timeout=280, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == "steps 2 False"
+    assert any((tmp_path / "run" / "tensorboard").iterdir())  # the default sinks wrote without torch

@@ -51,6 +51,20 @@ def test_a_model_trained_on_raw_prompts_is_exported_without_chat_template(tiny_m
     assert "chat_template" in json.loads((tiny_model_dir / "tokenizer_config.json").read_text())  # source intact
 
 
+def test_sft_over_two_rank_actors(tiny_model_dir, addition_data_dir, tmp_path):
+    """cluster.trainer_ranks = 2: the ranks start as Ray actors on a local Ray; evaluations read their
+    weights, and the checkpoint and export come from them."""
+    run = tmp_path / "run"
+    rc = main(sft_args(tiny_model_dir, addition_data_dir, run, "--sft.num-steps", "2", "--sft.batch-size", "8",
+                       "--eval.max-prompts", "4", "--cluster.trainer-ranks", "2", "--cluster.device", "cpu"))
+    assert rc == 0
+    records = read_metrics(run)
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
+    assert all(r["train/grad_norm"] > 0 for r in records if "train/loss" in r)
+    assert any((run / "checkpoint").iterdir())
+    assert load_model(run / "hf").config.vocab_size == 265
+
+
 @pytest.mark.slow
 def test_sft_recipe_reaches_accuracy_target(tiny_model_dir, addition_data_dir, tmp_path):
     """The [trainer] acceptance: the addition SFT recipe lifts held-out accuracy from ~0 to >= 15%."""

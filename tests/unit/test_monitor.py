@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +20,9 @@ def test_run_dir_metrics_summary_and_report(tmp_path, capsys):
     records = read_metrics(run)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[2]["train/loss"] == pytest.approx(1 / 3)
-    assert any((run / "tensorboard").iterdir())
+    assert tensorboard_scalars(run / "tensorboard") == {
+        (step, "train/loss"): pytest.approx(1.0 / (step + 1)) for step in range(3)
+    } | {(step, "rollout/reward_mean"): pytest.approx(0.1 * step) for step in range(3)}
     write_summary(run, {"eval/accuracy_after": 0.5, "bad": float("nan")})
     assert json.loads((run / "summary.json").read_text())["eval/accuracy_after"] == 0.5
 
@@ -28,6 +32,28 @@ def test_run_dir_metrics_summary_and_report(tmp_path, capsys):
     text = report.read_text()
     assert "<h2>Overview</h2>" in text and 'id="reward"' in text and 'id="m-train-loss"' in text
     assert "eval/accuracy_after" in text and "Plotly.newPlot" in text  # plotly.js inline: one file
+
+
+def tensorboard_scalars(log_dir):
+    """{(step, tag): value} of every scalar in the run's event files, read by TensorBoard's own loader."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    scalars = {}
+    for path in log_dir.iterdir():
+        for event in LegacyEventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                scalars[event.step, value.tag] = value.simple_value
+    return scalars
+
+
+def test_the_tensorboard_sink_imports_no_torch(tmp_path):
+    code = ("import sys; from verst.monitor import MetricsLogger; "
+            f"logger = MetricsLogger.for_run({str(tmp_path)!r}, tensorboard=True); "
+            "logger.log({'train/loss': 0.5}, step=1); logger.close(); print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+    assert tensorboard_scalars(tmp_path / "tensorboard") == {(1, "train/loss"): 0.5}
 
 
 def test_logger_rejects_bad_keys_and_values(tmp_path):

@@ -61,3 +61,39 @@ def test_the_rollout_side_module_loads_without_the_trainer_stack():
     code = ("import sys, verst.schedules.rollout_side; "
             "print(sorted(m for m in ('torch', 'ray', 'verst.trainer', 'verst.sync') if m in sys.modules))")
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "[]"
+
+
+def test_the_driver_hands_the_ranks_objects_without_importing_torch():
+    """The train step and the backend factory go to the ranks as functions (pickled by reference); their
+    modules import torch only when called, so the driver of a run loads none."""
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys; from verst.schedules import run, sync, one_step_off, fully_async, trainer_setup; "
+            "from verst.schedules.train_steps import train_rollout_step; from verst.trainer import fsdp2_backend; "
+            "assert pickle.loads(pickle.dumps(train_rollout_step)) is train_rollout_step; "
+            "assert pickle.loads(pickle.dumps(fsdp2_backend)) is fsdp2_backend; print('torch' in sys.modules)")
+    assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
+
+
+def test_the_run_handles_offer_what_their_protocols_ask():
+    """`RLRun`'s fields are typed by protocols; the Ray handles of an RL run (and the in-process rank)
+    have every member those protocols name."""
+    from verst.orchestration import EngineMemory, RolloutSource, WeightPush
+    from verst.orchestration.cluster import RolloutManagerHandle
+    from verst.orchestration.engine_actors import EngineActorGroup
+    from verst.orchestration.trainer_actors import TrainerActorGroup
+    from verst.orchestration.weight_sync import TrainerWeightSync
+    from verst.trainer import InProcessRank, TrainerRanks
+
+    def members(protocol):
+        names = set(protocol.__annotations__) | {n for n in vars(protocol) if not n.startswith("_")}
+        return names - {"mro"}
+
+    for protocol, handles in [(TrainerRanks, [TrainerActorGroup, InProcessRank]), (EngineMemory, [EngineActorGroup]),
+                              (RolloutSource, [RolloutManagerHandle]), (WeightPush, [TrainerWeightSync])]:
+        for handle in handles:
+            # a member is a class attribute or one `__init__` sets
+            missing = {n for n in members(protocol)
+                       if not hasattr(handle, n) and n not in handle.__init__.__code__.co_names}
+            assert not missing, (protocol.__name__, handle.__name__, missing)

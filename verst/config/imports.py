@@ -32,13 +32,6 @@ def load_object(path: str, field: str = "import path") -> Any:
     return obj
 
 
-def call_path(path: str, *args: Any, **kwargs: Any) -> Any:
-    """Call the object at import path `path`. `functools.partial(call_path, "pkg.mod:fn", ...)` is a picklable
-    reference that imports `pkg.mod` only where it is called: a driver that imports no torch can hand a
-    trainer rank its backend class or its train step this way."""
-    return load_object(path)(*args, **kwargs)
-
-
 def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
     """A module `__getattr__` that imports `exports[name]` (a module path) on first use, so importing
     the package stays cheap (no torch, no Ray) for callers that touch only its light parts."""

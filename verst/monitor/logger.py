@@ -36,25 +36,23 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """torch's SummaryWriter, opened at the first write: it imports torch, which a driver that has not
-    needed torch yet (an RL run's, while Ray starts) would otherwise load in front of everything."""
+    """TensorBoard's own event-file writer, which needs no torch: a run's driver never imports torch."""
 
     def __init__(self, run_dir: Path):
-        self._log_dir = str(Path(run_dir) / "tensorboard")
-        self._writer: Any = None
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._writer = EventFileWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
 
-            self._writer = SummaryWriter(log_dir=self._log_dir)
-        for key, value in metrics.items():
-            self._writer.add_scalar(key, value, step)
+        values = [Summary.Value(tag=key, simple_value=value) for key, value in metrics.items()]
+        self._writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
         self._writer.flush()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        self._writer.close()
 
 
 class WandbSink:

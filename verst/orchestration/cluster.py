@@ -6,6 +6,8 @@ from `ClusterConfig` and shut down together in reverse order, even on failure.
         rollout = orch.start_rollout_manager(None, parts_factory)  # so does the manager's process
         trainer = orch.start_trainer(functools.partial(FSDP2Backend, cfg.model, cfg.trainer, device=orch.device))
         rollout.start(engines.wait_ready().urls)
+
+A trainer-only run (SFT over N ranks) passes `engines=False`: the placement holds the trainer ranks only.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from verst.config.schema import ClusterConfig
 from verst.orchestration.engine_actors import EngineActorGroup, check_engine_type
 from verst.orchestration.placement import BundlePlan, Placement, plan_bundles
 from verst.orchestration.ray_session import RaySession
-from verst.orchestration.rollout_manager import PartsFactory, RolloutManager, RouterSpec
+from verst.orchestration.rollout_manager import PartsFactory, RolloutBatch, RolloutManager, RouterSpec
 from verst.types import Group
 
 FULLY_ASYNC_COLOCATED = (
@@ -51,10 +53,11 @@ class Orchestration:
         timeout_s: float = 600.0,
         start_timeout_s: float = 300.0,
         log_dir: str | Path | None = None,
+        engines: bool = True,
     ):
         check_schedule_placement(schedule, cluster.placement)
         check_engine_type(cluster.engine)
-        self.cluster, self.schedule = cluster, schedule
+        self.cluster, self.schedule, self.engines = cluster, schedule, engines
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.log_dir = Path(log_dir) if log_dir else None
         self.session: RaySession | None = None
@@ -96,6 +99,8 @@ class Orchestration:
     def start_engines(self, model: str | Path, *, args: list[str] | None = None, wait: bool = True) -> EngineActorGroup:
         """`cluster.num_engines` engine actors serving `model`; `args` go to the server command line.
         With `wait=False` the servers start in the background until `group.wait_ready()`."""
+        if not self.engines:
+            raise RuntimeError("this orchestration was planned without engines (engines=False)")
         group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
                                  startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait)
         self._stack.append(group)
@@ -133,7 +138,8 @@ class Orchestration:
 
     # ---- internals -----------------------------------------------------------------------
     def _plan(self, device: Literal["cpu", "cuda"]) -> BundlePlan:
-        return plan_bundles(self.cluster.placement, self.cluster.trainer_ranks, self.cluster.num_engines, device)
+        num_engines = self.cluster.num_engines if self.engines else 0
+        return plan_bundles(self.cluster.placement, self.cluster.trainer_ranks, num_engines, device)
 
     def _resolve_device(self) -> Literal["cpu", "cuda"]:
         gpus = ray.cluster_resources().get("GPU", 0.0)
@@ -189,9 +195,19 @@ class RolloutManagerHandle:
     def start_async(self) -> None:
         self._call("start_async")
 
-    def take(self, n: int, version: int, timeout: float | None = None) -> list[Group]:
+    def generate_train_batch(self, rollout_id: int, weight_version: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """One rollout step: a reference to its groups, which stay in the object store for the trainer
+        ranks to fetch, and its metrics."""
+        return self._batch("generate_train_batch", rollout_id, weight_version)
+
+    def take_into_batch(self, n: int, version: int, timeout: float | None = None) -> int:
+        """Fully async: up to n fresh groups into the train batch the manager assembles; how many came."""
         wait = self.timeout_s if timeout is None else timeout + 30.0
-        return self._call("take", n, version, timeout, timeout_s=wait)
+        return self._call("take_into_batch", n, version, timeout, timeout_s=wait)
+
+    def taken_batch(self) -> tuple[RolloutBatch, dict[str, float]]:
+        """Fully async: the assembled train batch (a reference, as `generate_train_batch`) and its metrics."""
+        return self._batch("taken_batch")
 
     def pause(self) -> None:
         self._call("pause")
@@ -224,12 +240,25 @@ class RolloutManagerHandle:
         finally:
             ray.kill(self.actor, no_restart=True)  # Ray also ends a router the shutdown did not stop
 
+    def _batch(self, method: str, *args: Any) -> tuple[RolloutBatch, dict[str, float]]:
+        """Call a method returning (groups, summary) as two objects: only the summary comes here."""
+        self._check_open(method)
+        groups, summary = getattr(self.actor, method).options(num_returns=2).remote(*args)
+        num_groups, metrics = self._get(summary, method, self.timeout_s)
+        return RolloutBatch(groups, num_groups), metrics
+
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        self._check_open(method)
+        return self._get(getattr(self.actor, method).remote(*args), method, timeout_s or self.timeout_s)
+
+    def _check_open(self, method: str) -> None:
         if self._closed:
             raise RuntimeError(f"the rollout manager is shut down; cannot {method}")
-        timeout_s = timeout_s or self.timeout_s
+
+    @staticmethod
+    def _get(ref: ray.ObjectRef, method: str, timeout_s: float) -> Any:
         try:
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout_s)
+            return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"rollout manager: {method!r} did not finish within {timeout_s:g}s") from None
         except ray.exceptions.RayTaskError as error:

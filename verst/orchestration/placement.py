@@ -53,11 +53,11 @@ def plan_bundles(
     kind: PlacementKind, trainer_ranks: int, num_engines: int, device: Literal["cpu", "cuda"]
 ) -> BundlePlan:
     """Colocated: max(N, M) bundles, trainer rank i and engine i in bundle i (Miles' `--colocate`).
-    Disaggregated: N + M bundles, trainer ranks first, engines after."""
+    Disaggregated: N + M bundles, trainer ranks first, engines after. M = 0: a trainer-only run (SFT)."""
     if trainer_ranks < 1:
         raise ValueError(f"cluster.trainer_ranks must be >= 1, got {trainer_ranks}")
-    if num_engines < 1:
-        raise ValueError(f"cluster.num_engines must be >= 1, got {num_engines}")
+    if num_engines < 0:
+        raise ValueError(f"cluster.num_engines must be >= 1 (0 for a trainer-only run), got {num_engines}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"placement device must be 'cpu' or 'cuda' (resolve 'auto' first), got {device!r}")
     if kind == "colocated":

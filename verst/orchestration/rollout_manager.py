@@ -23,6 +23,18 @@ from verst.types import Group
 
 GenerateBatch = Callable[[int, int], Awaitable[list[Group]]]
 """`async generate_batch(rollout_id, weight_version) -> groups`: one rollout step (the rollout fn)."""
+BatchSummary = tuple[int, dict[str, float]]
+"""(groups in a train batch, its metrics): what the driver reads of a train batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    """The driver's handle of one batch of groups to train on: the groups where they are (in an RL run an
+    object reference into Ray's object store, which the trainer ranks resolve; or the groups themselves,
+    in one process) and how many there are."""
+
+    groups: Any  # ray.ObjectRef of list[Group], or list[Group]
+    num_groups: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +50,8 @@ class RolloutParts:
     """What a parts factory hands the manager. `generate_batch` serves the sync and one-step-off
     schedules, `worker` (with its `buffer`) the fully async one; `source` is saved and restored with
     the run; `close` runs at shutdown; `metrics` returns (and resets) the parts' own metrics, e.g. those
-    of the last rollout step."""
+    of the last rollout step; `batch_metrics(groups)` gives the metrics of the groups of one train batch
+    taken from the buffer (the fully async path, whose rollout steps are single groups)."""
 
     generate_batch: GenerateBatch | None = None
     worker: AsyncRolloutWorker | None = None
@@ -46,6 +59,7 @@ class RolloutParts:
     source: Any = None  # a verst.data.DataSource
     close: Callable[[], Awaitable[None]] | None = None
     metrics: Callable[[], dict[str, float]] | None = None
+    batch_metrics: Callable[[list[Group]], dict[str, float]] | None = None
 
 
 PartsFactory = Callable[[RolloutEndpoints], RolloutParts | Awaitable[RolloutParts]]
@@ -79,6 +93,7 @@ class RolloutManager:
         self._router: RouterManager | None = None
         self._parts: RolloutParts | None = None
         self._async_started = False
+        self._taken: list[Group] = []  # the fully async train batch being assembled by take_into_batch
         self._closed = False
         self._prepared: concurrent.futures.Future | None = None
         if prepare is not None:
@@ -176,6 +191,28 @@ class RolloutManager:
             return 0
         self._async_started = False
         return len(await worker.stop())
+
+    # ---- train batches: the groups stay on this side until the trainer ranks fetch them --------------
+    async def generate_train_batch(self, rollout_id: int, weight_version: int) -> tuple[list[Group], BatchSummary]:
+        """One rollout step's groups and their summary (`metrics` read right after the step)."""
+        groups = await self.generate_batch(rollout_id, weight_version)
+        return groups, (len(groups), await self.metrics())
+
+    async def take_into_batch(self, n: int, version: int, timeout: float | None = None) -> int:
+        """Fully async: move up to n fresh groups (see `take`) into the train batch assembled here; how many."""
+        got = await self.take(n, version, timeout)
+        self._taken.extend(got)
+        return len(got)
+
+    async def taken_batch(self) -> tuple[list[Group], BatchSummary]:
+        """The train batch `take_into_batch` assembled (a new one begins) and its summary: `metrics` and the
+        parts' `batch_metrics` of these groups."""
+        parts = self._ready("taken_batch")
+        groups, self._taken = self._taken, []
+        metrics = await self.metrics()
+        if parts.batch_metrics is not None:
+            metrics.update(parts.batch_metrics(groups))
+        return groups, (len(groups), metrics)
 
     # ---- state and metrics ---------------------------------------------------------------
     async def metrics(self) -> dict[str, float]:

@@ -16,7 +16,8 @@ import torch
 
 def to_wire(tensor: torch.Tensor) -> tuple:
     """Plain CPU tensors as ("bytes", uint8 array, dtype name, shape); the rest as ("torch", the
-    reconstruction torch's own pickling would use)."""
+    reconstruction torch's own pickling would use). The sent tensor's storage becomes non-resizable
+    (torch's rule for a storage NumPy views): send a copy of one whose owner resizes it."""
     plain = (tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.requires_grad
              and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg())
     if not plain:

@@ -1,5 +1,5 @@
 """Trainer ranks as Ray actors, each hosting one backend rank, and `TrainerActorGroup`, the driver's
-handle that runs every backend method on all ranks (the Ray twin of `verst.trainer.TrainerGroup`).
+handle that runs every backend method on all ranks: the one launcher of ranks (RL, and SFT over N > 1).
 
 Rank 0 also runs the weight syncer (pause → flush → push → version → continue): it holds the full
 weights after each gather, so buckets go from there to the engines without a trip through the driver,
@@ -63,7 +63,7 @@ class TrainerRank:
             torch.set_num_threads(1)  # one thread per rank; see PLATFORM.md
         _quiet_transformers()
         # Rank 0 serves the rendezvous store itself (the torchrun arrangement); the others connect.
-        init_process_group(self.rank, self.world_size, *rendezvous, device, timeout_s, host_store=True)
+        init_process_group(self.rank, self.world_size, *rendezvous, device, timeout_s)
         self.backend = factory()
         self.ready_at = time.time()  # wall clock: when the backend was built (the driver's start-up metric)
         return self.info()
@@ -79,13 +79,18 @@ class TrainerRank:
         return attribute(*args, **kwargs) if callable(attribute) else attribute
 
     def apply(self, fn: Callable[..., Any], payload: tuple[tuple, dict]) -> Any:
+        """`fn(backend, *args, **kwargs)`; an object reference among `args` is resolved here (a rollout
+        batch goes from the object store straight to the ranks)."""
         args, kwargs = payload
+        args = tuple(ray.get(arg) if isinstance(arg, ray.ObjectRef) else arg for arg in args)
         return fn(self.backend, *args, **kwargs)
 
     def stream_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """Rank 0: yield each bucket (a Ray streaming generator: one object per bucket)."""
+        """Rank 0: yield each bucket (a Ray streaming generator: one object per bucket). Copies: the wire form
+        views a tensor's storage through NumPy, which makes it non-resizable, and a full weight may share
+        the storage FSDP frees (by resizing it) at the next reshard."""
         for bucket in self.backend.named_weights(bucket_bytes):
-            yield [(name, tensor.cpu()) for name, tensor in bucket]
+            yield [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
 
     def drain_weights(self, bucket_bytes: int) -> None:
         """Ranks > 0: take part in the gathers of `named_weights`, keeping nothing."""
@@ -193,7 +198,8 @@ class TrainerActorGroup(CollectiveCalls):
 
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run `fn(backend, *args, **kwargs)` on every rank (e.g. a weight transport's rank-side push);
-        `fn` must be picklable and collective-safe. Results by rank."""
+        `fn` must be picklable and collective-safe; each rank resolves an object reference in `args`.
+        Results by rank."""
         self._check_open(getattr(fn, "__name__", "apply"))
         payload = ray.put((args, kwargs))
         refs = {actor.apply.remote(fn, payload): rank for rank, actor in enumerate(self._actors)}

@@ -20,8 +20,8 @@ async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:
         try:
             for _ in range(run.plan.total_train_steps):
                 start = time.perf_counter()
-                groups, metrics = await run.take()
-                async for step_metrics in run.train(groups):  # the groups of one step
+                batch, metrics = await run.take()
+                async for step_metrics in run.train(batch):  # the groups of one step
                     metrics.update(step_metrics)
                 metrics.update(await run.sync_weights())  # generation pauses only for the push itself
                 await run.log(metrics, start)

@@ -20,11 +20,11 @@ async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
         next_batch = asyncio.create_task(run.generate(0))
         for rollout_id in range(cfg.rollout.num_rollouts):
             start = time.perf_counter()
-            groups, rollout_metrics = await next_batch
+            batch, rollout_metrics = await next_batch
             wait_s = time.perf_counter() - start
             if rollout_id + 1 < cfg.rollout.num_rollouts:
                 next_batch = asyncio.create_task(run.generate(rollout_id + 1))  # overlaps the training below
-            async for step_metrics in run.train(groups):
+            async for step_metrics in run.train(batch):
                 metrics = {**rollout_metrics, **step_metrics, "perf/trainer_wait_s": wait_s}
                 metrics.update(await run.sync_weights())
                 await run.log(metrics, start)

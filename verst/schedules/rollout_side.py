@@ -6,6 +6,7 @@ trainer's stack (torch.distributed, FSDP2, the weight transports) while the othe
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from verst.config import VerstConfig, batch_plan, load_object
 from verst.data import PromptSource
@@ -17,7 +18,9 @@ from verst.rollout import (
     RolloutContext,
     build_buffer,
     discard_handler,
+    prefix_cache_metrics,
     run_rollout,
+    sample_metrics,
     worker_hooks,
 )
 from verst.types import Group
@@ -48,7 +51,8 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
         ctx.state.closing = True  # generations cut short by closing the clients are not errors
         await asyncio.gather(engine.close(), *(c.close() for c in control), ctx.aclose())
 
-    parts = RolloutParts(generate_batch=generate_batch, source=source, close=close, metrics=metrics)
+    parts = RolloutParts(generate_batch=generate_batch, source=source, close=close, metrics=metrics,
+                         batch_metrics=functools.partial(batch_metrics, key=cfg.reward.key))
     if cfg.schedule == "fully_async":
         plan = batch_plan(cfg)
         on_discard = discard_handler(cfg.buffer.unused, source.return_prompts)
@@ -59,6 +63,12 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
             on_leftover=source.return_prompts if cfg.buffer.unused == "return" else None,
         )
     return parts
+
+
+def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:
+    """`rollout/` metrics of the groups a train step consumes (the fully async path's view)."""
+    samples = [s for g in groups for s in g]
+    return {**sample_metrics(samples, key), **prefix_cache_metrics(samples)}
 
 
 def prepare_rollout_parts(cfg: VerstConfig) -> None:

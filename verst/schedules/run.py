@@ -11,12 +11,11 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
-from verst.config.imports import call_path
 from verst.data import load_prompts_from_config
 from verst.inference_client.client import EngineClient
 from verst.eval import engine_greedy_generate, evaluate_greedy
@@ -25,18 +24,14 @@ from verst.models import load_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
-from verst.orchestration import Orchestration, RouterSpec
+from verst.orchestration import EngineMemory, Orchestration, RolloutBatch, RolloutSource, RouterSpec, WeightPush
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
-from verst.rollout import prefix_cache_metrics, sample_metrics
+from verst.schedules.train_steps import train_rollout_step
 from verst.inference_client.fleet import EngineFleet, IdleMeter
-from verst.types import Group
+from verst.trainer.backend import TrainerRanks, fsdp2_backend
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
-# What every trainer rank runs on its own backend (by import path: the driver imports no torch). The
-# driver sends the groups; tensors are built, and advantages computed, next to the model.
-TRAIN_STEP = "verst.schedules.train_steps:train_on_groups"
-OLD_LOGPROBS = "verst.schedules.train_steps:old_logprob_arrays"
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -49,10 +44,10 @@ class RLRun:
     plan: BatchPlan
     run_dir: Path
     logger: MetricsLogger
-    trainer: Any  # TrainerActorGroup: FSDP2 rank actors
-    engines: Any  # EngineActorGroup
-    rollout: Any  # RolloutManagerHandle
-    syncer: Any  # TrainerWeightSync: pushes run in trainer rank 0
+    trainer: TrainerRanks  # FSDP2 rank actors
+    engines: EngineMemory
+    rollout: RolloutSource  # the rollout manager actor
+    syncer: WeightPush  # pushes run in trainer rank 0
     router_url: str  # the router, or the one engine when there is no router (cluster.router)
     idle_meter: IdleMeter
     progress: RunProgress
@@ -64,50 +59,42 @@ class RLRun:
     _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
 
     # -- named steps ---------------------------------------------------------------------------
-    async def generate(self, rollout_id: int) -> tuple[list[Group], dict[str, float]]:
-        groups = await asyncio.to_thread(self.rollout.generate_batch, rollout_id, self.version)
-        return groups, await asyncio.to_thread(self.rollout.metrics)
+    async def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """One rollout batch (its groups stay on the rollout side until the ranks fetch them) and its metrics."""
+        return await asyncio.to_thread(self.rollout.generate_train_batch, rollout_id, self.version)
 
-    async def take(self) -> tuple[list[Group], dict[str, float]]:
+    async def take(self) -> tuple[RolloutBatch, dict[str, float]]:
         """Fully async: one train step's groups from the buffer (stale ones are dropped there)."""
-        start, need, groups = time.perf_counter(), self.plan.groups_per_train_step, []
-        while len(groups) < need:
-            got = await asyncio.to_thread(self.rollout.take, need - len(groups), self.version, TAKE_TIMEOUT_S)
+        start, need, have = time.perf_counter(), self.plan.groups_per_train_step, 0
+        while have < need:
+            got = await asyncio.to_thread(self.rollout.take_into_batch, need - have, self.version, TAKE_TIMEOUT_S)
             if not got:
-                print(f"[rl] no finished group for {TAKE_TIMEOUT_S:.0f} s (have {len(groups)}/{need}); waiting", flush=True)
-            groups += got
-        metrics = await asyncio.to_thread(self.rollout.metrics)
-        metrics.update(batch_metrics(groups, self.cfg.reward.key))
+                print(f"[rl] no finished group for {TAKE_TIMEOUT_S:.0f} s (have {have}/{need}); waiting", flush=True)
+            have += got
+        batch, metrics = await asyncio.to_thread(self.rollout.taken_batch)
         metrics["perf/trainer_wait_s"] = time.perf_counter() - start
-        return groups, metrics
+        return batch, metrics
 
-    async def train(self, groups: list[Group]) -> AsyncIterator[dict[str, float]]:
+    async def train(self, batch: RolloutBatch) -> AsyncIterator[dict[str, float]]:
         """The optimizer steps on one rollout batch, `plan.groups_per_train_step` groups each, yielding each
-        step's metrics (the caller pushes weights in between). With more than one step, the old policy's
-        logprobs are taken before the first (see `train_steps`). Each runs in the trainer ranks. Colocated
-        engines free memory meanwhile."""
-        per_step, old, offset = self.plan.groups_per_train_step, None, 0
-        for first in range(0, len(groups), per_step):
-            step_groups = groups[first : first + per_step]
-            n_samples = sum(len(g) for g in step_groups)
+        step's metrics (the caller pushes weights in between). Each runs in the trainer ranks, which fetch
+        the batch at its first step and keep it, with the old policy's logprobs taken before that step when
+        it gets more than one (see `train_steps`). Colocated engines free memory meanwhile."""
+        for first in range(0, batch.num_groups, self.plan.groups_per_train_step):
             if self.cfg.cluster.placement == "colocated":
                 await self.settle_evaluation()  # it needs the engines' memory
                 await asyncio.to_thread(self.engines.release_memory)
             try:
                 start = time.perf_counter()
-                if first == 0 and len(groups) > per_step:
-                    old = await asyncio.to_thread(on_ranks, self.trainer, OLD_LOGPROBS, groups, self.cfg)
-                old_s = time.perf_counter() - start
-                rows = None if old is None else old[offset : offset + n_samples]
-                metrics = await asyncio.to_thread(on_ranks, self.trainer, TRAIN_STEP, step_groups, self.cfg, rows)
+                groups = batch.groups if first == 0 else None  # later steps use the ranks' copy
+                # Tensors are built, and advantages computed, next to the model.
+                metrics = await asyncio.to_thread(on_ranks, self.trainer, train_rollout_step, groups, first, self.cfg)
                 metrics["time/train_s"] = time.perf_counter() - start  # with the trips to the ranks
             finally:
                 if self.cfg.cluster.placement == "colocated":
                     await asyncio.to_thread(self.engines.resume_memory)
-            metrics["time/logprob_s"] += old_s
             if self.version == 0:
                 metrics.update(trainer_startup_metrics(self.trainer, self.started_at))
-            offset += n_samples
             self.version += 1
             yield metrics
 
@@ -226,9 +213,9 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs") as orch:
         clock.lap("ray")
         # The trainer ranks, the slowest to start, are created first: they get the worker processes Ray has
-        # already started. The backend class goes by import path: the driver never imports torch.
+        # already started. The factory imports the backend (and torch) in the ranks only.
         trainer = orch.start_trainer(functools.partial(
-            call_path, "verst.trainer.fsdp:FSDP2Backend", cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
+            fsdp2_backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
             temperature=temperature, device=orch.device,
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
@@ -301,19 +288,15 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
     })
 
 
-def on_ranks(trainer: Any, path: str, *args: Any) -> Any:
-    """`path(backend, *args)` next to the model: on every rank of a Ray rank group (`apply`, a collective
-    step; rank 0's result), or here against any other backend or handle (in-process, `TrainerGroup`)."""
-    step = functools.partial(call_path, path)
-    if hasattr(trainer, "apply"):
-        return trainer.apply(step, *args)[0]
-    return step(trainer, *args)
+def on_ranks(trainer: TrainerRanks, step: Callable[..., Any], *args: Any) -> Any:
+    """`step(backend, *args)` next to the model, on every rank (a collective step); rank 0's result."""
+    return trainer.apply(step, *args)[0]
 
 
-def trainer_startup_metrics(trainer: Any, started_at: float) -> dict[str, float]:
+def trainer_startup_metrics(trainer: TrainerRanks, started_at: float) -> dict[str, float]:
     """`time/startup/trainer_s`: from the run's start (wall clock) until the last trainer rank had built its
     backend; nothing for a backend without rank infos (in this process)."""
-    infos = getattr(trainer, "infos", None)
+    infos = trainer.infos
     if not infos:
         return {}
     return {"time/startup/trainer_s": max(info["ready_at"] for info in infos) - started_at}
@@ -336,12 +319,6 @@ def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:
     if cfg.rollout.agent_fn is not None:
         return RouterSpec()
     return RouterSpec(policy="round_robin", assignment_mode="min_load")
-
-
-def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:
-    """`rollout/` metrics of the groups a train step consumes (the fully async path's view)."""
-    samples = [s for g in groups for s in g]
-    return {**sample_metrics(samples, key), **prefix_cache_metrics(samples)}
 
 
 @functools.lru_cache(maxsize=4)

@@ -18,8 +18,8 @@ async def run_sync(cfg: VerstConfig) -> dict[str, Any]:
         await run.start_evaluation(run.startup_metrics)  # step 0, while the first rollouts generate
         for rollout_id in range(cfg.rollout.num_rollouts):
             start = time.perf_counter()
-            groups, rollout_metrics = await run.generate(rollout_id)
-            async for step_metrics in run.train(groups):
+            batch, rollout_metrics = await run.generate(rollout_id)
+            async for step_metrics in run.train(batch):
                 metrics = {**rollout_metrics, **step_metrics}
                 metrics.update(await run.sync_weights())
                 await run.log(metrics, start)

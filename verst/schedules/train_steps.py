@@ -6,27 +6,32 @@ are recomputed once per rollout batch (every later step of the batch then sees a
 ratio and PPO's clip), taken from the engine, or (`auto`, one step per batch) read off the train
 step's own forward pass, detached, which is the same number without a second pass.
 
-In an RL run each trainer rank calls these on its own backend (`RLRun.train`, by import path); they
-also run against a driver-side handle of the ranks (`TrainerGroup`), as the component tests do.
+In an RL run each trainer rank calls `train_rollout_step` on its own backend (`RLRun.train` passes the
+function; Ray pickles it by reference) and keeps the rollout batch, with its old logprobs, between the
+batch's steps; the steps also run against an in-process backend, as the component tests do. torch is
+imported inside the functions: the driver imports this module, and no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from verst.algo import aggregation_normalizer, compute_advantages, rl_loss
 from verst.config import AlgorithmConfig, VerstConfig, batch_plan
-from verst.trainer import ROLLOUT_LOGPROBS, ForwardOutputs, MicroBatch, TrainBackend, make_items
+from verst.trainer.backend import TrainBackend
 from verst.types import Group, Sample
 
-# Per sample of a rollout batch ([response_length] each; NumPy arrays when they travel through a driver
-# that imports no torch); None: each step's own forward.
-OldLogprobs = Sequence[torch.Tensor | np.ndarray] | None
+if TYPE_CHECKING:
+    import torch
+
+    from verst.trainer import ForwardOutputs, MicroBatch
+
+# Per sample of a rollout batch ([response_length] each); None: each step's own forward.
+OldLogprobs = Sequence["torch.Tensor"] | None
 
 
 def old_logprob_source(cfg: VerstConfig) -> str:
@@ -44,6 +49,8 @@ def old_logprob_source(cfg: VerstConfig) -> str:
 def old_logprobs(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig) -> OldLogprobs:
     """The old policy's logprobs of every sample of a rollout batch, in order; call it before the
     batch's first optimizer step. None when each step reads them off its own forward pass."""
+    import torch
+
     samples = [s for g in groups for s in g]
     source = old_logprob_source(cfg)
     if source == "rollout":
@@ -53,17 +60,14 @@ def old_logprobs(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfi
     return None
 
 
-def old_logprob_arrays(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig) -> list[np.ndarray] | None:
-    """`old_logprobs` as float32 NumPy arrays, the form in which a rank hands them to the driver."""
-    old = old_logprobs(trainer, groups, cfg)
-    return None if old is None else [t.detach().float().cpu().numpy() for t in old]
-
-
 def rl_loss_fn(
     algo: AlgorithmConfig, old_from_forward: bool, outputs: ForwardOutputs, batch: MicroBatch, normalizer: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The backend's loss fn for RL: `algo.rl_loss` over one micro-batch (picklable via partial). The old
     logprobs are the batch's `old_logprobs`, or with `old_from_forward` this forward's own, detached."""
+    from verst.algo import rl_loss
+    from verst.trainer import ROLLOUT_LOGPROBS
+
     extras = batch.extras
     old = outputs.logprobs.detach() if old_from_forward else batch["old_logprobs"]
     return rl_loss(
@@ -74,6 +78,8 @@ def rl_loss_fn(
 
 
 def _pad(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor]) -> torch.Tensor:
+    import torch
+
     width = max((len(r) for r in rows), default=0)
     out = torch.zeros(len(rows), width)  # [batch, max_resp]
     for i, r in enumerate(rows):
@@ -87,6 +93,11 @@ def train_on_groups(
     """One optimizer step on whole groups: reference logprobs → advantages → loss → step. `old` are the
     groups' old-policy logprobs from `old_logprobs` (computed here when None and the source is not the
     step's own forward: a batch that gets one step)."""
+    import torch
+
+    from verst.algo import aggregation_normalizer, compute_advantages
+    from verst.trainer import make_items
+
     algo = cfg.algorithm
     samples: list[Sample] = [s for g in groups for s in g]
     start = time.perf_counter()
@@ -117,4 +128,42 @@ def train_on_groups(
     metrics["time/logprob_s"] = logprob_s
     metrics["time/train_s"] = time.perf_counter() - start
     metrics["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
+    return metrics
+
+
+@dataclasses.dataclass
+class _KeptBatch:
+    groups: list[Group]
+    old: OldLogprobs  # the whole batch's, when it gets several steps; else None (each step takes its own)
+
+
+# The rollout batch each backend is training on, kept between its optimizer steps: in an RL run each
+# rank holds its own, so the groups arrive once and the old logprobs never leave the rank.
+_kept: weakref.WeakKeyDictionary[TrainBackend, _KeptBatch] = weakref.WeakKeyDictionary()
+
+
+def train_rollout_step(
+    trainer: TrainBackend, batch: Sequence[Group] | None, first: int, cfg: VerstConfig
+) -> dict[str, float]:
+    """One optimizer step on groups [first, first + groups_per_train_step) of a rollout batch. Its first
+    step passes the `batch`, kept here for the later ones (which pass None) with, when it gets more than
+    one step, the old policy's logprobs taken now, before the first."""
+    per_step, start = batch_plan(cfg).groups_per_train_step, time.perf_counter()
+    if batch is not None:
+        groups = list(batch)
+        _kept[trainer] = _KeptBatch(groups, old_logprobs(trainer, groups, cfg) if len(groups) > per_step else None)
+    kept = _kept.get(trainer)
+    if kept is None:
+        raise RuntimeError(f"train_rollout_step: no rollout batch kept for the step at group {first}; "
+                           "the batch's first step passes it")
+    old_s = time.perf_counter() - start
+    step_groups = kept.groups[first : first + per_step]
+    rows = None
+    if kept.old is not None:
+        offset = sum(len(g) for g in kept.groups[:first])
+        rows = kept.old[offset : offset + sum(len(g) for g in step_groups)]
+    metrics = train_on_groups(trainer, step_groups, cfg, rows)
+    metrics["time/logprob_s"] += old_s
+    if first + per_step >= len(kept.groups):
+        del _kept[trainer]  # the batch's last step
     return metrics

@@ -8,24 +8,27 @@ from collections.abc import Iterator
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.trainer import FSDP2Backend, TrainBackend, TrainerGroup
+from verst.trainer import TrainBackend, fsdp2_backend
 from verst.types import WeightBucket
 
 
 @contextlib.contextmanager
 def open_trainer(cfg: VerstConfig, total_steps: int, temperature: float = 1.0,
                  ref_model_path: str | None = None) -> Iterator[TrainBackend]:
-    """One rank in this process, or `cluster.trainer_ranks` rank processes behind a TrainerGroup.
+    """One rank in this process, or `cluster.trainer_ranks` rank actors on Ray (the orchestration's
+    launcher: a local Ray on 127.0.0.1 unless `cluster.ray_address`, placed for the trainer only).
 
     `temperature` must be the sampling temperature in RL, so recomputed logprobs match the engine's.
     """
-    factory = functools.partial(FSDP2Backend, cfg.model, cfg.trainer, total_steps=total_steps,
-                                temperature=temperature, ref_model_path=ref_model_path, device=cfg.cluster.device)
+    factory = functools.partial(fsdp2_backend, cfg.model, cfg.trainer, total_steps=total_steps,
+                                temperature=temperature, ref_model_path=ref_model_path)
     if cfg.cluster.trainer_ranks == 1:
-        yield factory()
+        yield factory(device=cfg.cluster.device)
         return
-    with TrainerGroup(factory, cfg.cluster.trainer_ranks, device=cfg.cluster.device) as group:
-        yield group
+    from verst.orchestration import Orchestration
+
+    with Orchestration(cfg.cluster, engines=False) as orch:
+        yield orch.start_trainer(functools.partial(factory, device=orch.device))
 
 
 def load_weights_into(model: Any, buckets: Iterator[WeightBucket]) -> None:

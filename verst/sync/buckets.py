@@ -44,7 +44,7 @@ def rebucket(buckets: Iterable[WeightBucket], bucket_bytes: int) -> Iterator[Wei
 class BucketStream:
     """`async for bucket in BucketStream(source, bucket_bytes)`; bucket k+1 is read from `source` in a
     thread while bucket k is pushed (peak memory: two buckets). Always `await stream.aclose()`: it closes
-    the source, which lets a `TrainerGroup` stream drain its ranks after an early stop.
+    the source, which lets a stream of N ranks drain them after an early stop.
     """
 
     def __init__(self, source: Iterable[WeightBucket], bucket_bytes: int):

@@ -43,7 +43,7 @@ def default_probes(vocab_size: int, count: int = 3, length: int = 12, seed: int 
 
 class LogprobChecker:
     """`logprobs_fn(items)` is the trainer's forward-only logprobs (`FSDP2Backend.logprobs`,
-    `TrainerGroup.logprobs`); `temperature` must be the one it divides logits by, and the engines
+    `TrainerActorGroup.logprobs`); `temperature` must be the one it divides logits by, and the engines
     sample the probes at it, so both sides report the same distribution.
     """
 

@@ -1,5 +1,5 @@
-"""Layer 2: training backends behind the `TrainBackend` contract (FSDP2 first) and the launcher
-that starts their ranks; algorithm-agnostic (losses come in as `loss_fn` callables).
+"""Layer 2: training backends behind the `TrainBackend` contract (FSDP2 first); algorithm-agnostic
+(losses come in as `loss_fn` callables). Their ranks are started by `verst.orchestration`.
 
 Importing this package imports no torch; names resolve lazily, so driver-side code (rank handles,
 transports' types) stays light.
@@ -12,8 +12,11 @@ from verst.config.imports import lazy_exports
 _EXPORTS = {
     "Batch": "verst.trainer.backend",
     "CollectiveCalls": "verst.trainer.backend",
+    "InProcessRank": "verst.trainer.backend",
     "RankError": "verst.trainer.backend",
     "TrainBackend": "verst.trainer.backend",
+    "TrainerRanks": "verst.trainer.backend",
+    "fsdp2_backend": "verst.trainer.backend",
     "ForwardOutputs": "verst.trainer.batching",
     "MicroBatch": "verst.trainer.batching",
     "FSDP2Backend": "verst.trainer.fsdp",
@@ -22,7 +25,6 @@ _EXPORTS = {
     "TrainItemError": "verst.trainer.items",
     "as_items": "verst.trainer.items",
     "make_items": "verst.trainer.items",
-    "TrainerGroup": "verst.trainer.launcher",
     "LossFn": "verst.trainer.losses",
     "Normalizer": "verst.trainer.losses",
     "count_policy_sequences": "verst.trainer.losses",

@@ -1,10 +1,10 @@
 """The TrainBackend contract: the handful of methods every training backend (FSDP2 is the one built)
-offers to the schedules, the driver-side `TrainerGroup` and weight transports.
+offers to the schedules, the driver-side handle of N ranks and weight transports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -70,9 +70,35 @@ class TrainBackend(Protocol):
         ...
 
 
+class TrainerRanks(Protocol):
+    """The driver's handle of the trainer ranks as an RL run uses it: functions that run next to the model
+    (the Ray rank group, `verst.orchestration.TrainerActorGroup`, or `InProcessRank`)."""
+
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """`fn(backend, *args, **kwargs)` on every rank (collective); the results, by rank."""
+        ...
+
+    @property
+    def infos(self) -> list[dict[str, Any]]:
+        """Per rank: at least `ready_at` (wall clock, backend built); empty where there is no start-up."""
+        ...
+
+
+class InProcessRank:
+    """A backend in this process as `TrainerRanks`: one rank, already built."""
+
+    infos: list[dict[str, Any]] = []
+
+    def __init__(self, backend: TrainBackend):
+        self.backend = backend
+
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return [fn(self.backend, *args, **kwargs)]
+
+
 class CollectiveCalls:
-    """The TrainBackend methods of a driver-side handle of N ranks (`TrainerGroup`, the Ray actor
-    group): each runs on every rank through `self.call(method, ...)` and returns rank 0's result."""
+    """The TrainBackend methods of a driver-side handle of N ranks (the Ray rank actor
+    group, `verst.orchestration.TrainerActorGroup`): each runs on every rank through `self.call(method, ...)` and returns rank 0's result."""
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         raise NotImplementedError
@@ -101,3 +127,11 @@ class CollectiveCalls:
 
     def export_hf(self, directory: str | Path) -> None:
         self.call("export_hf", str(directory))
+
+
+def fsdp2_backend(*args: Any, **kwargs: Any) -> TrainBackend:
+    """`FSDP2Backend(*args, **kwargs)`, imported when called: a factory a torch-free driver hands the
+    ranks (`functools.partial(fsdp2_backend, model_cfg, trainer_cfg, ...)`), which import torch there."""
+    from verst.trainer.fsdp import FSDP2Backend
+
+    return FSDP2Backend(*args, **kwargs)

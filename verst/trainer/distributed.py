@@ -1,6 +1,6 @@
 """Process-group set-up for trainer ranks: gloo on CPU, NCCL (plus gloo for CPU objects) on GPU.
 
-Used by the built-in launcher and by any other host of a rank (a Ray actor, torchrun).
+Used by every host of a rank (the Ray rank actors of `verst.orchestration`, torchrun).
 """
 
 from __future__ import annotations
@@ -27,18 +27,15 @@ def resolve_device(device: str) -> torch.device:
 
 def init_process_group(
     rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
-    timeout_s: float = 600.0, host_store: bool = False,
+    timeout_s: float = 600.0,
 ) -> None:
-    """Join the trainer's process group at the rendezvous store `master_addr:master_port`.
-
-    The store is hosted elsewhere (the `TrainerGroup` driver) unless `host_store`, when rank 0
-    serves it itself (the torchrun / Ray actor arrangement).
-    """
+    """Join the trainer's process group at the rendezvous store `master_addr:master_port`, which rank 0
+    serves itself (the torchrun arrangement)."""
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialised in this process")
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                       WORLD_SIZE=str(world_size))
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=host_store and rank == 0,
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=timeout_s))
     if device.type == "cuda":
         torch.cuda.set_device(device)

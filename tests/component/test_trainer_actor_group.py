@@ -1,17 +1,22 @@
-"""TrainerGroup: ranks in their own processes (gloo on loopback), FSDP2 over 2 ranks against 1 rank,
-resume in new processes, and failures that must raise on the driver instead of hanging."""
+"""The trainer rank actors (`Orchestration.start_trainer`, a trainer-only placement on a local Ray, gloo
+on loopback): FSDP2 over 2 ranks against 1 rank, resume in new processes, and failures that must raise
+on the driver instead of hanging."""
 
+import contextlib
 import functools
 import os
+import sys
 import time
 
 import pytest
+import ray
 import torch
 import torch.distributed as dist
 
-from verst.config.schema import ModelConfig, TrainerConfig
+from verst.config.schema import ClusterConfig, ModelConfig, TrainerConfig
 from verst.models.factory import init_model
-from verst.trainer import FSDP2Backend, RankError, TrainerGroup, TrainItem, sft_loss_fn
+from verst.orchestration import Orchestration, RaySession
+from verst.trainer import FSDP2Backend, RankError, TrainItem, sft_loss_fn
 
 CONFIG = TrainerConfig(
     lr=1e-3, lr_schedule="cosine", warmup_steps=1, min_lr_ratio=0.1, max_tokens_per_micro_batch=40, seed=7
@@ -56,6 +61,41 @@ def sleeping_loss(outputs, micro, normalizer):
     return sft_loss_fn(outputs, micro, normalizer)
 
 
+# The loss fns above travel to the rank actors by value: importing this module there would cost each
+# rank the imports at the top of this file, and tests/ need not be importable there.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    with RaySession(slots=2, log_to_driver=False) as session:
+        yield session
+
+
+@contextlib.contextmanager
+def trainer_ranks(factory, world_size, timeout_s, start_timeout_s=300.0):
+    """`world_size` rank actors of `factory()` in a trainer-only placement; stopped on exit."""
+    cluster = ClusterConfig(trainer_ranks=world_size, device="cpu")
+    with Orchestration(cluster, engines=False, timeout_s=timeout_s, start_timeout_s=start_timeout_s) as orch:
+        yield orch.start_trainer(factory)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie left for its parent to reap has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout=20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return init_model("qwen3", "tiny", tmp_path_factory.mktemp("trainer-group") / "tiny-qwen3", seed=5)
@@ -71,11 +111,11 @@ def all_weights(source) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(model_path, tmp_path_factory):
+def two_rank_run(ray_session, model_path, tmp_path_factory):
     """4 uninterrupted steps on 2 ranks, saving a checkpoint after step 2 (saving changes nothing)."""
     ckpt = tmp_path_factory.mktemp("trainer-group-ckpt") / "step2"
     run = {"ckpt": ckpt, "metrics": [], "weights": []}
-    with TrainerGroup(factory(model_path), world_size=2, timeout_s=120) as group:
+    with trainer_ranks(factory(model_path), world_size=2, timeout_s=120) as group:
         run["logprobs"] = group.logprobs(BATCHES[0])
         first = next(iter(group.named_weights(bucket_bytes=1 << 16)))  # stop early: the rest is drained
         run["first_bucket"] = first
@@ -112,7 +152,7 @@ def test_two_ranks_match_one_rank(model_path, two_rank_run):
 
 
 def test_resume_in_new_processes_continues_exactly(model_path, two_rank_run):
-    with TrainerGroup(factory(model_path), world_size=2, timeout_s=120) as group:
+    with trainer_ranks(factory(model_path), world_size=2, timeout_s=120) as group:
         group.load(two_rank_run["ckpt"])
         assert group.step == 2
         resumed = [group.train_step(items, sft_loss_fn) for items in BATCHES[2:]]
@@ -125,27 +165,30 @@ def test_resume_in_new_processes_continues_exactly(model_path, two_rank_run):
 
 
 @pytest.mark.parametrize(
-    "loss_fn, message", [(failing_loss, "ValueError: boom on rank 1"), (exiting_loss, "exited with code 7")]
+    "loss_fn, message", [(failing_loss, "ValueError: boom on rank 1"), (exiting_loss, "process died")]
 )
-def test_a_failing_rank_raises_on_the_driver_and_stops_the_group(model_path, loss_fn, message):
-    group = TrainerGroup(factory(model_path), world_size=2, timeout_s=60)
-    with group, pytest.raises(RankError, match=message) as failure:
-        group.train_step(BATCHES[0], loss_fn)
-    assert failure.value.rank == 1
-    assert not any(p.is_alive() for p in group._procs)
-    with pytest.raises(RuntimeError, match="shut down"):
-        group.logprobs(BATCHES[0])
+def test_a_failing_rank_raises_on_the_driver_and_stops_the_group(ray_session, model_path, loss_fn, message):
+    with trainer_ranks(factory(model_path), world_size=2, timeout_s=60) as group:
+        pids = group.pids
+        with pytest.raises(RankError, match=message) as failure:
+            group.train_step(BATCHES[0], loss_fn)
+        assert failure.value.rank == 1
+        assert wait_gone(pids) == []
+        with pytest.raises(RuntimeError, match="shut down"):
+            group.logprobs(BATCHES[0])
 
 
-def test_a_stuck_call_times_out_instead_of_hanging(model_path):
-    group = TrainerGroup(factory(model_path), world_size=1, timeout_s=3, start_timeout_s=120)
-    start = time.monotonic()
-    with group, pytest.raises(TimeoutError, match="did not finish 'train_step' within 3 s"):
-        group.train_step(BATCHES[0], sleeping_loss)
-    assert time.monotonic() - start < 30
-    assert not any(p.is_alive() for p in group._procs)
+def test_a_stuck_call_times_out_instead_of_hanging(ray_session, model_path):
+    with trainer_ranks(factory(model_path), world_size=1, timeout_s=3, start_timeout_s=120) as group:
+        pids = group.pids
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not finish 'train_step' within 3 s"):
+            group.train_step(BATCHES[0], sleeping_loss)
+        assert time.monotonic() - start < 30
+        assert wait_gone(pids) == []
 
 
-def test_a_rank_that_cannot_start_reports_its_traceback(tmp_path):
+def test_a_rank_that_cannot_start_reports_its_traceback(ray_session, tmp_path):
     with pytest.raises(RankError, match="no-such-model"):
-        TrainerGroup(factory(tmp_path / "no-such-model"), world_size=2, timeout_s=60)
+        with trainer_ranks(factory(tmp_path / "no-such-model"), world_size=2, timeout_s=60):
+            pass

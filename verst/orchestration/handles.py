@@ -1,0 +1,64 @@
+"""What an RL run asks of the driver-side handles of its engines, rollout manager and weight syncer:
+the few methods the loops call, as protocols (the Ray handles of this package satisfy them; fakes may)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from verst.orchestration.rollout_manager import RolloutBatch
+
+
+class EngineMemory(Protocol):
+    """The engines, as a colocated run uses them around each train step (`EngineActorGroup`)."""
+
+    def release_memory(self) -> Any:
+        """Give the device memory back while the trainer steps."""
+        ...
+
+    def resume_memory(self) -> Any:
+        """Undo `release_memory`."""
+        ...
+
+
+class RolloutSource(Protocol):
+    """The rollout manager, as the loops use it (`RolloutManagerHandle`): train batches as references to
+    groups that stay on the rollout side, with their metrics. Blocking calls."""
+
+    router_url: str | None
+
+    def generate_train_batch(self, rollout_id: int, weight_version: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Sync and one-step-off: one rollout step."""
+        ...
+
+    def start_async(self) -> None:
+        """Fully async: start the background worker."""
+        ...
+
+    def take_into_batch(self, n: int, version: int, timeout: float | None = None) -> int:
+        """Fully async: up to n fresh groups into the train batch being assembled; how many came."""
+        ...
+
+    def taken_batch(self) -> tuple[RolloutBatch, dict[str, float]]:
+        """Fully async: the assembled train batch."""
+        ...
+
+    def stop_async(self) -> int:
+        """Fully async: stop the worker; how many unfinished groups it handed back."""
+        ...
+
+
+class WeightPush(Protocol):
+    """The weight syncer, as the loops use it (`TrainerWeightSync`)."""
+
+    @property
+    def version(self) -> int | None:
+        """The engines' weight version after the last push (None before the first)."""
+        ...
+
+    def due(self, step: int) -> bool:
+        """Whether the weights of trainer step `step` are pushed (`sync.interval`)."""
+        ...
+
+    async def sync(self, version: int) -> dict[str, float]:
+        """Push the trainer's weights as `version`; the `sync/` metrics."""
+        ...
