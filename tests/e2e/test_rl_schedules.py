@@ -15,6 +15,7 @@ import pytest
 from tests.metrics_doc import undocumented
 from verst.config import ConfigError, load_config
 from verst.monitor import read_metrics
+from verst.monitor.samples import read_samples
 from verst.schedules import SCHEDULES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +89,9 @@ def check_run(cfg, summary, steps, steps_per_rollout=1):
     assert all("time/startup/trainer_s" not in r for r in train[1:])
     assert (run_dir / "report.html").exists()
     assert undocumented(records) == []  # every logged key has its line in docs/metrics.md
+    samples = read_samples(run_dir)  # the report's sample generations: each rollout batch's first groups
+    assert set(samples) == {r["step"] for r in train if "rollout/reward_mean" in r}
+    assert all(isinstance(x["response"], str) and x["reward"] is not None for rows in samples.values() for x in rows)
     return records
 
 

@@ -245,6 +245,9 @@ class LoggingConfig(Section):
     wandb: bool = Field(False, description="Log to Weights & Biases (must be installed).")
     wandb_project: str = Field("verst", description="Weights & Biases project.")
     progress: bool = Field(True, description="Show a live progress display.")
+    sample_groups_per_step: int = Field(
+        2, ge=0, description="RL: groups per train step whose samples (prompt, response, reward) go to the run's "
+        "samples.jsonl, which the report shows; 0 writes none.")
 
 
 Schedule = Literal["sync", "one_step_off", "fully_async"]

@@ -51,7 +51,9 @@ class RolloutParts:
     schedules, `worker` (with its `buffer`) the fully async one; `source` is saved and restored with
     the run; `close` runs at shutdown; `metrics` returns (and resets) the parts' own metrics, e.g. those
     of the last rollout step; `batch_metrics(groups)` gives the metrics of the groups of one train batch
-    taken from the buffer (the fully async path, whose rollout steps are single groups)."""
+    taken from the buffer (the fully async path, whose rollout steps are single groups);
+    `record_batch(groups, rollout_id, version)` sees every train batch: a rollout step's (with its id) or
+    a fully async batch (id None) taken at trainer `version` (e.g. to log sample generations)."""
 
     generate_batch: GenerateBatch | None = None
     worker: AsyncRolloutWorker | None = None
@@ -60,6 +62,7 @@ class RolloutParts:
     close: Callable[[], Awaitable[None]] | None = None
     metrics: Callable[[], dict[str, float]] | None = None
     batch_metrics: Callable[[list[Group]], dict[str, float]] | None = None
+    record_batch: Callable[[list[Group], int | None, int], None] | None = None
 
 
 PartsFactory = Callable[[RolloutEndpoints], RolloutParts | Awaitable[RolloutParts]]
@@ -94,6 +97,7 @@ class RolloutManager:
         self._parts: RolloutParts | None = None
         self._async_started = False
         self._taken: list[Group] = []  # the fully async train batch being assembled by take_into_batch
+        self._taken_version = 0  # the trainer's version when it was taken
         self._closed = False
         self._prepared: concurrent.futures.Future | None = None
         if prepare is not None:
@@ -196,12 +200,14 @@ class RolloutManager:
     async def generate_train_batch(self, rollout_id: int, weight_version: int) -> tuple[list[Group], BatchSummary]:
         """One rollout step's groups and their summary (`metrics` read right after the step)."""
         groups = await self.generate_batch(rollout_id, weight_version)
+        self._record(groups, rollout_id, weight_version)
         return groups, (len(groups), await self.metrics())
 
     async def take_into_batch(self, n: int, version: int, timeout: float | None = None) -> int:
         """Fully async: move up to n fresh groups (see `take`) into the train batch assembled here; how many."""
         got = await self.take(n, version, timeout)
         self._taken.extend(got)
+        self._taken_version = version
         return len(got)
 
     async def taken_batch(self) -> tuple[list[Group], BatchSummary]:
@@ -212,7 +218,13 @@ class RolloutManager:
         metrics = await self.metrics()
         if parts.batch_metrics is not None:
             metrics.update(parts.batch_metrics(groups))
+        self._record(groups, None, self._taken_version)
         return groups, (len(groups), metrics)
+
+    def _record(self, groups: list[Group], rollout_id: int | None, version: int) -> None:
+        parts = self._ready("record_batch")
+        if parts.record_batch is not None and groups:
+            parts.record_batch(groups, rollout_id, version)
 
     # ---- state and metrics ---------------------------------------------------------------
     async def metrics(self) -> dict[str, float]:
