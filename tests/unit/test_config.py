@@ -141,3 +141,12 @@ def test_schedules_import_no_torch_until_a_run_starts():
 def test_config_import_does_not_import_torch():
     code = "import sys, verst.config, verst.types, verst.cli.main; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--algorithm.advantage-estimator", "ppo"], "algorithm.advantage_estimator = 'ppo' needs a critic"),
+    (["--algorithm.distill-coef", "0.5"], "algorithm.distill_coef = 0.5 needs a teacher model's logprobs"),
+])
+def test_modes_a_run_cannot_carry_out_are_refused_at_start_up(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, override)

@@ -283,6 +283,15 @@ class VerstConfig(Section):
                 "schedule = 'fully_async' with cluster.placement = 'colocated' is refused: the fully async "
                 "schedule needs trainer and engines running at once; use cluster.placement = 'disaggregated'"
             )
+        # The pure loss and advantage functions cover these, but a run has no critic and no teacher yet.
+        if self.algorithm.advantage_estimator == "ppo":
+            raise ValueError(
+                "algorithm.advantage_estimator = 'ppo' needs a critic (value model), which a verst run does not "
+                "build yet; use grpo, dr_grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline")
+        if self.algorithm.distill_coef > 0:
+            raise ValueError(
+                f"algorithm.distill_coef = {self.algorithm.distill_coef} needs a teacher model's logprobs, which a "
+                "verst run does not produce yet; set algorithm.distill_coef = 0")
         if self.reward.type == "custom" and not self.reward.path:
             raise ValueError("reward.type = 'custom' needs reward.path (an import path)")
         if self.reward.type == "remote" and not self.reward.url:
