@@ -125,3 +125,13 @@ def test_verst_train_stops_before_ray_naming_the_model_path(tmp_path):
     assert "Traceback" not in result.stderr
     assert "ray" not in result.stdout.lower()
     assert time.perf_counter() - start < 30  # a ceiling far above the check itself: Ray never started
+
+
+def test_wandb_without_the_package_is_refused(tmp_path, tiny_model_dir, addition_data_dir, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir, "--logging.wandb", "true")
+    with pytest.raises(PreflightError, match="logging.wandb = true, but the wandb package is not installed"):
+        preflight(cfg, rl=False)

@@ -33,6 +33,8 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
     if cfg.checkpoint.load is not None:
         problems.append(f"checkpoint.load = {cfg.checkpoint.load!r}: resuming a run is not supported; "
                         "remove checkpoint.load")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        problems.append("logging.wandb = true, but the wandb package is not installed (pip install wandb)")
     imports = {"data.source": cfg.data.source, "buffer.path": cfg.buffer.path}
     if rl:
         imports |= {"rollout.rollout_fn": cfg.rollout.rollout_fn, "rollout.generate_fn": cfg.rollout.generate_fn,
