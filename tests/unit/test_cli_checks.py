@@ -76,7 +76,7 @@ def test_preflight_names_every_missing_thing(tmp_path, tiny_model_dir, addition_
         f"model.path = {str(tmp_path / 'no-model')!r} does not exist; expected a Hugging Face checkpoint directory",
         f"data.train_path = {str(tmp_path / 'no.jsonl')!r} does not exist",
         f"eval.path = {str(tmp_path)!r} is a directory, not a file",
-        f"checkpoint.load = {str(tmp_path / 'ckpt')!r}: resuming a run is not supported; remove checkpoint.load",
+        f"checkpoint.load = {str(tmp_path / 'ckpt')!r}: {str(tmp_path / 'ckpt')!r} does not exist",
         "rollout.agent_fn = 'no_such_pkg_xyz.agent:run': cannot import a parent of module 'no_such_pkg_xyz.agent' "
         "(No module named 'no_such_pkg_xyz')",
         "reward.path = 'verst.no_such_module:fn': no module named 'verst.no_such_module' "

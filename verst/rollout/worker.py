@@ -177,6 +177,24 @@ class AsyncRolloutWorker:
         self.check()
         return leftovers
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """For a checkpoint, without stopping: the groups still generating (`in_flight`, whose prompts a
+        resumed run serves again), the generated ones waiting for room in the buffer (`finished`) and the
+        cumulative counters. Synchronous, so it sees one consistent moment of the event loop."""
+        finished = {id(f) for f in self._finished}
+        return {
+            "in_flight": [list(f.group) for f in self._flights if id(f) not in finished],
+            "finished": [list(f.group) for f in self._finished],
+            "counters": {"groups": self._groups_produced, "samples": self._samples_produced,
+                         "errors": self._generate_errors},
+        }
+
+    def load_counters(self, counters: dict) -> None:
+        """Continue the cumulative counters of a checkpoint's `snapshot`."""
+        self._groups_produced, self._samples_produced = counters["groups"], counters["samples"]
+        self._generate_errors = counters["errors"]
+
     # ---- metrics -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """`*_total` counters are cumulative over the run (groups_produced_total: groups handed to the

@@ -135,3 +135,17 @@ def fsdp2_backend(*args: Any, **kwargs: Any) -> TrainBackend:
     from verst.trainer.fsdp import FSDP2Backend
 
     return FSDP2Backend(*args, **kwargs)
+
+
+# Rank-side checkpoint steps for `TrainerRanks.apply` (module functions: Ray pickles them by reference).
+def save_backend(backend: TrainBackend, directory: str) -> None:
+    backend.save(directory)
+
+
+def load_backend(backend: TrainBackend, directory: str) -> int:
+    backend.load(directory)
+    return backend.step
+
+
+def export_backend(backend: TrainBackend, directory: str) -> None:
+    backend.export_hf(directory)
