@@ -4,13 +4,21 @@ reaches step n with the same metrics and parameters as one that ran through; the
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.e2e.test_rl_schedules import rl_config, run_schedule
+from tests.e2e.test_rl_schedules import REPO, rl_args, rl_config, run_schedule
 from tests.e2e.test_rl_schedules import ray_session  # noqa: F401  (the module's Ray session)
 from verst.monitor import read_metrics
 from verst.monitor.checkpoints import CheckpointError, read_latest, read_manifest
@@ -35,6 +43,7 @@ def assert_same_run(resumed: Path, through: Path, steps: int) -> None:
         np.testing.assert_allclose(pa[name], pb[name], atol=1e-6, rtol=0, err_msg=name)
 
 
+@pytest.mark.slow
 def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
     through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED,
                         "--rollout.num-rollouts", "3", "--checkpoint.interval", "1", "--checkpoint.keep-last", "2")
@@ -60,15 +69,87 @@ def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, a
     assert_same_run(Path(resumed.run_dir), Path(through.run_dir), steps=3)
 
 
-def test_resume_refuses_a_changed_field(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+def test_resume_refuses_a_changed_field_then_continues(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
     from verst.schedules.checkpointing import prepare_resume
 
-    cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts", "1",
-                    "--checkpoint.export-hf", "false")
+    cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts", "1")
     run_schedule(cfg)
+    AutoModelForCausalLM.from_pretrained(Path(cfg.run_dir) / "hf")  # the final model loads
+    assert not (Path(cfg.run_dir) / "hf" / "chat_template.jinja").exists()  # trained on raw prompts
     changed = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts", "2",
                         "--trainer.lr", "3e-4", "--checkpoint.load", cfg.run_dir, "--eval.max-prompts", "4")
     with pytest.raises(CheckpointError, match=r"trainer.lr: checkpoint 0.0001, now 0.0003"):
         prepare_resume(changed)
     manifest = json.loads((Path(cfg.run_dir) / "checkpoints" / "step_1" / "manifest.json").read_text())
     assert manifest["eval_history"][0][0] == 0
+
+    resumed = changed.model_copy(update={"trainer": cfg.trainer})  # only safe fields differ now
+    assert run_schedule(resumed)["train/steps"] == 2
+    records = read_metrics(Path(cfg.run_dir))
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2]  # the same metrics.jsonl, continued
+    assert [r["eval/weight_version"] for r in records if "eval/accuracy" in r] == [0, 1, 2]
+    assert read_latest(Path(cfg.run_dir)).name == "step_2"
+
+
+# ---- a driver killed with SIGKILL, then `verst train --resume` -------------------------------------
+def verst(args: list[str], tag: str, ray_tmp: str) -> subprocess.Popen:
+    """`verst ARGS` in its own session; every process it starts inherits `tag` (to find them after a kill)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp, "VERST_TEST_TAG": tag}
+    return subprocess.Popen([sys.executable, "-m", "verst.cli.main", *args], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_tagged(tag: str) -> list[int]:
+    """SIGKILL every process of this user whose environment carries `tag` (Ray's daemons and workers,
+    engines); returns their PIDs."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"VERST_TEST_TAG={tag}".encode() in environ.split(b"\0"):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
+                                                          tmp_path):
+    steps = 3
+    args = rl_args(tmp_path / "killed", tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts",
+                   str(steps), "--checkpoint.interval", "1")
+    run_dir = tmp_path / "killed" / "run"
+    tag, ray_tmp = uuid.uuid4().hex, tempfile.mkdtemp(prefix="vr", dir="/tmp")
+    try:
+        proc = verst(["train", *args], tag, ray_tmp)
+        deadline = time.monotonic() + 240
+        while read_latest(run_dir) is None or read_latest(run_dir).name == "step_0":
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kill_tagged(tag)
+        killed_at = read_manifest(read_latest(run_dir))["step"]
+        assert killed_at < steps, "the run finished before it was killed; nothing was resumed"
+
+        resumed = verst(["train", "--resume", str(run_dir)], tag, ray_tmp)
+        out, _ = resumed.communicate(timeout=300)
+        assert resumed.returncode == 0, out
+        assert f"resumed from {run_dir / 'checkpoints' / f'step_{killed_at}'}" in out
+    finally:
+        kill_tagged(tag)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED,
+                        "--rollout.num-rollouts", str(steps))
+    run_schedule(through)
+    assert_same_run(run_dir, Path(through.run_dir), steps=steps)
