@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,3 +136,31 @@ async def finish(run: RLRun) -> None:
         await asyncio.to_thread(run.trainer.apply, export_backend, str(hf))
         if not cfg.data.apply_chat_template:  # trained on raw prompts: chat requests to it are refused
             drop_chat_template(hf)
+
+
+# ---- SFT: one process (or rank actors driven from it), saved synchronously --------------------------
+DATA_FILE = "data.json"
+
+
+def save_sft(trainer: Any, source: Any, cfg: VerstConfig, run_dir: Path, step: int,
+             eval_history: list[tuple[int, float]]) -> float:
+    """Save an SFT run's checkpoint at `step` (trainer state, data position); returns the seconds taken."""
+    start = time.perf_counter()
+    tmp = layout.new_tmp_dir(run_dir, step)
+    trainer.save(tmp / layout.TRAINER_DIR)
+    (tmp / DATA_FILE).write_text(json.dumps(source.state_dict()))
+    manifest = {"step": step, "version": step, "schedule": "sft", "pending_eval_step": None,
+                "eval_history": [list(entry) for entry in eval_history], "config": cfg.model_dump(mode="json")}
+    layout.commit(tmp, manifest, cfg.checkpoint.keep_last)
+    return time.perf_counter() - start
+
+
+def restore_sft(trainer: Any, source: Any, point: ResumePoint) -> list[tuple[int, float]]:
+    """Load an SFT checkpoint into `trainer` and `source`; returns its eval history."""
+    trainer.load(point.step_dir / layout.TRAINER_DIR)
+    if trainer.step != point.version:
+        raise layout.CheckpointError(f"{point.step_dir}: trainer state is at step {trainer.step}, the manifest says "
+                                     f"step {point.version}")
+    source.load_state_dict(json.loads((point.step_dir / DATA_FILE).read_text()))
+    print(f"[sft] resumed from {point.step_dir} at step {point.version}", flush=True)
+    return [(int(step), float(score)) for step, score in point.manifest["eval_history"]]
