@@ -153,3 +153,35 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tiny_mode
                         "--rollout.num-rollouts", str(steps))
     run_schedule(through)
     assert_same_run(run_dir, Path(through.run_dir), steps=steps)
+
+
+def test_fully_async_accounting_across_a_resume(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    """Resumed from a checkpoint taken while the worker generated: every prompt is trained at most once or
+    recorded as dropped, and the cumulative counts in the metrics equal the recorded events."""
+    common = ("--schedule", "fully_async", "--sync.transport", "disk", "--buffer.max-staleness", "0",
+              "--buffer.capacity-factor", "3", "--buffer.unused", "drop",
+              "--buffer.path", "tests.e2e.rl_plugins:AccountingBuffer", "--checkpoint.export-hf", "false")
+    first = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *common, "--rollout.num-rollouts", "2",
+                      "--checkpoint.interval", "1")
+    run_schedule(first)
+    step_1 = Path(first.run_dir) / "checkpoints" / "step_1"
+    resumed = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *common, "--rollout.num-rollouts", "3",
+                        "--checkpoint.load", str(step_1))
+    run_schedule(resumed)
+
+    events = [json.loads(line) for line in (ray_session / "accounting.jsonl").read_text().splitlines()]
+    first_pid = events[0]["pid"]
+    cut = next(i for i, e in enumerate(events) if e["pid"] == first_pid and e["event"] == "checkpoint")
+    kept = events[:cut] + [e for e in events[cut:] if e["pid"] != first_pid]  # the killed future goes
+    trained = [e["row"] for e in kept if e["event"] == "trained"]
+    dropped = [e["row"] for e in kept if e["event"] in ("stale", "aborted", "filtered")]
+    assert len(trained) == 3 * 4  # three steps of four groups
+    assert len(set(trained)) == len(trained) and len(set(dropped)) == len(dropped)
+    assert not set(trained) & set(dropped)
+    assert any(e["event"] == "stale" for e in kept)  # max_staleness 0 with a full buffer drops some
+    records = read_metrics(Path(resumed.run_dir))
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3]
+    last = [r for r in records if "buffer/dropped_stale_total" in r][-1]
+    assert last["buffer/dropped_stale_total"] == sum(e["event"] == "stale" for e in kept)
+    assert last["buffer/dropped_aborted_total"] == sum(e["event"] == "aborted" for e in kept)
+    assert "returned_in_flight_groups" in read_manifest(step_1)["rollout"]

@@ -261,19 +261,19 @@ class RolloutManager:
 
     async def save_state(self, path: str) -> dict[str, int]:
         """Write the rollout side's state for a checkpoint to `path` (fsynced): the source's position, the
-        buffer's waiting groups and counters, and the fully async worker's groups. Groups still generating
-        are not waited for: the file records them, and a resumed run serves their prompts again (nothing
-        lost, nothing trained twice). Returns the counts recorded."""
+        buffer's waiting groups and counters, and the fully async worker's counters. Groups not yet in the
+        buffer are not waited for: the file records them, and a resumed run serves their prompts again
+        (nothing lost, nothing trained twice); the live run keeps them. Returns the counts recorded."""
         state = self._snapshot()
         blob = pickle.dumps(state)  # here, on the loop: the worker changes its groups between awaits
         await asyncio.to_thread(_write_synced, Path(path), blob)
         worker = state.get("worker") or {}
         return {"buffer_groups": len((state.get("buffer") or {}).get("groups", [])),
-                "finished_groups": len(worker.get("finished", [])), "in_flight_groups": len(worker.get("in_flight", []))}
+                "returned_in_flight_groups": len(worker.get("in_flight", []))}
 
     async def load_state(self, path: str) -> None:
-        """Restore what `save_state` wrote, before generation starts: in-flight prompts go back to the
-        source, finished groups wait in the buffer."""
+        """Restore what `save_state` wrote, before generation starts: the prompts of groups that were not
+        in the buffer go back to the source, the buffer's groups wait there again."""
         parts = self._ready("load_state")
         state = pickle.loads(await asyncio.to_thread(Path(path).read_bytes))
         if parts.source is not None:
@@ -284,9 +284,7 @@ class RolloutManager:
             for group in worker_state["in_flight"]:
                 parts.source.return_prompts(group)
         if state.get("buffer") is not None and parts.buffer is not None:
-            buffer_state = dict(state["buffer"])
-            buffer_state["groups"] = buffer_state["groups"] + (worker_state or {}).get("finished", [])
-            parts.buffer.load_state_dict(buffer_state)
+            parts.buffer.load_state_dict(state["buffer"])
 
     # ---- internals -----------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:

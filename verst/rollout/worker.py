@@ -179,13 +179,11 @@ class AsyncRolloutWorker:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def snapshot(self) -> dict:
-        """For a checkpoint, without stopping: the groups still generating (`in_flight`, whose prompts a
-        resumed run serves again), the generated ones waiting for room in the buffer (`finished`) and the
-        cumulative counters. Synchronous, so it sees one consistent moment of the event loop."""
-        finished = {id(f) for f in self._finished}
+        """For a checkpoint, without stopping: the groups not yet in the buffer (still generating, or
+        generated and waiting for room), whose prompts a resumed run serves again, and the cumulative
+        counters. Synchronous, so it sees one consistent moment of the event loop."""
         return {
-            "in_flight": [list(f.group) for f in self._flights if id(f) not in finished],
-            "finished": [list(f.group) for f in self._finished],
+            "in_flight": [list(f.group) for f in self._flights],
             "counters": {"groups": self._groups_produced, "samples": self._samples_produced,
                          "errors": self._generate_errors},
         }
