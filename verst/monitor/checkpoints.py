@@ -23,6 +23,9 @@ LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
 TRAINER_DIR = "trainer"
 TMP_PREFIX = ".tmp-"
+# The trainer's files (verst.trainer.checkpoint, which imports torch): its completion marker and the
+# per-rank records of a background write.
+TRAINER_COMPLETE, DONE_PREFIX, FAILED_PREFIX = "COMPLETE", "done_rank", "failed_rank"
 FORMAT = 1
 # Fields a resumed run may change: they do not touch what the checkpoint restores.
 SAFE_PREFIXES = ("logging.", "eval.", "checkpoint.", "name", "run_dir", "overwrite", "rollout.num_rollouts",
@@ -67,6 +70,25 @@ def commit(tmp: Path, manifest: dict[str, Any], keep_last: int | None = None) ->
     if keep_last:
         prune(final.parent, keep_last)
     return final
+
+
+def wait_trainer_writes(trainer_dir: Path, ranks: int, step: int, timeout_s: float = 1800.0) -> None:
+    """Wait until every rank's background write of `trainer_dir` has ended, then write its COMPLETE
+    marker; a rank's failure is raised with its error. Nothing to wait for after a synchronous save."""
+    marker = trainer_dir / TRAINER_COMPLETE
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists():
+        failed = sorted(trainer_dir.glob(f"{FAILED_PREFIX}*"))
+        if failed:
+            raise CheckpointError(f"{trainer_dir}: the trainer's write failed on "
+                                  + "; ".join(f"rank {p.name[len(FAILED_PREFIX):]}: {p.read_text().strip()}"
+                                              for p in failed))
+        if all((trainer_dir / f"{DONE_PREFIX}{rank}").exists() for rank in range(ranks)):
+            marker.write_text(f"step {step}\n")
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{trainer_dir}: the trainer ranks did not finish writing within {timeout_s:g} s")
+        time.sleep(0.02)
 
 
 def write_latest(step_dir: Path) -> None:
@@ -119,7 +141,7 @@ def resolve(path: str | Path) -> Path:
                                   f"({CHECKPOINTS_DIR}/{LATEST_FILE} is missing)")
     if not step_dir.is_dir():
         raise CheckpointError(f"checkpoint.load = {str(path)!r}: {str(step_dir)!r} does not exist")
-    missing = [name for name in (MANIFEST_FILE, f"{TRAINER_DIR}/COMPLETE") if not (step_dir / name).exists()]
+    missing = [name for name in (MANIFEST_FILE, f"{TRAINER_DIR}/{TRAINER_COMPLETE}") if not (step_dir / name).exists()]
     if missing:
         raise CheckpointError(f"checkpoint.load = {str(path)!r}: {str(step_dir)!r} is not a complete checkpoint "
                               f"(missing {', '.join(missing)})")

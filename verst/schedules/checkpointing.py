@@ -1,8 +1,9 @@
 """Checkpoints of an RL run, as named steps of `RLRun`: save (trainer state on the ranks, rollout side in
 the rollout manager, manifest and commit by the driver), resume, and the run's final model.
 
-The pause a save causes is the trainer's and the rollout side's writes, run at the same time; the fsync,
-rename, `latest` pointer and pruning happen in a background thread, waited for by the next save.
+The pause a save causes is the ranks' copy of their shards and the rollout side's write, run at the same
+time; the ranks write the shards in a background thread, and the driver's own thread waits for those
+writes, then fsyncs, renames, moves `latest` and prunes; the next save waits for all of it.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class RunCheckpointer:
         tmp = layout.new_tmp_dir(self.run_dir, version)
         pending_eval = run.evaluation_in_flight()
         _, rollout_counts = await asyncio.gather(
-            asyncio.to_thread(run.trainer.apply, save_backend, str(tmp / layout.TRAINER_DIR)),
+            asyncio.to_thread(run.trainer.apply, save_backend, str(tmp / layout.TRAINER_DIR), True),
             asyncio.to_thread(run.rollout.save_state, str(tmp / ROLLOUT_FILE)),
         )
         manifest = {
@@ -84,9 +85,14 @@ class RunCheckpointer:
             "pending_eval_step": version if pending_eval else None,
             "rollout": rollout_counts, "config": self.cfg.model_dump(mode="json"),
         }
-        self._committing = self._pool.submit(layout.commit, tmp, manifest, self.cfg.checkpoint.keep_last)
+        self._committing = self._pool.submit(self._commit, tmp, manifest)
         self.last_step = version
         return time.perf_counter() - start
+
+    def _commit(self, tmp: Path, manifest: dict[str, Any]) -> None:
+        """In the background: once the ranks' writes have ended, the atomic commit."""
+        layout.wait_trainer_writes(tmp / layout.TRAINER_DIR, self.cfg.cluster.trainer_ranks, manifest["step"])
+        layout.commit(tmp, manifest, self.cfg.checkpoint.keep_last)
 
     async def wait(self) -> None:
         """Wait for the commit in the background, if any (its error is raised here)."""

@@ -4,6 +4,7 @@ offers to the schedules, the driver-side handle of N ranks and weight transports
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -138,8 +139,13 @@ def fsdp2_backend(*args: Any, **kwargs: Any) -> TrainBackend:
 
 
 # Rank-side checkpoint steps for `TrainerRanks.apply` (module functions: Ray pickles them by reference).
-def save_backend(backend: TrainBackend, directory: str) -> None:
-    backend.save(directory)
+def save_backend(backend: TrainBackend, directory: str, background: bool = False) -> None:
+    """`backend.save`; with `background`, in a thread where the backend offers it (FSDP2): the caller then
+    waits for every rank's `done_rank<R>` file and writes COMPLETE."""
+    if background and "background" in inspect.signature(backend.save).parameters:
+        backend.save(directory, background=True)
+    else:
+        backend.save(directory)
 
 
 def load_backend(backend: TrainBackend, directory: str) -> int:
