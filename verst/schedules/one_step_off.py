@@ -17,7 +17,8 @@ from verst.schedules.run import open_rl_run
 async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
         await run.begin()  # the step-0 evaluation, while the first rollouts generate
-        next_batch = asyncio.create_task(run.generate(run.first_rollout))
+        if run.first_rollout < cfg.rollout.num_rollouts:  # a run resumed at its end has none to make
+            next_batch = asyncio.create_task(run.generate(run.first_rollout))
         for rollout_id in range(run.first_rollout, cfg.rollout.num_rollouts):
             start = time.perf_counter()
             batch, rollout_metrics = await next_batch
