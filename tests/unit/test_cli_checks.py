@@ -125,3 +125,27 @@ def test_verst_train_stops_before_ray_naming_the_model_path(tmp_path):
     assert "Traceback" not in result.stderr
     assert "ray" not in result.stdout.lower()
     assert time.perf_counter() - start < 30  # a ceiling far above the check itself: Ray never started
+
+
+def test_resume_takes_the_runs_config_and_passes_preflight(tmp_path, tiny_model_dir, addition_data_dir):
+    from verst.cli.config_command import parse_config_command
+    from verst.monitor import checkpoints as layout
+
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir, "--trainer.lr", "3e-4")
+    run = prepare_run_dir(cfg)
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(PreflightError, match="no complete checkpoint"):
+        preflight(parse_config_command("train", ["--resume", str(run)], "")[0], rl=True)
+    tmp = layout.new_tmp_dir(run, 2)
+    (tmp / layout.TRAINER_DIR).mkdir()
+    (tmp / layout.TRAINER_DIR / "COMPLETE").write_text("step 2\n")
+    layout.commit(tmp, {"step": 2, "version": 2, "config": cfg.model_dump(mode="json")})
+
+    resumed, _ = parse_config_command("train", ["--resume", str(run), "--rollout.num-rollouts", "9"], "")
+    assert resumed.checkpoint.load == str(run) and resumed.trainer.lr == 3e-4 and resumed.rollout.num_rollouts == 9
+    preflight(resumed, rl=True)  # its own, non-empty run directory is not refused
+    changed, _ = parse_config_command("train", ["--resume", str(run), "--trainer.lr", "1e-3"], "")
+    with pytest.raises(PreflightError, match=r"trainer.lr: checkpoint 0.0003, now 0.001"):
+        preflight(changed, rl=True)
+    with pytest.raises(SystemExit):
+        parse_config_command("train", ["--resume"], "")
