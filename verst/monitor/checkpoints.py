@@ -1,10 +1,5 @@
-"""A run's checkpoint directory: layout, atomic commit (temporary directory, fsync, rename, `latest`
-pointer), pruning, resolving what `checkpoint.load` names, and the resume rules for a changed config.
-
-Layout: `RUN/checkpoints/step_N/` holds `manifest.json` (written last, before the rename), `trainer/`
-(the backend's sharded state) and the schedule's own files; `RUN/checkpoints/latest` names the newest
-complete step directory. Nothing here imports torch.
-"""
+"""A run's checkpoint directory: layout, atomic commit with a `latest` pointer, pruning, what
+`checkpoint.load` names, and the resume rules for a changed config (torch-free)."""
 
 from __future__ import annotations
 

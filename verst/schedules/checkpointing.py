@@ -161,6 +161,16 @@ def save_sft(trainer: Any, source: Any, cfg: VerstConfig, run_dir: Path, step: i
     return time.perf_counter() - start
 
 
+def finish_sft(trainer: Any, source: Any, cfg: VerstConfig, run_dir: Path, history: list[tuple[int, float]]) -> None:
+    """The end of an SFT run: its final checkpoint (`checkpoint.save`) and Hugging Face export."""
+    if cfg.checkpoint.save:
+        save_sft(trainer, source, cfg, run_dir, cfg.sft.num_steps, history)
+    if cfg.checkpoint.export_hf:
+        trainer.export_hf(run_dir / "hf")
+        if not cfg.data.apply_chat_template:  # trained on raw prompts: chat requests to it are refused
+            drop_chat_template(run_dir / "hf")
+
+
 def restore_sft(trainer: Any, source: Any, point: ResumePoint) -> list[tuple[int, float]]:
     """Load an SFT checkpoint into `trainer` and `source`; returns its eval history."""
     trainer.load(point.step_dir / layout.TRAINER_DIR)

@@ -260,10 +260,10 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
                                        source_model=cfg.model.path)
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
-                        IdleMeter(fleet), progress,
-                        checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout), started=started, started_at=started_at)
+                        IdleMeter(fleet), progress, started=started, started_at=started_at,
+                        checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout))
             if resume is not None:
-                run.startup_metrics.update(await checkpointing.restore(run, resume))
+                await checkpointing.restore(run, resume)  # before any rollout: the engines serve its weights
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
             clock.lap("syncer")
             run.startup_metrics = clock.metrics()  # logged with the step-0 evaluation

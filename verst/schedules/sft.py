@@ -15,7 +15,6 @@ from verst.data.calculator import CONVERSATION_KEY
 from verst.eval import evaluate_greedy, hf_greedy_generate
 from verst.eval.agentic import evaluate_agentic_local, score_key
 from verst.models import load_model, load_tokenizer
-from verst.models.loader import drop_chat_template
 from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
@@ -82,12 +81,7 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
         after = evaluate(trainer)
         logger.log(after, step=cfg.sft.num_steps)
         history.append((cfg.sft.num_steps, after[score]))
-        if cfg.checkpoint.save:
-            checkpointing.save_sft(trainer, source, cfg, run_dir, cfg.sft.num_steps, history)
-        if cfg.checkpoint.export_hf:
-            trainer.export_hf(run_dir / "hf")
-            if not cfg.data.apply_chat_template:  # trained on raw prompts: chat requests to it are refused
-                drop_chat_template(run_dir / "hf")
+        checkpointing.finish_sft(trainer, source, cfg, run_dir, history)
     summary = {
         f"{score}_before": before[score],
         f"{score}_after": after[score],
