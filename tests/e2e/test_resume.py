@@ -24,6 +24,9 @@ from verst.monitor import read_metrics
 from verst.monitor.checkpoints import CheckpointError, read_latest, read_manifest
 
 SEEDED = ("--rollout.sampling.seed", "7", "--schedule", "sync", "--sync.transport", "disk")
+ACCOUNTED = ("--schedule", "fully_async", "--sync.transport", "disk", "--buffer.max-staleness", "0",
+             "--buffer.capacity-factor", "3", "--buffer.unused", "drop",
+             "--buffer.path", "tests.e2e.rl_plugins:AccountingBuffer", "--checkpoint.export-hf", "false")
 COMPARED = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/advantage_abs_mean")
 
 
@@ -94,9 +97,9 @@ def test_resume_refuses_a_changed_field_then_continues(ray_session, tiny_model_d
 
 
 # ---- a driver killed with SIGKILL, then `verst train --resume` -------------------------------------
-def verst(args: list[str], tag: str, ray_tmp: str) -> subprocess.Popen:
+def verst(args: list[str], tag: str, ray_tmp: str, env: dict | None = None) -> subprocess.Popen:
     """`verst ARGS` in its own session; every process it starts inherits `tag` (to find them after a kill)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp, "VERST_TEST_TAG": tag}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp, "VERST_TEST_TAG": tag, **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "verst.cli.main", *args], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -121,16 +124,12 @@ def kill_tagged(tag: str) -> list[int]:
     return killed
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
-                                                          tmp_path):
-    steps = 3
-    args = rl_args(tmp_path / "killed", tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts",
-                   str(steps), "--checkpoint.interval", "1")
-    run_dir = tmp_path / "killed" / "run"
+def kill_after_a_checkpoint_then_resume(args: list[str], run_dir: Path, steps: int, env: dict | None = None) -> int:
+    """`verst train ARGS` killed (SIGKILL of its process group, then of every process it started) once a
+    checkpoint past step 0 is there, then `verst train --resume RUN_DIR` to the end; the step resumed at."""
     tag, ray_tmp = uuid.uuid4().hex, tempfile.mkdtemp(prefix="vr", dir="/tmp")
     try:
-        proc = verst(["train", *args], tag, ray_tmp)
+        proc = verst(["train", *args], tag, ray_tmp, env)
         deadline = time.monotonic() + 240
         while read_latest(run_dir) is None or read_latest(run_dir).name == "step_0":
             assert proc.poll() is None, proc.stdout.read()
@@ -142,46 +141,73 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tiny_mode
         killed_at = read_manifest(read_latest(run_dir))["step"]
         assert killed_at < steps, "the run finished before it was killed; nothing was resumed"
 
-        resumed = verst(["train", "--resume", str(run_dir)], tag, ray_tmp)
+        resumed = verst(["train", "--resume", str(run_dir)], tag, ray_tmp, env)
         out, _ = resumed.communicate(timeout=300)
         assert resumed.returncode == 0, out
         assert f"resumed from {run_dir / 'checkpoints' / f'step_{killed_at}'}" in out
+        return killed_at
     finally:
         kill_tagged(tag)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
+                                                          tmp_path):
+    steps = 3
+    args = rl_args(tmp_path / "killed", tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts",
+                   str(steps), "--checkpoint.interval", "1")
+    run_dir = tmp_path / "killed" / "run"
+    kill_after_a_checkpoint_then_resume(args, run_dir, steps)
     through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED,
                         "--rollout.num-rollouts", str(steps))
     run_schedule(through)
     assert_same_run(run_dir, Path(through.run_dir), steps=steps)
 
 
+@pytest.mark.slow
+def test_fully_async_accounting_across_a_sigkill(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    steps, records = 4, tmp_path / "records"
+    records.mkdir()
+    args = rl_args(tmp_path, tiny_model_dir, addition_data_dir, *ACCOUNTED, "--rollout.num-rollouts", str(steps),
+                   "--checkpoint.interval", "1")
+    resumed_at = kill_after_a_checkpoint_then_resume(args, tmp_path / "run", steps,
+                                                     env={"VERST_TEST_RECORD_DIR": str(records)})
+    check_accounting(records / "accounting.jsonl", tmp_path / "run", resumed_at, steps)
+
+
 def test_fully_async_accounting_across_a_resume(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
     """Resumed from a checkpoint taken while the worker generated: every prompt is trained at most once or
     recorded as dropped, and the cumulative counts in the metrics equal the recorded events."""
-    common = ("--schedule", "fully_async", "--sync.transport", "disk", "--buffer.max-staleness", "0",
-              "--buffer.capacity-factor", "3", "--buffer.unused", "drop",
-              "--buffer.path", "tests.e2e.rl_plugins:AccountingBuffer", "--checkpoint.export-hf", "false")
-    first = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *common, "--rollout.num-rollouts", "2",
+    first = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *ACCOUNTED, "--rollout.num-rollouts", "2",
                       "--checkpoint.interval", "1")
     run_schedule(first)
     step_1 = Path(first.run_dir) / "checkpoints" / "step_1"
-    resumed = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *common, "--rollout.num-rollouts", "3",
+    resumed = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *ACCOUNTED, "--rollout.num-rollouts", "3",
                         "--checkpoint.load", str(step_1))
     run_schedule(resumed)
 
-    events = [json.loads(line) for line in (ray_session / "accounting.jsonl").read_text().splitlines()]
+    check_accounting(ray_session / "accounting.jsonl", Path(resumed.run_dir), resumed_at=1, steps=3)
+    assert "returned_in_flight_groups" in read_manifest(step_1)["rollout"]
+
+
+def check_accounting(events_file: Path, run_dir: Path, resumed_at: int, steps: int) -> None:
+    """The first run's events up to its checkpoint of step `resumed_at` and all the resumed run's: every
+    prompt trained at most once or dropped, never both, and the metrics' cumulative counts equal them."""
+    events = [json.loads(line) for line in events_file.read_text().splitlines()]
     first_pid = events[0]["pid"]
-    cut = next(i for i, e in enumerate(events) if e["pid"] == first_pid and e["event"] == "checkpoint")
-    kept = events[:cut] + [e for e in events[cut:] if e["pid"] != first_pid]  # the killed future goes
+    # The checkpoint of step k records the buffer after the take of step k, made at version k - 1.
+    cut = next(i for i, e in enumerate(events)
+               if e["pid"] == first_pid and e["event"] == "checkpoint" and e["version"] == resumed_at - 1)
+    kept = events[:cut] + [e for e in events[cut:] if e["pid"] != first_pid]  # what followed the checkpoint goes
     trained = [e["row"] for e in kept if e["event"] == "trained"]
     dropped = [e["row"] for e in kept if e["event"] in ("stale", "aborted", "filtered")]
-    assert len(trained) == 3 * 4  # three steps of four groups
+    assert len(trained) == steps * 4  # four groups a step
     assert len(set(trained)) == len(trained) and len(set(dropped)) == len(dropped)
     assert not set(trained) & set(dropped)
     assert any(e["event"] == "stale" for e in kept)  # max_staleness 0 with a full buffer drops some
-    records = read_metrics(Path(resumed.run_dir))
-    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, steps + 1))
     last = [r for r in records if "buffer/dropped_stale_total" in r][-1]
     assert last["buffer/dropped_stale_total"] == sum(e["event"] == "stale" for e in kept)
     assert last["buffer/dropped_aborted_total"] == sum(e["event"] == "aborted" for e in kept)
-    assert "returned_in_flight_groups" in read_manifest(step_1)["rollout"]
