@@ -205,3 +205,30 @@ def test_a_failing_prepare_is_raised_by_start():
         await manager.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_checkpoint_of_the_running_worker_hands_unfinished_groups_back_on_resume(tmp_path):
+    """save_state while the worker generates: the buffer's groups come back in the buffer, the groups not in
+    it are returned to the source of the resumed manager, the counters continue; the live run goes on."""
+    async def main():
+        manager = RolloutManager(["http://e"], parts_factory([]), router=None)
+        await manager.start()
+        await manager.start_async()
+        assert len(await manager.take(2, version=3, timeout=10)) == 2
+        while len(manager._parts.buffer) < 4:  # groups 2..5 finish, 6..9 never do
+            await asyncio.sleep(0.01)
+        counts = await manager.save_state(str(tmp_path / "rollout.pkl"))
+        assert counts == {"buffer_groups": 4, "returned_in_flight_groups": 4}
+        assert len(manager._parts.source.returned) == 0  # the live run keeps its groups
+        await manager.shutdown()
+
+        resumed = RolloutManager(["http://e"], parts_factory([]), router=None)
+        await resumed.start()
+        await resumed.load_state(str(tmp_path / "rollout.pkl"))
+        parts = resumed._parts
+        assert parts.source.position == 10 and sorted(parts.source.returned) == [6, 7, 8, 9]
+        assert [g[0].group_index for g in parts.buffer.state_dict()["groups"]] == [2, 3, 4, 5]
+        assert (await resumed.metrics())["rollout/groups_produced_total"] == 6
+        await resumed.shutdown()
+
+    asyncio.run(main())

@@ -235,6 +235,28 @@ def test_save_and_load_resume_in_process(model_path, tmp_path):
         second.load(tmp_path / "missing")
 
 
+def test_a_background_save_holds_the_state_of_its_call(model_path, tmp_path):
+    """The shards are copied at the call: steps taken while the thread writes do not leak in; the
+    directory is complete once the rank's write has ended and COMPLETE is written."""
+    from verst.monitor.checkpoints import wait_trainer_writes
+
+    make = functools.partial(make_backend, model_path, lr_schedule="linear", total_steps=4)
+    batches = [make_items(LENGTHS, seed=s) for s in range(3)]
+    first = make()
+    first.train_step(batches[0], sft_loss_fn)
+    first.save(tmp_path / "ckpt", background=True)
+    want = [first.train_step(b, sft_loss_fn) for b in batches[1:]]  # while the write may still run
+    first.wait_saves()
+    wait_trainer_writes(tmp_path / "ckpt", ranks=1, step=1)
+    second = make()
+    second.load(tmp_path / "ckpt")
+    got = [second.train_step(b, sft_loss_fn) for b in batches[1:]]
+    for g, w in zip(got, want):
+        assert (g["train/loss"], g["train/lr"]) == pytest.approx((w["train/loss"], w["train/lr"]), rel=1e-6)
+    for name, tensor in weights(first).items():
+        torch.testing.assert_close(weights(second)[name], tensor, atol=1e-6, rtol=0)
+
+
 def test_a_native_trainer_imports_no_transformers_modeling(model_path):
     import subprocess
     import sys

@@ -38,3 +38,23 @@ class RecordingBuffer(FifoBuffer):
                 on_discard(group, reason)
 
         super().__init__(capacity_groups, max_staleness=max_staleness, group_filter=group_filter, on_discard=record)
+
+
+class AccountingBuffer(RecordingBuffer):
+    """Also records, with this process's id, the rows each take hands to training and each checkpoint
+    of the buffer (`state_dict`), so a test can follow every prompt across a resume."""
+
+    async def take(self, n, current_version, timeout=None):
+        groups = await super().take(n, current_version, timeout)
+        for group in groups:
+            _record("accounting", {"pid": os.getpid(), "event": "trained", "row": group[0].metadata["data_index"],
+                                   "version": current_version})
+        return groups
+
+    def state_dict(self):
+        _record("accounting", {"pid": os.getpid(), "event": "checkpoint", "version": self._last_version})
+        return super().state_dict()
+
+    def _discard(self, group, reason):
+        _record("accounting", {"pid": os.getpid(), "event": reason, "row": group[0].metadata["data_index"]})
+        super()._discard(group, reason)

@@ -36,7 +36,7 @@ def test_sft_few_steps_writes_run_dir(tiny_model_dir, addition_data_dir, tmp_pat
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 3]
     assert undocumented(records) == []  # every logged key has its line in docs/metrics.md
     assert all(r["train/lr"] > 0 and r["train/grad_norm"] > 0 for r in records if "train/loss" in r)
-    assert (run / "config.yaml").exists() and any((run / "checkpoint").iterdir())
+    assert (run / "config.yaml").exists() and any((run / "checkpoints" / "step_3" / "trainer").iterdir())
     exported = load_model(run / "hf")  # transformers loads the export
     assert exported.config.vocab_size == 265
     # Trained with the chat template (the default): the export keeps it.
@@ -61,8 +61,25 @@ def test_sft_over_two_rank_actors(tiny_model_dir, addition_data_dir, tmp_path):
     records = read_metrics(run)
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
     assert all(r["train/grad_norm"] > 0 for r in records if "train/loss" in r)
-    assert any((run / "checkpoint").iterdir())
+    assert any((run / "checkpoints" / "step_2" / "trainer").iterdir())
     assert load_model(run / "hf").config.vocab_size == 265
+
+
+def test_sft_resumes_where_it_stopped(tiny_model_dir, addition_data_dir, tmp_path):
+    """`verst sft --resume RUN`: trainer state and data position come back; the losses match a run that
+    went through, in the same metrics.jsonl."""
+    common = ("--sft.batch-size", "4", "--eval.max-prompts", "2", "--trainer.lr", "1e-3")
+    through, stopped = tmp_path / "through", tmp_path / "stopped"
+    assert main(sft_args(tiny_model_dir, addition_data_dir, through, "--sft.num-steps", "4", *common)) == 0
+    assert main(sft_args(tiny_model_dir, addition_data_dir, stopped, "--sft.num-steps", "2",
+                         "--checkpoint.interval", "1", "--checkpoint.keep-last", "1", *common)) == 0
+    assert [p.name for p in (stopped / "checkpoints").glob("step_*")] == ["step_2"]
+    assert main(["sft", "--resume", str(stopped), "--sft.num-steps", "4"]) == 0
+    losses = [{r["step"]: r["train/loss"] for r in read_metrics(run) if "train/loss" in r} for run in (through, stopped)]
+    assert sorted(losses[1]) == [1, 2, 3, 4]
+    for step, loss in losses[0].items():
+        assert losses[1][step] == pytest.approx(loss, abs=1e-6), step
+    assert main(["sft", "--resume", str(stopped), "--trainer.lr", "2e-3", "--sft.num-steps", "5"]) == 2  # refused by name
 
 
 @pytest.mark.slow

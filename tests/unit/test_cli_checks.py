@@ -76,7 +76,7 @@ def test_preflight_names_every_missing_thing(tmp_path, tiny_model_dir, addition_
         f"model.path = {str(tmp_path / 'no-model')!r} does not exist; expected a Hugging Face checkpoint directory",
         f"data.train_path = {str(tmp_path / 'no.jsonl')!r} does not exist",
         f"eval.path = {str(tmp_path)!r} is a directory, not a file",
-        f"checkpoint.load = {str(tmp_path / 'ckpt')!r}: resuming a run is not supported; remove checkpoint.load",
+        f"checkpoint.load = {str(tmp_path / 'ckpt')!r}: {str(tmp_path / 'ckpt')!r} does not exist",
         "rollout.agent_fn = 'no_such_pkg_xyz.agent:run': cannot import a parent of module 'no_such_pkg_xyz.agent' "
         "(No module named 'no_such_pkg_xyz')",
         "reward.path = 'verst.no_such_module:fn': no module named 'verst.no_such_module' "
@@ -135,3 +135,27 @@ def test_wandb_without_the_package_is_refused(tmp_path, tiny_model_dir, addition
     cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir, "--logging.wandb", "true")
     with pytest.raises(PreflightError, match="logging.wandb = true, but the wandb package is not installed"):
         preflight(cfg, rl=False)
+
+
+def test_resume_takes_the_runs_config_and_passes_preflight(tmp_path, tiny_model_dir, addition_data_dir):
+    from verst.cli.config_command import parse_config_command
+    from verst.monitor import checkpoints as layout
+
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir, "--trainer.lr", "3e-4")
+    run = prepare_run_dir(cfg)
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(PreflightError, match="no complete checkpoint"):
+        preflight(parse_config_command("train", ["--resume", str(run)], "")[0], rl=True)
+    tmp = layout.new_tmp_dir(run, 2)
+    (tmp / layout.TRAINER_DIR).mkdir()
+    (tmp / layout.TRAINER_DIR / "COMPLETE").write_text("step 2\n")
+    layout.commit(tmp, {"step": 2, "version": 2, "config": cfg.model_dump(mode="json")})
+
+    resumed, _ = parse_config_command("train", ["--resume", str(run), "--rollout.num-rollouts", "9"], "")
+    assert resumed.checkpoint.load == str(run) and resumed.trainer.lr == 3e-4 and resumed.rollout.num_rollouts == 9
+    preflight(resumed, rl=True)  # its own, non-empty run directory is not refused
+    changed, _ = parse_config_command("train", ["--resume", str(run), "--trainer.lr", "1e-3"], "")
+    with pytest.raises(PreflightError, match=r"trainer.lr: checkpoint 0.0003, now 0.001"):
+        preflight(changed, rl=True)
+    with pytest.raises(SystemExit):
+        parse_config_command("train", ["--resume"], "")

@@ -15,13 +15,15 @@ from verst.config import ConfigError, VerstConfig, batch_plan, iter_fields, load
 
 def help_text(prog: str, description: str) -> str:
     lines = [
-        f"usage: verst {prog} [RECIPE.toml|.yaml] [--dry-run] [--section.field VALUE ...]",
+        f"usage: verst {prog} [RECIPE.toml|.yaml] [--resume RUN_DIR] [--dry-run] [--section.field VALUE ...]",
         "",
         description,
         "",
         "options:",
         "  -h, --help     show this help and exit",
         "  --dry-run      print the resolved config and batch arithmetic, check its files, then exit (no torch import)",
+        "  --resume RUN_DIR  continue the run in RUN_DIR from its latest checkpoint; its config.yaml is the",
+        "                 base unless a RECIPE is given (only logging, eval, checkpoint and step-count fields may change)",
         "  --overwrite    empty an existing run directory first (the config field `overwrite`); without it a",
         "                 run directory that holds files is refused",
         "",
@@ -64,11 +66,32 @@ def parse_config_command(prog: str, argv: list[str], description: str) -> tuple[
     args = [a for a in args if a != "--dry-run"]
     recipe = args.pop(0) if args and not args[0].startswith("--") else None
     try:
+        recipe, args = _resume_args(recipe, args)
         cfg = load_config(recipe, args)
     except ConfigError as e:
         print(f"verst {prog}: {e}", file=sys.stderr)
         sys.exit(2)
     return cfg, dry_run
+
+
+def _resume_args(recipe: str | None, args: list[str]) -> tuple[str | None, list[str]]:
+    """`--resume RUN_DIR` becomes `--checkpoint.load RUN_DIR`, with the run's config.yaml as the base
+    when no recipe is given."""
+    if "--resume" not in args:
+        return recipe, args
+    at = args.index("--resume")
+    if at + 1 >= len(args) or args[at + 1].startswith("--"):
+        raise ConfigError("--resume needs a run directory")
+    run_dir = args[at + 1]
+    rest = args[:at] + args[at + 2:]
+    if recipe is None:
+        from verst.monitor.checkpoints import CheckpointError, base_config_file
+
+        try:
+            recipe = str(base_config_file(run_dir))
+        except CheckpointError as error:
+            raise ConfigError(str(error)) from None
+    return recipe, [*rest, "--checkpoint.load", run_dir]
 
 
 def print_dry_run(cfg: VerstConfig) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from verst.config import VerstConfig
 from verst.models.loader import check_checkpoint_dir
 from verst.monitor import RunDirError, check_run_dir
+from verst.monitor.checkpoints import CheckpointError, check_resume_config, resolve
 
 BUILTIN_FILTERS = ("zero_std",)
 
@@ -31,8 +32,10 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
     eval_path = ("eval.path", cfg.eval.path) if cfg.eval.path else ("data.test_path", cfg.data.test_path)
     problems += _missing_file(*eval_path)
     if cfg.checkpoint.load is not None:
-        problems.append(f"checkpoint.load = {cfg.checkpoint.load!r}: resuming a run is not supported; "
-                        "remove checkpoint.load")
+        try:
+            check_resume_config(resolve(cfg.checkpoint.load), cfg)
+        except (CheckpointError, OSError, KeyError) as error:
+            problems.append(str(error))
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
         problems.append("logging.wandb = true, but the wandb package is not installed (pip install wandb)")
     imports = {"data.source": cfg.data.source, "buffer.path": cfg.buffer.path}

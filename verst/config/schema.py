@@ -235,8 +235,10 @@ class EvalConfig(Section):
 
 class CheckpointConfig(Section):
     interval: int = Field(0, ge=0, description="Save every N train steps (0: only at the end).")
-    load: str | None = Field(None, description="Resume from this checkpoint directory.")
+    load: str | None = Field(None, description="Resume from this checkpoint: a step directory, or a run "
+                             "directory (its latest checkpoint).")
     save: bool = Field(True, description="Save a resumable checkpoint at the end.")
+    keep_last: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0: keep all).")
     export_hf: bool = Field(True, description="Export the final model as a Hugging Face checkpoint.")
 
 

@@ -27,8 +27,11 @@ class RunDirError(ValueError):
 
 def check_run_dir(cfg: VerstConfig) -> Path:
     """The run directory, refused when it holds another run's files and `overwrite` is off: metrics
-    would append to that run's and its config and summary would be replaced."""
+    would append to that run's and its config and summary would be replaced. A run resuming from a
+    checkpoint of this run directory (`checkpoint.load`) continues in it."""
     path = run_dir_of(cfg)
+    if resumes_here(cfg):
+        return path
     if path.exists() and not path.is_dir():
         raise RunDirError(f"run_dir {str(path)!r} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not cfg.overwrite:
@@ -38,10 +41,18 @@ def check_run_dir(cfg: VerstConfig) -> Path:
     return path
 
 
+def resumes_here(cfg: VerstConfig) -> bool:
+    """Whether `checkpoint.load` names this run directory or a checkpoint inside it."""
+    if not cfg.checkpoint.load:
+        return False
+    run_dir, load = run_dir_of(cfg).resolve(), Path(cfg.checkpoint.load).resolve()
+    return load == run_dir or run_dir in load.parents
+
+
 def prepare_run_dir(cfg: VerstConfig) -> Path:
     """Create the run directory (emptied first with `overwrite`) and write the resolved config into it."""
     path = check_run_dir(cfg)
-    if cfg.overwrite and path.is_dir():
+    if cfg.overwrite and path.is_dir() and not resumes_here(cfg):
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

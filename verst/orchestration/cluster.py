@@ -230,6 +230,12 @@ class RolloutManagerHandle:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._call("load_state_dict", state)
 
+    def save_state(self, path: str) -> dict[str, int]:
+        return self._call("save_state", path)
+
+    def load_state(self, path: str) -> None:
+        self._call("load_state", path)
+
     def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop the worker, the parts and the router inside the actor, then kill the actor."""
         if self._closed:

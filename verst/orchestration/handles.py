@@ -46,6 +46,14 @@ class RolloutSource(Protocol):
         """Fully async: stop the worker; how many unfinished groups it handed back."""
         ...
 
+    def save_state(self, path: str) -> dict[str, int]:
+        """Checkpoint: write the rollout side's state (source, buffer, worker) to `path`; the counts saved."""
+        ...
+
+    def load_state(self, path: str) -> None:
+        """Resume: restore what `save_state` wrote, before generation starts."""
+        ...
+
 
 class WeightPush(Protocol):
     """The weight syncer, as the loops use it (`TrainerWeightSync`)."""

@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import inspect
 import os
+import pickle
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -99,6 +100,7 @@ class RolloutManager:
         self._taken: list[Group] = []  # the fully async train batch being assembled by take_into_batch
         self._taken_version = 0  # the trainer's version when it was taken
         self._closed = False
+        self._batch_start: dict[str, Any] | None = None  # the source's position before the batch generating
         self._prepared: concurrent.futures.Future | None = None
         if prepare is not None:
             self._prepared = concurrent.futures.Future()
@@ -163,7 +165,13 @@ class RolloutManager:
             raise RuntimeError("generate_batch: the rollout parts have no generate_batch (a fully async set-up?)")
         if self._async_started:
             raise RuntimeError("generate_batch: the fully async worker is running; take groups with take()")
-        return await parts.generate_batch(rollout_id, weight_version)
+        # A checkpoint taken meanwhile (one-step-off) saves the position before this batch: a resumed run
+        # generates it again.
+        self._batch_start = parts.source.state_dict() if parts.source is not None else None
+        try:
+            return await parts.generate_batch(rollout_id, weight_version)
+        finally:
+            self._batch_start = None
 
     # ---- the fully async schedule --------------------------------------------------------
     async def start_async(self) -> None:
@@ -263,7 +271,48 @@ class RolloutManager:
             raise RuntimeError("load_state_dict: the rollout parts have no data source")
         parts.source.load_state_dict(state)
 
+    async def save_state(self, path: str) -> dict[str, int]:
+        """Write the rollout side's state for a checkpoint to `path` (fsynced): the source's position, the
+        buffer's waiting groups and counters, and the fully async worker's counters. Groups not yet in the
+        buffer are not waited for: the file records them, and a resumed run serves their prompts again
+        (nothing lost, nothing trained twice); the live run keeps them. Returns the counts recorded."""
+        state = self._snapshot()
+        blob = pickle.dumps(state)  # here, on the loop: the worker changes its groups between awaits
+        await asyncio.to_thread(_write_synced, Path(path), blob)
+        worker = state.get("worker") or {}
+        return {"buffer_groups": len((state.get("buffer") or {}).get("groups", [])),
+                "returned_in_flight_groups": len(worker.get("in_flight", []))}
+
+    async def load_state(self, path: str) -> None:
+        """Restore what `save_state` wrote, before generation starts: the prompts of groups that were not
+        in the buffer go back to the source, the buffer's groups wait there again."""
+        parts = self._ready("load_state")
+        state = pickle.loads(await asyncio.to_thread(Path(path).read_bytes))
+        if parts.source is not None:
+            parts.source.load_state_dict(state["source"])
+        worker_state = state.get("worker")
+        if worker_state is not None and parts.worker is not None:
+            parts.worker.load_counters(worker_state["counters"])
+            for group in worker_state["in_flight"]:
+                parts.source.return_prompts(group)
+        if state.get("buffer") is not None and parts.buffer is not None:
+            parts.buffer.load_state_dict(state["buffer"])
+
     # ---- internals -----------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, Any]:
+        parts = self._ready("save_state")
+        state: dict[str, Any] = {"source": None, "buffer": None, "worker": None}
+        if parts.source is not None:
+            state["source"] = self._batch_start or parts.source.state_dict()
+        if parts.buffer is not None:
+            if not hasattr(parts.buffer, "state_dict"):
+                raise RuntimeError(f"save_state: the buffer {type(parts.buffer).__name__} has no state_dict(); "
+                                   "a checkpoint of a fully async run needs it")
+            state["buffer"] = parts.buffer.state_dict()
+        if parts.worker is not None:
+            state["worker"] = parts.worker.snapshot()
+        return state
+
     def _ready(self, what: str) -> RolloutParts:
         if self._closed:
             raise RuntimeError(f"{what}: the rollout manager is shut down")
@@ -276,6 +325,13 @@ class RolloutManager:
         if worker is None:
             raise RuntimeError(f"{what}: the rollout parts have no fully async worker")
         return worker
+
+
+def _write_synced(path: Path, blob: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _run_into(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:

@@ -143,6 +143,18 @@ class FifoBuffer:
         self._put_wait_s = self._take_wait_s = 0.0
         return out
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The waiting groups (with their weight versions) and the cumulative counters; picklable."""
+        return {"groups": list(self._queue), "dropped": dict(self._dropped), "unversioned": self._unversioned,
+                "last_version": self._last_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict`'s groups (ahead of any put since) and counters."""
+        self._queue.extendleft(reversed(state["groups"]))
+        self._dropped.update(state["dropped"])
+        self._unversioned, self._last_version = state["unversioned"], state["last_version"]
+
     # ---- internals -----------------------------------------------------------------------
     def _keep_fresh(self, group: Group, current_version: int) -> bool:
         staleness = self._staleness(group, current_version)

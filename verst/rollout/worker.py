@@ -177,6 +177,22 @@ class AsyncRolloutWorker:
         self.check()
         return leftovers
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """For a checkpoint, without stopping: the groups not yet in the buffer (still generating, or
+        generated and waiting for room), whose prompts a resumed run serves again, and the cumulative
+        counters. Synchronous, so it sees one consistent moment of the event loop."""
+        return {
+            "in_flight": [list(f.group) for f in self._flights],
+            "counters": {"groups": self._groups_produced, "samples": self._samples_produced,
+                         "errors": self._generate_errors},
+        }
+
+    def load_counters(self, counters: dict) -> None:
+        """Continue the cumulative counters of a checkpoint's `snapshot`."""
+        self._groups_produced, self._samples_produced = counters["groups"], counters["samples"]
+        self._generate_errors = counters["errors"]
+
     # ---- metrics -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """`*_total` counters are cumulative over the run (groups_produced_total: groups handed to the

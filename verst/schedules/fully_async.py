@@ -15,10 +15,10 @@ from verst.schedules.run import open_rl_run
 
 async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
-        await run.start_evaluation(run.startup_metrics)  # step 0, while the first rollouts generate
+        await run.begin()  # the step-0 evaluation, while the first rollouts generate
         await asyncio.to_thread(run.rollout.start_async)
         try:
-            for _ in range(run.plan.total_train_steps):
+            for _ in range(run.version, run.plan.total_train_steps):
                 start = time.perf_counter()
                 batch, metrics = await run.take()
                 async for step_metrics in run.train(batch):  # the groups of one step
@@ -27,6 +27,7 @@ async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:
                 await run.log(metrics, start)
                 if run.eval_due():
                     await run.start_evaluation()  # overlaps the next step
+                await run.checkpoint_if_due()
         finally:
             await asyncio.to_thread(run.rollout.stop_async)
         await run.evaluate_last_version()

@@ -16,9 +16,10 @@ from verst.schedules.run import open_rl_run
 
 async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
-        await run.start_evaluation(run.startup_metrics)  # step 0, while the first rollouts generate
-        next_batch = asyncio.create_task(run.generate(0))
-        for rollout_id in range(cfg.rollout.num_rollouts):
+        await run.begin()  # the step-0 evaluation, while the first rollouts generate
+        if run.first_rollout < cfg.rollout.num_rollouts:  # a run resumed at its end has none to make
+            next_batch = asyncio.create_task(run.generate(run.first_rollout))
+        for rollout_id in range(run.first_rollout, cfg.rollout.num_rollouts):
             start = time.perf_counter()
             batch, rollout_metrics = await next_batch
             wait_s = time.perf_counter() - start
@@ -30,6 +31,7 @@ async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
                 await run.log(metrics, start)
                 if run.eval_due():
                     await run.start_evaluation()  # overlaps the next step
+                await run.checkpoint_if_due()
                 start, rollout_metrics, wait_s = time.perf_counter(), {}, 0.0
         await run.evaluate_last_version()
         return run.finish()

@@ -26,6 +26,8 @@ from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import EngineMemory, Orchestration, RolloutBatch, RolloutSource, RouterSpec, WeightPush
 from verst.orchestration.weight_sync import TrainerWeightSync
+from verst.schedules import checkpointing
+from verst.schedules.checkpointing import RunCheckpointer
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.schedules.train_steps import train_rollout_step
 from verst.inference_client.fleet import EngineFleet, IdleMeter
@@ -52,6 +54,8 @@ class RLRun:
     idle_meter: IdleMeter
     progress: RunProgress
     version: int = 0
+    checkpointer: RunCheckpointer | None = None  # None: this run saves no checkpoint
+    resumed_pending_eval: bool = False  # resumed from a checkpoint whose step's evaluation was in flight
     eval_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     startup_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # time/startup/*
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -59,6 +63,27 @@ class RLRun:
     _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
 
     # -- named steps ---------------------------------------------------------------------------
+    async def begin(self) -> None:
+        """The start of the loop: the step-0 evaluation (with the start-up metrics), or, resumed, the
+        evaluation the checkpoint's step had in flight."""
+        if self.version == 0:
+            await self.start_evaluation(self.startup_metrics)
+        elif self.resumed_pending_eval:
+            await self.start_evaluation()
+
+    @property
+    def first_rollout(self) -> int:
+        """The rollout batch the loop starts at (past those of a resumed checkpoint)."""
+        return self.version // self.plan.train_steps_per_rollout
+
+    async def checkpoint_if_due(self) -> None:
+        """Save a checkpoint every `checkpoint.interval` steps (see `checkpointing`)."""
+        if self.checkpointer is not None and self.checkpointer.due(self.version):
+            await checkpointing.save_checkpoint(self)
+
+    def evaluation_in_flight(self) -> bool:
+        return self._evaluation is not None and not self._evaluation.done()
+
     async def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
         """One rollout batch (its groups stay on the rollout side until the ranks fetch them) and its metrics."""
         return await asyncio.to_thread(self.rollout.generate_train_batch, rollout_id, self.version)
@@ -202,6 +227,7 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
     engines serve: the trainer, usually the slowest to start, is first needed by the first train step."""
     started, started_at = time.perf_counter(), time.time()  # the summary's time/total_s includes start-up
     cfg = absolute_paths(cfg)
+    resume = checkpointing.prepare_resume(cfg)  # refused before anything starts
     _load_in_background(_tokenizer, cfg.model.path)  # the evaluations' (transformers' import), while Ray starts
     run_dir = prepare_run_dir(cfg)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -234,7 +260,10 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
                                        source_model=cfg.model.path)
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
-                        IdleMeter(fleet), progress, started=started, started_at=started_at)
+                        IdleMeter(fleet), progress, started=started, started_at=started_at,
+                        checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout))
+            if resume is not None:
+                await checkpointing.restore(run, resume)  # before any rollout: the engines serve its weights
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
             clock.lap("syncer")
             run.startup_metrics = clock.metrics()  # logged with the step-0 evaluation
@@ -242,8 +271,10 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
             try:
                 with progress:
                     yield run
+                await checkpointing.finish(run)  # final checkpoint and Hugging Face export
             finally:
                 await run.drop_evaluation()  # a run stopped early (an error, cancelled) has one in flight
+                run.checkpointer.close()
                 await syncer.close()
 
 

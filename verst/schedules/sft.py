@@ -15,17 +15,18 @@ from verst.data.calculator import CONVERSATION_KEY
 from verst.eval import evaluate_greedy, hf_greedy_generate
 from verst.eval.agentic import evaluate_agentic_local, score_key
 from verst.models import load_model, load_tokenizer
-from verst.models.loader import drop_chat_template
 from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
+from verst.schedules import checkpointing
 from verst.schedules.trainer_setup import load_weights_into, open_trainer
 from verst.trainer import sft_loss_fn
 from verst.types import Sample, Status
 
 
 def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
+    resume = checkpointing.prepare_resume(cfg)  # refused before anything starts
     run_dir = prepare_run_dir(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     source = PromptSource.from_config(cfg.data, "train")
@@ -51,12 +52,18 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     progress = RunProgress("sft", cfg.sft.num_steps, mode="auto" if cfg.logging.progress else "off",
                            line_every=max(1, cfg.sft.num_steps // 20))
     with logger, open_trainer(cfg, total_steps=cfg.sft.num_steps) as trainer:
-        before = evaluate()
-        logger.log(before, step=0)
-        print(f"[sft] step 0: held-out {scored_by} {before[score]:.1%}", flush=True)
+        if resume is None:
+            before = evaluate()
+            logger.log(before, step=0)
+            print(f"[sft] step 0: held-out {scored_by} {before[score]:.1%}", flush=True)
+            history, first = [(0, before[score])], 1
+        else:
+            history = checkpointing.restore_sft(trainer, source, resume)
+            before, first = {score: history[0][1]}, resume.version + 1
         encoded: dict[int, Sample] = {}  # data_index -> training sample; each prompt is rendered once
+        metrics: dict[str, float] = {}
         with progress:
-            for step in range(1, cfg.sft.num_steps + 1):
+            for step in range(first, cfg.sft.num_steps + 1):
                 started = time.perf_counter()
                 batch = [_cached(encoded, p, lambda p=p: sft_sample(tokenizer, p, cfg))
                          for p in source.next_prompts(cfg.sft.batch_size)]
@@ -64,20 +71,21 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
                 if cfg.sft.eval_interval and step % cfg.sft.eval_interval == 0 and step != cfg.sft.num_steps:
                     metrics.update(evaluate(trainer))
                 metrics["perf/step_time_s"] = time.perf_counter() - started
+                if score in metrics:
+                    history.append((step, metrics[score]))
                 logger.log(metrics, step=step)
                 progress.step(step, metrics)
+                if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step != cfg.sft.num_steps:
+                    seconds = checkpointing.save_sft(trainer, source, cfg, run_dir, step, history)
+                    logger.log({"time/checkpoint_s": seconds}, step=step)
         after = evaluate(trainer)
         logger.log(after, step=cfg.sft.num_steps)
-        if cfg.checkpoint.save:
-            trainer.save(run_dir / "checkpoint")
-        if cfg.checkpoint.export_hf:
-            trainer.export_hf(run_dir / "hf")
-            if not cfg.data.apply_chat_template:  # trained on raw prompts: chat requests to it are refused
-                drop_chat_template(run_dir / "hf")
+        history.append((cfg.sft.num_steps, after[score]))
+        checkpointing.finish_sft(trainer, source, cfg, run_dir, history)
     summary = {
         f"{score}_before": before[score],
         f"{score}_after": after[score],
-        "train/loss": metrics["train/loss"],
+        "train/loss": metrics.get("train/loss", float("nan")),  # nan: resumed at its last step
         "train/steps": cfg.sft.num_steps,
         "time/total_s": time.perf_counter() - start,
     }

@@ -15,8 +15,8 @@ from verst.schedules.run import open_rl_run
 
 async def run_sync(cfg: VerstConfig) -> dict[str, Any]:
     async with open_rl_run(cfg) as run:
-        await run.start_evaluation(run.startup_metrics)  # step 0, while the first rollouts generate
-        for rollout_id in range(cfg.rollout.num_rollouts):
+        await run.begin()  # the step-0 evaluation, while the first rollouts generate
+        for rollout_id in range(run.first_rollout, cfg.rollout.num_rollouts):
             start = time.perf_counter()
             batch, rollout_metrics = await run.generate(rollout_id)
             async for step_metrics in run.train(batch):
@@ -25,6 +25,7 @@ async def run_sync(cfg: VerstConfig) -> dict[str, Any]:
                 await run.log(metrics, start)
                 if run.eval_due():
                     await run.start_evaluation()  # overlaps the next step
+                await run.checkpoint_if_due()
                 start, rollout_metrics = time.perf_counter(), {}
         await run.evaluate_last_version()
         return run.finish()

@@ -4,6 +4,7 @@ offers to the schedules, the driver-side handle of N ranks and weight transports
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -135,3 +136,22 @@ def fsdp2_backend(*args: Any, **kwargs: Any) -> TrainBackend:
     from verst.trainer.fsdp import FSDP2Backend
 
     return FSDP2Backend(*args, **kwargs)
+
+
+# Rank-side checkpoint steps for `TrainerRanks.apply` (module functions: Ray pickles them by reference).
+def save_backend(backend: TrainBackend, directory: str, background: bool = False) -> None:
+    """`backend.save`; with `background`, in a thread where the backend offers it (FSDP2): the caller then
+    waits for every rank's `done_rank<R>` file and writes COMPLETE."""
+    if background and "background" in inspect.signature(backend.save).parameters:
+        backend.save(directory, background=True)
+    else:
+        backend.save(directory)
+
+
+def load_backend(backend: TrainBackend, directory: str) -> int:
+    backend.load(directory)
+    return backend.step
+
+
+def export_backend(backend: TrainBackend, directory: str) -> None:
+    backend.export_hf(directory)

@@ -4,9 +4,11 @@ step, per-rank RNG) and Hugging Face exports gathered on rank 0.
 
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 SHARDS_DIR = "dcp"
 STATE_FILE = "trainer_state.pt"
 COMPLETE_MARKER = "COMPLETE"
+DONE_PREFIX, FAILED_PREFIX = "done_rank", "failed_rank"  # a background write's end, per rank
 # Files of a Hugging Face checkpoint that export_hf writes itself; everything else (tokenizer,
 # chat template, generation config, remote code) is copied from the source model directory.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -37,19 +40,43 @@ def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
-    """Collective. `directory/COMPLETE` is written last, so a half-written checkpoint is never loaded."""
+         scheduler: torch.optim.lr_scheduler.LRScheduler, step: int, *,
+         background_group: dist.ProcessGroup | None = None) -> Future | None:
+    """Collective. `directory/COMPLETE` is written last, so a half-written checkpoint is never loaded.
+
+    With `background_group` (a process group used for nothing else) the shards are copied now and
+    written by a background thread (`torch.distributed.checkpoint.async_save`): the call returns once
+    the copy is made, and each rank writes `done_rank<R>` (or `failed_rank<R>` with the error) when its
+    write has ended; whoever waits for those writes COMPLETE (`mark_complete`). Returns that write."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory / SHARDS_DIR)
     torch.save(_rng_state(), directory / f"rng_rank{rank}.pt")
     if rank == 0:
         state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size}
         torch.save(state, directory / STATE_FILE)
+    shards = {"model": model_state, "optimizer": optim_state}
+    if background_group is not None:
+        writing = dcp.async_save(shards, checkpoint_id=directory / SHARDS_DIR, process_group=background_group)
+        writing.add_done_callback(functools.partial(_record_write, directory, rank))
+        return writing
+    dcp.save(shards, checkpoint_id=directory / SHARDS_DIR)
     dist.barrier()
     if rank == 0:
-        (directory / COMPLETE_MARKER).write_text(f"step {step}\n")
+        mark_complete(directory, step)
+    return None
+
+
+def mark_complete(directory: Path, step: int) -> None:
+    (directory / COMPLETE_MARKER).write_text(f"step {step}\n")
+
+
+def _record_write(directory: Path, rank: int, writing: Future) -> None:
+    error = writing.exception()
+    if error is None:
+        (directory / f"{DONE_PREFIX}{rank}").write_text("")
+    else:
+        (directory / f"{FAILED_PREFIX}{rank}").write_text(f"{error!r}\n")
 
 
 def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

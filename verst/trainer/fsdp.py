@@ -71,6 +71,8 @@ class FSDP2Backend:
             torch.set_num_threads(1)  # one thread per rank process; see PLATFORM.md
         torch.manual_seed(trainer.seed + self.rank)
         self._step = 0
+        self._writing = None  # a background save's write (checkpoint.save)
+        self._checkpoint_group = None  # its own process group: the write's collectives run in a thread
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Python objects (metrics, logprob dicts) travel over gloo even when tensors use NCCL.
         self._object_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
@@ -238,10 +240,26 @@ class FSDP2Backend:
         if bucket:
             yield bucket
 
-    def save(self, directory: str | Path) -> None:
-        checkpoint.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step)
+    def save(self, directory: str | Path, *, background: bool = False) -> None:
+        """With `background`, the shards are copied now and written by a thread; the directory is complete
+        once every rank's `done_rank<R>` is there and COMPLETE is written (`checkpoint.save`)."""
+        self.wait_saves()
+        group = None
+        if background:
+            if self._checkpoint_group is None:  # collective: every rank saves at the same time
+                self._checkpoint_group = dist.new_group(backend="gloo")
+            group = self._checkpoint_group
+        self._writing = checkpoint.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
+                                        background_group=group)
+
+    def wait_saves(self) -> None:
+        """Wait for a background save's write (its error is raised here)."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
 
     def load(self, directory: str | Path) -> None:
+        self.wait_saves()
         self._step = checkpoint.load(Path(directory), self.model, self.optimizer, self.scheduler)
 
     def export_hf(self, directory: str | Path) -> None:

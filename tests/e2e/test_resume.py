@@ -1,0 +1,213 @@
+"""Checkpoints and resume of RL runs on Ray with the tiny model: a run stopped after step k and resumed
+reaches step n with the same metrics and parameters as one that ran through; the final model loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.e2e.test_rl_schedules import REPO, rl_args, rl_config, run_schedule
+from tests.e2e.test_rl_schedules import ray_session  # noqa: F401  (the module's Ray session)
+from verst.monitor import read_metrics
+from verst.monitor.checkpoints import CheckpointError, read_latest, read_manifest
+
+SEEDED = ("--rollout.sampling.seed", "7", "--schedule", "sync", "--sync.transport", "disk")
+ACCOUNTED = ("--schedule", "fully_async", "--sync.transport", "disk", "--buffer.max-staleness", "0",
+             "--buffer.capacity-factor", "3", "--buffer.unused", "drop",
+             "--buffer.path", "tests.e2e.rl_plugins:AccountingBuffer", "--checkpoint.export-hf", "false")
+COMPARED = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/advantage_abs_mean")
+
+
+def train_rows(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def assert_same_run(resumed: Path, through: Path, steps: int) -> None:
+    a, b = train_rows(resumed), train_rows(through)
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
+    for step in a:
+        for key in COMPARED:
+            assert a[step][key] == pytest.approx(b[step][key], abs=1e-6), (step, key)
+    pa, pb = load_file(str(resumed / "hf" / "model.safetensors")), load_file(str(through / "hf" / "model.safetensors"))
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        np.testing.assert_allclose(pa[name], pb[name], atol=1e-6, rtol=0, err_msg=name)
+
+
+@pytest.mark.slow
+def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED,
+                        "--rollout.num-rollouts", "3", "--checkpoint.interval", "1", "--checkpoint.keep-last", "2")
+    run_schedule(through)
+    ckpts = Path(through.run_dir) / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_2", "step_3"]  # keep_last
+    assert read_latest(Path(through.run_dir)).name == "step_3"
+    manifest = read_manifest(ckpts / "step_3")
+    assert manifest["version"] == 3 and manifest["config"]["rollout"]["num_rollouts"] == 3
+    assert [r["step"] for r in read_metrics(Path(through.run_dir)) if "time/checkpoint_s" in r] == [1, 2, 3]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(Path(through.run_dir) / "hf")  # the final model loads
+
+    first = rl_config(tmp_path / "resumed", tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts", "1")
+    run_schedule(first)
+    resumed = first.model_copy(update={
+        "rollout": first.rollout.model_copy(update={"num_rollouts": 3}),
+        "checkpoint": first.checkpoint.model_copy(update={"load": first.run_dir}),
+    })
+    summary = run_schedule(resumed)
+    assert summary["train/steps"] == 3
+    assert_same_run(Path(resumed.run_dir), Path(through.run_dir), steps=3)
+
+
+def test_resume_refuses_a_changed_field_then_continues(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    from verst.schedules.checkpointing import prepare_resume
+
+    cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts", "1")
+    run_schedule(cfg)
+    AutoModelForCausalLM.from_pretrained(Path(cfg.run_dir) / "hf")  # the final model loads
+    assert not (Path(cfg.run_dir) / "hf" / "chat_template.jinja").exists()  # trained on raw prompts
+    changed = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts", "2",
+                        "--trainer.lr", "3e-4", "--checkpoint.load", cfg.run_dir, "--eval.max-prompts", "4")
+    with pytest.raises(CheckpointError, match=r"trainer.lr: checkpoint 0.0001, now 0.0003"):
+        prepare_resume(changed)
+    manifest = json.loads((Path(cfg.run_dir) / "checkpoints" / "step_1" / "manifest.json").read_text())
+    assert manifest["eval_history"][0][0] == 0
+
+    resumed = changed.model_copy(update={"trainer": cfg.trainer})  # only safe fields differ now
+    assert run_schedule(resumed)["train/steps"] == 2
+    records = read_metrics(Path(cfg.run_dir))
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2]  # the same metrics.jsonl, continued
+    assert [r["eval/weight_version"] for r in records if "eval/accuracy" in r] == [0, 1, 2]
+    assert read_latest(Path(cfg.run_dir)).name == "step_2"
+
+
+# ---- a driver killed with SIGKILL, then `verst train --resume` -------------------------------------
+def verst(args: list[str], tag: str, ray_tmp: str, env: dict | None = None) -> subprocess.Popen:
+    """`verst ARGS` in its own session; every process it starts inherits `tag` (to find them after a kill)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp, "VERST_TEST_TAG": tag, **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "verst.cli.main", *args], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_tagged(tag: str) -> list[int]:
+    """SIGKILL every process of this user whose environment carries `tag` (Ray's daemons and workers,
+    engines); returns their PIDs."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"VERST_TEST_TAG={tag}".encode() in environ.split(b"\0"):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def kill_after_a_checkpoint_then_resume(args: list[str], run_dir: Path, steps: int, env: dict | None = None) -> int:
+    """`verst train ARGS` killed (SIGKILL of its process group, then of every process it started) once a
+    checkpoint past step 0 is there, then `verst train --resume RUN_DIR` to the end; the step resumed at."""
+    tag, ray_tmp = uuid.uuid4().hex, tempfile.mkdtemp(prefix="vr", dir="/tmp")
+    try:
+        proc = verst(["train", *args], tag, ray_tmp, env)
+        deadline = time.monotonic() + 240
+        while read_latest(run_dir) is None or read_latest(run_dir).name == "step_0":
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kill_tagged(tag)
+        killed_at = read_manifest(read_latest(run_dir))["step"]
+        assert killed_at < steps, "the run finished before it was killed; nothing was resumed"
+
+        resumed = verst(["train", "--resume", str(run_dir)], tag, ray_tmp, env)
+        out, _ = resumed.communicate(timeout=300)
+        assert resumed.returncode == 0, out
+        assert f"resumed from {run_dir / 'checkpoints' / f'step_{killed_at}'}" in out
+        return killed_at
+    finally:
+        kill_tagged(tag)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
+                                                          tmp_path):
+    steps = 3
+    args = rl_args(tmp_path / "killed", tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts",
+                   str(steps), "--checkpoint.interval", "1")
+    run_dir = tmp_path / "killed" / "run"
+    kill_after_a_checkpoint_then_resume(args, run_dir, steps)
+    through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED,
+                        "--rollout.num-rollouts", str(steps))
+    run_schedule(through)
+    assert_same_run(run_dir, Path(through.run_dir), steps=steps)
+
+
+@pytest.mark.slow
+def test_fully_async_accounting_across_a_sigkill(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    steps, records = 4, tmp_path / "records"
+    records.mkdir()
+    args = rl_args(tmp_path, tiny_model_dir, addition_data_dir, *ACCOUNTED, "--rollout.num-rollouts", str(steps),
+                   "--checkpoint.interval", "1")
+    resumed_at = kill_after_a_checkpoint_then_resume(args, tmp_path / "run", steps,
+                                                     env={"VERST_TEST_RECORD_DIR": str(records)})
+    check_accounting(records / "accounting.jsonl", tmp_path / "run", resumed_at, steps)
+
+
+def test_fully_async_accounting_across_a_resume(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    """Resumed from a checkpoint taken while the worker generated: every prompt is trained at most once or
+    recorded as dropped, and the cumulative counts in the metrics equal the recorded events."""
+    first = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *ACCOUNTED, "--rollout.num-rollouts", "2",
+                      "--checkpoint.interval", "1")
+    run_schedule(first)
+    step_1 = Path(first.run_dir) / "checkpoints" / "step_1"
+    resumed = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *ACCOUNTED, "--rollout.num-rollouts", "3",
+                        "--checkpoint.load", str(step_1))
+    run_schedule(resumed)
+
+    check_accounting(ray_session / "accounting.jsonl", Path(resumed.run_dir), resumed_at=1, steps=3)
+    assert "returned_in_flight_groups" in read_manifest(step_1)["rollout"]
+
+
+def check_accounting(events_file: Path, run_dir: Path, resumed_at: int, steps: int) -> None:
+    """The first run's events up to its checkpoint of step `resumed_at` and all the resumed run's: every
+    prompt trained at most once or dropped, never both, and the metrics' cumulative counts equal them."""
+    events = [json.loads(line) for line in events_file.read_text().splitlines()]
+    first_pid = events[0]["pid"]
+    # The checkpoint of step k records the buffer after the take of step k, made at version k - 1.
+    cut = next(i for i, e in enumerate(events)
+               if e["pid"] == first_pid and e["event"] == "checkpoint" and e["version"] == resumed_at - 1)
+    kept = events[:cut] + [e for e in events[cut:] if e["pid"] != first_pid]  # what followed the checkpoint goes
+    trained = [e["row"] for e in kept if e["event"] == "trained"]
+    dropped = [e["row"] for e in kept if e["event"] in ("stale", "aborted", "filtered")]
+    assert len(trained) == steps * 4  # four groups a step
+    assert len(set(trained)) == len(trained) and len(set(dropped)) == len(dropped)
+    assert not set(trained) & set(dropped)
+    assert any(e["event"] == "stale" for e in kept)  # max_staleness 0 with a full buffer drops some
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, steps + 1))
+    last = [r for r in records if "buffer/dropped_stale_total" in r][-1]
+    assert last["buffer/dropped_stale_total"] == sum(e["event"] == "stale" for e in kept)
+    assert last["buffer/dropped_aborted_total"] == sum(e["event"] == "aborted" for e in kept)

@@ -1,0 +1,68 @@
+"""The checkpoint directory: atomic commit with a `latest` pointer, pruning, what `checkpoint.load`
+accepts, the resume rules for a changed config, and metrics kept up to the checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verst.config import load_config
+from verst.monitor import checkpoints as layout
+
+
+def fake_step(run_dir, step, keep_last=0):
+    tmp = layout.new_tmp_dir(run_dir, step)
+    (tmp / layout.TRAINER_DIR).mkdir()
+    (tmp / layout.TRAINER_DIR / "COMPLETE").write_text("x")
+    return layout.commit(tmp, {"step": step, "version": step, "config": {}}, keep_last)
+
+
+def test_commit_moves_latest_and_prunes(tmp_path):
+    for step in (1, 2, 3):
+        fake_step(tmp_path, step, keep_last=2)
+    assert layout.read_latest(tmp_path).name == "step_3"
+    assert sorted(p.name for p in layout.checkpoints_dir(tmp_path).glob("step_*")) == ["step_2", "step_3"]
+    assert layout.resolve(tmp_path) == layout.checkpoints_dir(tmp_path) / "step_3"
+    assert layout.read_manifest(layout.resolve(tmp_path))["version"] == 3
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    fake_step(tmp_path, 1)
+    tmp = layout.new_tmp_dir(tmp_path, 2)  # a save that never finished: no manifest, no rename
+    (tmp / "half-written").write_text("x")
+    (tmp_path / "config.yaml").write_text("{}")
+    assert layout.resolve(tmp_path).name == "step_1"
+    layout.remove_tmp_dirs(tmp_path)
+    assert not tmp.exists()
+
+
+def test_load_refuses_what_is_not_a_complete_checkpoint(tmp_path):
+    with pytest.raises(layout.CheckpointError, match="does not exist"):
+        layout.resolve(tmp_path / "nothing")
+    (tmp_path / "config.yaml").write_text("{}")
+    with pytest.raises(layout.CheckpointError, match="no complete checkpoint"):
+        layout.resolve(tmp_path)
+    step = fake_step(tmp_path, 1)
+    (step / layout.TRAINER_DIR / "COMPLETE").unlink()
+    with pytest.raises(layout.CheckpointError, match="missing trainer/COMPLETE"):
+        layout.resolve(step)
+
+
+def test_only_safe_fields_may_change():
+    saved = load_config(None, ["--trainer.lr", "1e-4", "--model.path", "m"]).model_dump(mode="json")
+    safe = load_config(None, ["--trainer.lr", "1e-4", "--model.path", "m", "--eval.interval", "3",
+                              "--rollout.num-rollouts", "99", "--logging.tensorboard", "false", "--name", "x"])
+    assert layout.changed_fields(saved, safe) == []
+    unsafe = load_config(None, ["--trainer.lr", "2e-4", "--model.path", "m", "--rollout.batch-size", "3"])
+    assert layout.changed_fields(saved, unsafe) == [("rollout.batch_size", saved["rollout"]["batch_size"], 3),
+                                                    ("trainer.lr", 1e-4, 2e-4)]
+
+
+def test_trim_metrics_keeps_rows_up_to_the_checkpoint(tmp_path):
+    rows = [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "train/loss": 1.0}, {"step": 2, "train/loss": 0.9},
+            {"step": 2, "eval/accuracy": 0.2}, {"step": 3, "train/loss": 0.8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    layout.trim_metrics(tmp_path, 2, drop_eval_at_step=True)
+    kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == rows[:3]
