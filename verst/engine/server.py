@@ -33,6 +33,7 @@ from verst.engine.service import (
 )
 from verst.engine.weights import read_safetensors_dir
 from verst.inference_client import weights
+from verst.monitor.stacks import arm_stack_dump
 from verst.inference_client.protocol import (
     AbortRequest,
     BatchGenerateRequest,
@@ -345,6 +346,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    arm_stack_dump()  # SIGUSR1 prints every thread's stack into the engine's log (hang reports)
     import torch
     import uvicorn
 

@@ -15,6 +15,7 @@ import httpx
 import ray
 
 from verst.engine.process import EngineProcess
+from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, current_bundle
 
 ENGINE_TYPES = ("embedded", "sglang", "vllm")
@@ -36,6 +37,7 @@ class EngineServer:
 
     def __init__(self, index: int, model: str, device: str, args: list[str], startup_timeout_s: float,
                  log_dir: str | None):
+        arm_stack_dump()  # a hang report can read this actor's stacks
         self.index = index
         # Bind where the router (perhaps on another node) can reach it: this node's Ray address,
         # which is 127.0.0.1 on a local one-node Ray.
@@ -57,6 +59,12 @@ class EngineServer:
 
     def url(self) -> str:
         return self.server.url
+
+    def status(self) -> dict[str, Any]:
+        """The server's pid and its return code (None while it runs; negative: the killing signal)."""
+        proc = self.server.proc
+        return {"index": self.index, "server_pid": proc.pid if proc else None,
+                "returncode": proc.poll() if proc else None}
 
     def health(self) -> bool:
         """The server process is alive and `GET /health` answers 200."""
@@ -158,6 +166,22 @@ class EngineActorGroup:
 
     def resume_memory(self) -> list[bool]:
         return self._all("resume_memory", 120.0)
+
+    def status(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """Per engine, what its actor reports of its server (`EngineServer.status`), or `actor_error`
+        when the actor is dead or does not answer within `timeout_s`."""
+        refs = [actor.status.remote() for actor in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out: list[dict[str, Any]] = []
+        for index, ref in enumerate(refs):
+            if ref not in ready:
+                out.append({"index": index, "actor_error": f"no answer within {timeout_s:g} s"})
+                continue
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayError as error:
+                out.append({"index": index, "actor_error": str(error).splitlines()[0][:200]})
+        return out
 
     def shutdown(self, grace_s: float = 15.0) -> None:
         """Stop every server (SIGTERM, then SIGKILL), then the actors. Safe to call twice."""

@@ -30,6 +30,7 @@ class TrainerWeightSync:
         self._version: int | None = None
         self._opening = (cfg.model_copy(update={"check_weights": False}), list(engine_urls), transport_options)
         self._opened = False
+        self.closed = False
 
     @property
     def version(self) -> int | None:
@@ -54,5 +55,7 @@ class TrainerWeightSync:
         return metrics
 
     async def close(self) -> None:
-        if self._opened:
+        """Close rank 0's syncer; once (a second call does nothing, even while the first still runs)."""
+        if self._opened and not self.closed:
+            self.closed = True
             await asyncio.to_thread(self.trainer.close_weight_sync)
