@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from tests.chaos.runs import BackgroundRun, signal_quietly
-from tests.e2e.test_rl_schedules import ray_session, rl_config  # noqa: F401  (ray_session is a fixture)
+from tests.e2e.test_rl_schedules import rl_config
 from verst.orchestration.watchdog import RunFailure, StuckError
 
 
@@ -48,7 +48,7 @@ def test_a_stopped_engine_ends_the_run_with_the_stuck_phase_and_a_stack_dump(ray
         signal_quietly(pid, signal.SIGCONT)
     message, dump = str(caught.value), caught.value.dump_dir
     assert "made no progress within" in message and "fault." in message, message
-    assert f"engine 1 (http://127.0.0.1:" in message and f"pid {pid}: stopped" in message, message
+    assert "engine 1 (http://127.0.0.1:" in message and f"pid {pid}: stopped" in message, message
     assert str(dump) in message and dump.parent == run.run_dir / "stacks"
     driver = next(dump.glob("driver-*.txt")).read_text()
     assert "Thread" in driver and "File" in driver
