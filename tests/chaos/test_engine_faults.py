@@ -9,6 +9,8 @@ import pytest
 
 from tests.chaos.runs import BackgroundRun, signal_quietly
 from tests.e2e.test_rl_schedules import rl_config
+from tests.metrics_doc import undocumented
+from verst.monitor import read_metrics
 from verst.orchestration.watchdog import RunFailure, StuckError
 
 
@@ -54,3 +56,19 @@ def test_a_stopped_engine_ends_the_run_with_the_stuck_phase_and_a_stack_dump(ray
     assert "Thread" in driver and "File" in driver
     ranks = list(dump.glob("trainer-0-*.txt"))
     assert ranks and "File" in ranks[0].read_text()  # a rank's stacks, printed by its armed handler
+
+
+def test_a_killed_engine_is_restarted_and_the_run_finishes(ray_session, tiny_model_dir, addition_data_dir, tmp_path):
+    cfg = two_engine_config(tmp_path, tiny_model_dir, addition_data_dir, "--fault.health-interval-s", "0.5")
+    run = BackgroundRun(cfg)
+    run.wait_for_step(1)
+    signal_quietly(run.pid_of("engine 1 "), signal.SIGKILL)  # during the next rollout step
+    summary = run.result()
+    assert summary["train/steps"] == 6
+    records = read_metrics(run.run_dir)
+    restarts = [r for r in records if "fault/engine_restarts_total" in r]
+    assert restarts and restarts[-1]["fault/engine_restarts_total"] == 1
+    assert [r["fault/recovery_seconds"] for r in records if "fault/recovery_seconds" in r][0] > 0
+    train = [r for r in records if "train/loss" in r]
+    assert [r["sync/version"] for r in train] == list(range(1, 7))  # every push reached both engines
+    assert undocumented(records) == []

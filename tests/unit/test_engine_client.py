@@ -114,3 +114,42 @@ def test_errors_carry_url_status_and_the_servers_message():
                 await client.abort_all()
 
     asyncio.run(main())
+
+
+def test_a_generation_whose_engine_went_away_is_sent_again_when_asked():
+    def router(request, n):
+        if n == 1:
+            raise httpx.ConnectError("connection refused", request=request)
+        if n == 2:
+            return httpx.Response(502, json={"error": {"message": "worker unreachable"}})
+        if n == 3:
+            return httpx.Response(200, json=REPLY)
+        return httpx.Response(400, json={"error": {"message": "bad request"}})
+
+    transport, calls = fake(router)
+
+    async def main():
+        async with EngineClient("http://r", transport=transport, generate_retries=3, retry_backoff_s=0.01) as client:
+            assert (await client.generate([1, 2, 3])).output_ids == [5, 6]
+            assert client.retried == 2
+            with pytest.raises(EngineError, match="bad request"):  # not an engine gone: no retry
+                await client.generate([1])
+            assert client.retried == 2
+
+    asyncio.run(main())
+    assert len(calls) == 4
+
+
+def test_without_retries_a_lost_engine_fails_the_generation():
+    def gone(request, n):
+        raise httpx.ConnectError("connection refused", request=request)
+
+    transport, calls = fake(gone)
+
+    async def main():
+        async with EngineClient("http://r", transport=transport) as client:
+            with pytest.raises(EngineError, match="ConnectError"):
+                await client.generate([1])
+
+    asyncio.run(main())
+    assert len(calls) == 1

@@ -260,6 +260,8 @@ class FaultConfig(Section):
         True, description="Restart an engine that dies or hangs and train on; false stops the run naming the engine.")
     health_interval_s: float = Field(2.0, gt=0, description="Seconds between two /health polls of each engine.")
     health_failures: int = Field(3, ge=1, description="Failed /health polls in a row after which an engine is restarted.")
+    generate_retries: int = Field(
+        5, ge=0, description="With tolerate_engines: times a generation whose engine went away is sent again.")
 
 
 Schedule = Literal["sync", "one_step_off", "fully_async"]

@@ -123,7 +123,8 @@ class RunProcesses:
         if pids.get("manager"):
             out.append(ProcessStatus("rollout manager", "rollout-manager", pids["manager"], None, ""))
         if pids.get("router"):
-            out.append(ProcessStatus("router (sglang-router)", "router", pids["router"], None, ""))
+            out.append(ProcessStatus(f"router ({getattr(self.rollout, 'router_url', '')})", "router", pids["router"],
+                                     None, ""))
         return out
 
 
@@ -132,23 +133,47 @@ class Watchdog:
 
     def __init__(self, run_dir: Path, processes: RunProcesses | None):
         self.run_dir, self.processes = run_dir, processes
+        self._failure: RunFailure | None = None
+        self._failed: asyncio.Event | None = None
+
+    def fail(self, failure: RunFailure) -> None:
+        """Stop the run with `failure` (from the engine supervisor): the phase in progress, or the next one,
+        raises it."""
+        self._failure = failure
+        self._event().set()
 
     async def guard(self, phase: str, limit_s: float, field: str, awaitable: Awaitable[T]) -> T:
-        """`await awaitable`, or `StuckError` naming `phase` and its limit's config `field` after `limit_s`."""
+        """`await awaitable`, or `StuckError` naming `phase` and its limit's config `field` after `limit_s`
+        (or the failure given to `fail`)."""
         if self.processes is not None:
             await asyncio.to_thread(_safe, self.processes.remember, None)
         task = asyncio.ensure_future(awaitable)
-        done, _ = await asyncio.wait({task}, timeout=limit_s)
-        if done:
+        failed = asyncio.ensure_future(self._event().wait())
+        try:
+            done, _ = await asyncio.wait({task, failed}, timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if task in done:
             return task.result()
         task.cancel()
+        if self._failure is not None:
+            raise self._failure
+        raise await self.stuck(phase, limit_s, field)
+
+    async def stuck(self, phase: str, limit_s: float, field: str) -> StuckError:
+        """Dump every process's stacks and describe the hang of `phase` (past `limit_s`, set by `field`)."""
         dump_dir = await asyncio.to_thread(self.dump, phase)
         lines = [f"run stopped: {phase} made no progress within {limit_s:g} s ({field})",
                  f"  stacks of every verst process: {dump_dir}"]
         if self.processes is not None:
             statuses = await asyncio.to_thread(self.processes.survey)
             lines += [f"  {status.line()}" for status in statuses]
-        raise StuckError("\n".join(lines), phase, dump_dir)
+        return StuckError("\n".join(lines), phase, dump_dir)
+
+    def _event(self) -> asyncio.Event:
+        if self._failed is None:  # made on the run's event loop, at first use
+            self._failed = asyncio.Event()
+        return self._failed
 
     def dump(self, phase: str) -> Path:
         """The driver's threads and every verst process's stacks, one file each, in a new directory."""

@@ -54,6 +54,14 @@ class TrainerWeightSync:
             metrics.update(await checker.check(self.fleet, version))
         return metrics
 
+    async def close_within(self, seconds: float) -> None:
+        """After a failure: close if it can be done quickly (rank 0 may be dead or stuck; the orchestration's
+        shutdown ends it regardless), errors ignored; a later `close()` then does nothing."""
+        try:
+            await asyncio.wait_for(self.close(), seconds)
+        except Exception:
+            pass
+
     async def close(self) -> None:
         """Close rank 0's syncer; once (a second call does nothing, even while the first still runs)."""
         if self._opened and not self.closed:

@@ -25,7 +25,8 @@ from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import EngineMemory, Orchestration, RolloutBatch, RolloutSource, RouterSpec, WeightPush
-from verst.orchestration.watchdog import RunProcesses, Watchdog, failure_report
+from verst.orchestration.health import EngineSupervisor, disk_restart_weights
+from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.schedules.train_steps import train_rollout_step
@@ -58,6 +59,7 @@ class RLRun:
     started: float = dataclasses.field(default_factory=time.perf_counter)
     started_at: float = dataclasses.field(default_factory=time.time)  # the same moment, wall clock
     watchdog: Watchdog | None = None  # bounds each phase by its `fault.*_timeout_s` (None: unbounded)
+    supervisor: EngineSupervisor | None = None  # restarts failed engines (fault.tolerate_engines)
     _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
 
     # -- named steps ---------------------------------------------------------------------------
@@ -111,8 +113,14 @@ class RLRun:
         if not self.syncer.due(self.version):
             return {}
         await self.settle_evaluation()  # an evaluation in flight scores the weights the engines serve now
-        return await self.guard(f"weight sync to version {self.version}", "sync_timeout_s",
-                                self.syncer.sync(self.version))
+        return await self.guard(f"weight sync to version {self.version}", "sync_timeout_s", self._sync())
+
+    async def _sync(self) -> dict[str, float]:
+        if self.supervisor is None:
+            return await self.syncer.sync(self.version)
+        await self.supervisor.check_now()  # a dead engine is restarted before the push reaches it
+        async with self.supervisor.lock:  # no push while an engine is being replaced
+            return await self.syncer.sync(self.version)
 
     async def guard(self, phase: str, limit_field: str, awaitable: Any) -> Any:
         """`await awaitable` within `fault.<limit_field>`: past it the watchdog dumps every process's stacks
@@ -211,6 +219,8 @@ class RLRun:
                                 self.idle_meter.read())
         if idle is not None:
             metrics["perf/engine_idle_fraction"] = idle
+        if self.supervisor is not None:
+            metrics.update(self.supervisor.metrics())
         self.logger.log(metrics, step=self.version)
         self.progress.step(self.version, metrics)
 
@@ -272,20 +282,25 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
             syncer = TrainerWeightSync(trainer, cfg.sync, urls, checker=weight_checker(cfg, trainer, temperature),
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
                                        source_model=cfg.model.path, control_timeout_s=cfg.fault.engine_call_timeout_s)
+            watchdog = Watchdog(run_dir, processes)
+            supervisor = EngineSupervisor(cfg.fault, engines, rollout, urls, processes, watchdog,
+                                          functools.partial(disk_restart_weights, cfg, syncer, run_dir))
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started, started_at=started_at,
-                        watchdog=Watchdog(run_dir, processes))
+                        watchdog=watchdog, supervisor=supervisor)
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
             clock.lap("syncer")
             run.startup_metrics = clock.metrics()  # logged with the step-0 evaluation
             print(f"[{cfg.schedule}] started in {clock.summary()}", flush=True)
             try:
-                with progress:
-                    yield run
+                async with supervisor:
+                    with progress:
+                        yield run
             except Exception as error:
                 await run.drop_evaluation()
-                await close_quietly(syncer)  # a dead or stuck part must not hold the report back
-                report = await asyncio.to_thread(failure_report, processes, error)
+                await syncer.close_within(10.0)  # a dead or stuck part must not hold the report back
+                report = None if isinstance(error, RunFailure) else \
+                    await asyncio.to_thread(failure_report, processes, error)
                 if report is not None:
                     raise report from None  # one screen: what died, how, and its log
                 raise
@@ -295,16 +310,6 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-CLOSE_AFTER_FAILURE_S = 10.0
-
-
-async def close_quietly(syncer: TrainerWeightSync) -> None:
-    """After a failure: close the weight sync if it can be done quickly (its rank may be dead or stuck;
-    the orchestration's shutdown ends it regardless), so that `close()` afterwards has nothing to do."""
-    try:
-        await asyncio.wait_for(syncer.close(), CLOSE_AFTER_FAILURE_S)
-    except Exception:
-        pass
 class StartupClock:
     """Seconds spent in each start-up phase of a run, since `started` (perf_counter), as `time/startup/`
     metrics: the first thing to look at when a short run is slow."""
