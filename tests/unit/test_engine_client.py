@@ -123,7 +123,11 @@ def test_a_generation_whose_engine_went_away_is_sent_again_when_asked():
         if n == 2:
             return httpx.Response(502, json={"error": {"message": "worker unreachable"}})
         if n == 3:
+            return httpx.Response(500, text="error sending request for url (http://e1/generate). URL: http://e1")
+        if n == 4:
             return httpx.Response(200, json=REPLY)
+        if n == 5:
+            return httpx.Response(500, json={"error": {"message": "out of memory"}})
         return httpx.Response(400, json={"error": {"message": "bad request"}})
 
     transport, calls = fake(router)
@@ -131,13 +135,14 @@ def test_a_generation_whose_engine_went_away_is_sent_again_when_asked():
     async def main():
         async with EngineClient("http://r", transport=transport, generate_retries=3, retry_backoff_s=0.01) as client:
             assert (await client.generate([1, 2, 3])).output_ids == [5, 6]
-            assert client.retried == 2
-            with pytest.raises(EngineError, match="bad request"):  # not an engine gone: no retry
-                await client.generate([1])
-            assert client.retried == 2
+            assert client.retried == 3
+            for message in ("out of memory", "bad request"):  # the engine's own errors: not sent again
+                with pytest.raises(EngineError, match=message):
+                    await client.generate([1])
+            assert client.retried == 3
 
     asyncio.run(main())
-    assert len(calls) == 4
+    assert len(calls) == 6
 
 
 def test_without_retries_a_lost_engine_fails_the_generation():

@@ -19,6 +19,7 @@ import numpy as np
 from verst.inference_client.batching import RequestBatcher
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+ROUTER_SEND_ERROR = "error sending request for url"  # sglang-router's 500 when an engine cannot be reached
 # httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
 # concurrent generations (seconds of client CPU for 256); generations are therefore spread over several
 # pools of at most this many connections each.
@@ -297,10 +298,11 @@ class EngineClient:
 
 
 def engine_went_away(error: EngineError) -> bool:
-    """A lost connection (not a timeout), or a router's reply that its engine could not be reached."""
+    """A lost connection (not a timeout), or a router's reply that its engine could not be reached
+    (sglang-router answers 500 "error sending request for url ...")."""
     if error.status is None:
         return "timed out" not in error.message
-    return error.status in (502, 503, 504)
+    return error.status in (502, 503, 504) or (error.status == 500 and ROUTER_SEND_ERROR in error.message)
 
 
 def _message(response: httpx.Response) -> str:
