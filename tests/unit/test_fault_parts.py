@@ -44,8 +44,8 @@ def test_the_reaper_finds_the_descendants_of_a_process():
 
 def test_an_armed_process_prints_its_stacks_into_its_stderr_file(tmp_path):
     err = tmp_path / "err.log"
-    code = ("import time; from verst.monitor.stacks import arm_stack_dump; arm_stack_dump(); print('armed', flush=True)\n"
-            "def waiting_here():\n    time.sleep(30)\nwaiting_here()")
+    code = ("import time; from verst.monitor.stacks import arm_stack_dump; arm_stack_dump()\n"
+            "def waiting_here():\n    print('armed', flush=True)\n    time.sleep(30)\nwaiting_here()")
     with open(err, "wb") as stderr:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr,
                                 env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -76,3 +76,30 @@ def test_log_tail(tmp_path):
     log.write_text("".join(f"line {i}\n" for i in range(100)))
     assert log_tail(log, 3) == ["line 97", "line 98", "line 99"]
     assert log_tail(tmp_path / "missing.log") == []
+
+
+def test_the_idle_meter_leaves_out_an_engine_that_does_not_answer():
+    import asyncio
+
+    from verst.inference_client.client import EngineError
+    from verst.inference_client.fleet import EngineFleet, IdleMeter
+
+    async def main():
+        fleet = EngineFleet(["http://a", "http://b"])
+        busy = iter([(1.0, 2.0), (2.0, 4.0)])
+
+        async def answers():
+            b, up = next(busy)
+            return {"busy_seconds": b, "uptime_seconds": up}
+
+        async def gone():
+            raise EngineError("http://b/get_server_info", None, "ConnectError: refused")
+
+        fleet.clients["http://a"].get_server_info = answers
+        fleet.clients["http://b"].get_server_info = gone
+        meter = IdleMeter(fleet)
+        assert await meter.read() is None  # the baseline
+        assert await meter.read() == 0.5
+        await fleet.close()
+
+    asyncio.run(main())
