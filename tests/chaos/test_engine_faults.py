@@ -72,3 +72,25 @@ def test_a_killed_engine_is_restarted_and_the_run_finishes(ray_session, tiny_mod
     train = [r for r in records if "train/loss" in r]
     assert [r["sync/version"] for r in train] == list(range(1, 7))  # every push reached both engines
     assert undocumented(records) == []
+
+
+def test_an_engine_killed_during_a_weight_sync_is_restarted_and_the_push_repeated(
+        ray_session, tiny_model_dir, addition_data_dir, tmp_path, monkeypatch):
+    from verst.orchestration.weight_sync import TrainerWeightSync
+
+    cfg = two_engine_config(tmp_path, tiny_model_dir, addition_data_dir, "--fault.health-interval-s", "0.5")
+    push, killed = TrainerWeightSync.sync, []
+
+    async def push_after_a_kill(self, version):
+        if version == 2 and not killed:  # the engines' health was checked just before: it dies mid-push
+            killed.append(run.pid_of("engine 1 "))
+            signal_quietly(killed[0], signal.SIGKILL)
+        return await push(self, version)
+
+    monkeypatch.setattr(TrainerWeightSync, "sync", push_after_a_kill)
+    run = BackgroundRun(cfg)
+    summary = run.result()
+    assert killed and summary["train/steps"] == 6
+    records = read_metrics(run.run_dir)
+    assert max(r.get("fault/engine_restarts_total", 0) for r in records) == 1
+    assert [r["sync/version"] for r in records if "train/loss" in r] == list(range(1, 7))

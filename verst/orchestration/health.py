@@ -58,6 +58,11 @@ class EngineSupervisor:
             out["fault/recovery_seconds"], self._recovery_s = self._recovery_s, None
         return out
 
+    @property
+    def restarts_engines(self) -> bool:
+        """Whether a failed engine is restarted (rather than stopping the run)."""
+        return self.fault.tolerate_engines and self.restart_weights() is not None
+
     async def check_now(self) -> None:
         """Probe every engine once and restart those found dead (before a weight sync reaches them)."""
         async with self.lock:

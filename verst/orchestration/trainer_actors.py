@@ -27,6 +27,7 @@ from verst.config.schema import SyncConfig
 from verst.inference_client.ports import free_port
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, current_bundle
+from verst.sync.syncer import SyncFailure, WeightSyncError
 from verst.trainer.backend import CollectiveCalls, RankError, TrainBackend
 from verst.types import WeightBucket
 
@@ -117,6 +118,8 @@ class TrainerRank:
         buckets = _DrainOnClose(self.backend.named_weights(bucket_bytes))
         try:
             return self.weight_sync.sync(buckets, version)
+        except WeightSyncError as error:  # an engine failed: this rank, and the trainer group, live on
+            return SyncFailure(str(error))
         finally:
             buckets.close()  # a no-op after a complete push
 

@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from verst.config.schema import SyncConfig
-from verst.sync.syncer import sync_due
+from verst.sync.syncer import SyncFailure, WeightSyncError, sync_due
 
 
 class TrainerWeightSync:
@@ -48,6 +48,8 @@ class TrainerWeightSync:
             await asyncio.to_thread(self.trainer.open_weight_sync, sync, urls, **options)
             self._opened = True
         metrics = await asyncio.to_thread(self.trainer.sync_weights, version, self.bucket_bytes)
+        if isinstance(metrics, SyncFailure):  # the engines failed; the trainer is intact
+            raise WeightSyncError(metrics.message)
         self._version = version
         if self.checker is not None:
             checker, self.checker = self.checker, None  # once

@@ -31,6 +31,7 @@ from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.schedules.train_steps import train_rollout_step
 from verst.inference_client.fleet import EngineFleet, IdleMeter
+from verst.sync.syncer import WeightSyncError
 from verst.trainer.backend import TrainerRanks, fsdp2_backend
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
@@ -118,9 +119,16 @@ class RLRun:
     async def _sync(self) -> dict[str, float]:
         if self.supervisor is None:
             return await self.syncer.sync(self.version)
-        await self.supervisor.check_now()  # a dead engine is restarted before the push reaches it
-        async with self.supervisor.lock:  # no push while an engine is being replaced
-            return await self.syncer.sync(self.version)
+        for retry in (False, True):  # once more after an engine that failed during the push was restarted
+            await self.supervisor.check_now()  # a dead engine is restarted before the push reaches it
+            async with self.supervisor.lock:  # no push while an engine is being replaced
+                try:
+                    return await self.syncer.sync(self.version)
+                except WeightSyncError as error:
+                    if retry or not self.supervisor.restarts_engines:
+                        raise
+                    print(f"[fault] {str(error)[:300]}; pushing again once failed engines are restarted", flush=True)
+        raise AssertionError("unreachable")
 
     async def guard(self, phase: str, limit_field: str, awaitable: Any) -> Any:
         """`await awaitable` within `fault.<limit_field>`: past it the watchdog dumps every process's stacks
