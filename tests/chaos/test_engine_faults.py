@@ -34,6 +34,7 @@ def test_a_killed_engine_stops_the_run_naming_it_and_its_log(ray_session, tiny_m
     assert len(message.splitlines()) <= 40  # one screen
 
 
+@pytest.mark.slow
 def test_a_stopped_engine_ends_the_run_with_the_stuck_phase_and_a_stack_dump(ray_session, tiny_model_dir,
                                                                              addition_data_dir, tmp_path):
     cfg = two_engine_config(tmp_path, tiny_model_dir, addition_data_dir, "--fault.tolerate-engines", "false",
@@ -74,6 +75,7 @@ def test_a_killed_engine_is_restarted_and_the_run_finishes(ray_session, tiny_mod
     assert undocumented(records) == []
 
 
+@pytest.mark.slow
 def test_an_engine_killed_during_a_weight_sync_is_restarted_and_the_push_repeated(
         ray_session, tiny_model_dir, addition_data_dir, tmp_path, monkeypatch):
     from verst.orchestration.weight_sync import TrainerWeightSync
@@ -91,6 +93,23 @@ def test_an_engine_killed_during_a_weight_sync_is_restarted_and_the_push_repeate
     run = BackgroundRun(cfg)
     summary = run.result()
     assert killed and summary["train/steps"] == 6
+    records = read_metrics(run.run_dir)
+    assert max(r.get("fault/engine_restarts_total", 0) for r in records) == 1
+    assert [r["sync/version"] for r in records if "train/loss" in r] == list(range(1, 7))
+
+
+@pytest.mark.slow
+def test_a_hung_engine_is_restarted_and_the_run_finishes(ray_session, tiny_model_dir, addition_data_dir, tmp_path):
+    cfg = two_engine_config(tmp_path, tiny_model_dir, addition_data_dir, "--fault.health-interval-s", "0.5")
+    run = BackgroundRun(cfg)
+    run.wait_for_step(1)
+    pid = run.pid_of("engine 1 ")
+    signal_quietly(pid, signal.SIGSTOP)
+    try:
+        summary = run.result()
+    finally:
+        signal_quietly(pid, signal.SIGCONT)
+    assert summary["train/steps"] == 6
     records = read_metrics(run.run_dir)
     assert max(r.get("fault/engine_restarts_total", 0) for r in records) == 1
     assert [r["sync/version"] for r in records if "train/loss" in r] == list(range(1, 7))

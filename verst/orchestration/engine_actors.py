@@ -71,6 +71,13 @@ class EngineServer:
                                     log_path=self.log_path, port=port)
         return self.start()
 
+    def halt(self) -> None:
+        """Kill the server at once (SIGKILL: it may be stopped or hung), so calls waiting on it fail now."""
+        proc = self.server.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
     def status(self) -> dict[str, Any]:
         """The server's pid and its return code (None while it runs; negative: the killing signal)."""
         proc = self.server.proc
@@ -193,6 +200,15 @@ class EngineActorGroup:
 
     def resume_memory(self) -> list[bool]:
         return self._all("resume_memory", 120.0)
+
+    def halt(self, index: int, timeout_s: float = 15.0) -> None:
+        """Kill engine `index`'s server now (see `EngineServer.halt`); a dead actor has none left."""
+        ready, _ = ray.wait([self._actors[index].halt.remote()], timeout=timeout_s)
+        if ready:
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError:
+                pass
 
     def restart(self, index: int, model: str, version: int) -> dict[str, Any]:
         """Restart engine `index` in place: a new server in its actor (same bundle, same URL) serving

@@ -122,8 +122,11 @@ class EngineSupervisor:
         model, version = weights
         print(f"[fault] engine {index} ({url}) failed: {why}; restarting it at weight version {version}", flush=True)
         try:
+            # Out of the router and killed first, without the lock: a push waiting on a hung engine fails
+            # now instead of at its own timeout, and is made again after the restart.
+            await _ray(self.rollout.actor.remove_engine.remote(url))
+            await asyncio.to_thread(self.engines.halt, index)
             async with self.lock:
-                await _ray(self.rollout.actor.remove_engine.remote(url))
                 await asyncio.to_thread(self.engines.restart, index, model, version)
                 await _check_version(url, version)
                 await _ray(self.rollout.actor.add_engine.remote(url))
