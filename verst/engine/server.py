@@ -33,7 +33,6 @@ from verst.engine.service import (
 )
 from verst.engine.weights import read_safetensors_dir
 from verst.inference_client import weights
-from verst.monitor.stacks import arm_stack_dump
 from verst.inference_client.protocol import (
     AbortRequest,
     BatchGenerateRequest,
@@ -47,6 +46,7 @@ from verst.inference_client.protocol import (
     UpdateWeightVersionRequest,
     is_batch,
 )
+from verst.monitor.stacks import arm_stack_dump
 
 log = logging.getLogger(__name__)
 ENGINE_VERSION = "verst-engine-0.1"
