@@ -114,3 +114,47 @@ def test_errors_carry_url_status_and_the_servers_message():
                 await client.abort_all()
 
     asyncio.run(main())
+
+
+def test_a_generation_whose_engine_went_away_is_sent_again_when_asked():
+    def router(request, n):
+        if n == 1:
+            raise httpx.ConnectError("connection refused", request=request)
+        if n == 2:
+            return httpx.Response(502, json={"error": {"message": "worker unreachable"}})
+        if n == 3:
+            return httpx.Response(500, text="error sending request for url (http://e1/generate). URL: http://e1")
+        if n == 4:
+            return httpx.Response(200, json=REPLY)
+        if n == 5:
+            return httpx.Response(500, json={"error": {"message": "out of memory"}})
+        return httpx.Response(400, json={"error": {"message": "bad request"}})
+
+    transport, calls = fake(router)
+
+    async def main():
+        async with EngineClient("http://r", transport=transport, generate_retries=3, retry_backoff_s=0.01) as client:
+            assert (await client.generate([1, 2, 3])).output_ids == [5, 6]
+            assert client.retried == 3
+            for message in ("out of memory", "bad request"):  # the engine's own errors: not sent again
+                with pytest.raises(EngineError, match=message):
+                    await client.generate([1])
+            assert client.retried == 3
+
+    asyncio.run(main())
+    assert len(calls) == 6
+
+
+def test_without_retries_a_lost_engine_fails_the_generation():
+    def gone(request, n):
+        raise httpx.ConnectError("connection refused", request=request)
+
+    transport, calls = fake(gone)
+
+    async def main():
+        async with EngineClient("http://r", transport=transport) as client:
+            with pytest.raises(EngineError, match="ConnectError"):
+                await client.generate([1])
+
+    asyncio.run(main())
+    assert len(calls) == 1

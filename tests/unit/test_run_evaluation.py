@@ -59,8 +59,8 @@ class ScriptedRun(RLRun):
         return {"eval/accuracy": 0.1 * step, "eval/weight_version": float(version)}
 
 
-def scripted_run(out=None) -> ScriptedRun:
-    cfg = load_config(None, ["--eval.interval", "1"])
+def scripted_run(out=None, *overrides) -> ScriptedRun:
+    cfg = load_config(None, ["--eval.interval", "1", *overrides])
     events: list = []
     progress = RunProgress("sync", 3, mode="lines" if out else "off", stream=out)
     return ScriptedRun(cfg, batch_plan(cfg), None, Logger(), None, None, None, Syncer(events), "", IdleMeter(),
@@ -115,8 +115,8 @@ def test_the_last_version_is_evaluated_once():
     assert [e for e in run.syncer.events if e[0] == "eval start"] == [("eval start", 0), ("eval start", 0)]
 
 
-def test_a_failed_evaluation_stops_the_run_at_the_next_push():
-    run = scripted_run()
+def test_a_failed_evaluation_stops_the_run_at_the_next_push_under_on_error_stop():
+    run = scripted_run(None, "--eval.on-error", "stop")
     run.fail_at = 0
 
     async def loop():
@@ -141,3 +141,37 @@ def test_a_run_stopped_early_cancels_its_evaluation():
     asyncio.run(asyncio.wait_for(loop(), timeout=5))
     assert run.syncer.events == [("eval start", 0)] and run.logger.rows == []
 
+
+
+def test_a_failed_evaluation_is_skipped_and_training_goes_on():
+    run = scripted_run()  # eval.on_error = "skip" by default
+    run.fail_at = 1
+
+    async def loop():
+        await run.start_evaluation()
+        for _ in range(2):
+            await train_step(run)
+            await run.sync_weights()
+            await run.log({"train/loss": 0.5}, step_start=0.0)
+            await run.start_evaluation()
+        await run.evaluate_last_version()
+
+    asyncio.run(loop())
+    evals = {step: m for step, m in run.logger.rows if "eval/accuracy" in m or "eval/skipped" in m}
+    assert evals[1] == {"eval/skipped": 1.0, "eval/skipped_error": 1.0}
+    assert "eval/accuracy" in evals[0] and "eval/accuracy" in evals[2]
+    assert ("push", 2) in run.syncer.events and run.eval_history == [(0, 0.0), (2, pytest.approx(0.2))]
+
+
+def test_a_timed_out_evaluation_is_skipped():
+    run = scripted_run(None, "--fault.eval-timeout-s", "0.1")
+    run.eval_s = 30.0
+
+    async def loop():
+        await run.start_evaluation()
+        await train_step(run)
+        await run.sync_weights()
+
+    asyncio.run(asyncio.wait_for(loop(), timeout=10))
+    assert run.logger.rows == [(0, {"eval/skipped": 1.0, "eval/skipped_timeout": 1.0})]
+    assert ("push", 1) in run.syncer.events

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 from verst.cli.config_command import run_config_command
 from verst.config import VerstConfig
@@ -15,6 +16,11 @@ def main(argv: list[str]) -> int:
 
 
 def _run(cfg: VerstConfig) -> None:
+    from verst.orchestration.watchdog import RunFailure
     from verst.schedules import SCHEDULES
 
-    asyncio.run(SCHEDULES[cfg.schedule](cfg))
+    try:
+        asyncio.run(SCHEDULES[cfg.schedule](cfg))
+    except RunFailure as failure:  # its message is the whole story: no traceback
+        print(f"verst train: {failure}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

@@ -231,6 +231,8 @@ class EvalConfig(Section):
     max_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
     max_response_tokens: int | None = Field(None, ge=1, description="Default rollout.max_response_tokens.")
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
+    on_error: Literal["skip", "stop"] = Field(
+        "skip", description="A failed or timed-out evaluation: skip it (logged as eval/skipped) and train on, or stop the run.")
 
 
 class CheckpointConfig(Section):
@@ -250,6 +252,21 @@ class LoggingConfig(Section):
     sample_groups_per_step: int = Field(
         2, ge=0, description="RL: groups per train step whose samples (prompt, response, reward) go to the run's "
         "samples.jsonl, which the report shows; 0 writes none.")
+
+
+class FaultConfig(Section):
+    step_timeout_s: float = Field(1800.0, gt=0, description="Limit of one train step on the trainer ranks.")
+    rollout_timeout_s: float = Field(1800.0, gt=0, description="Limit of one rollout step, or of one fully async take.")
+    sync_timeout_s: float = Field(900.0, gt=0, description="Limit of one weight sync (pause, push, continue).")
+    eval_timeout_s: float = Field(1800.0, gt=0, description="Limit of one held-out evaluation.")
+    engine_call_timeout_s: float = Field(
+        60.0, gt=0, description="Limit of one engine control call (pause, continue, flush, versions, server info).")
+    tolerate_engines: bool = Field(
+        True, description="Restart an engine that dies or hangs and train on; false stops the run naming the engine.")
+    health_interval_s: float = Field(2.0, gt=0, description="Seconds between two /health polls of each engine.")
+    health_failures: int = Field(3, ge=1, description="Failed /health polls in a row after which an engine is restarted.")
+    generate_retries: int = Field(
+        5, ge=0, description="With tolerate_engines: times a generation whose engine went away is sent again.")
 
 
 Schedule = Literal["sync", "one_step_off", "fully_async"]
@@ -274,6 +291,7 @@ class VerstConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
+    fault: FaultConfig = Field(default_factory=FaultConfig, description="Hang limits and engine fault tolerance.")
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> VerstConfig:

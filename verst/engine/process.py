@@ -26,9 +26,10 @@ class EngineProcess:
     def __init__(
         self, model: str | Path, *, host: str = "127.0.0.1", args: list[str] | None = None,
         startup_timeout: float = 120.0, log_path: str | Path | None = None, env: dict[str, str] | None = None,
-        entry: list[str] | None = None,
+        entry: list[str] | None = None, port: int = 0,
     ):
         self.model, self.host, self.args = str(model), host, list(args or [])
+        self.requested_port = port  # 0: the OS picks; a restarted engine asks for its old port again
         # how to run the server: this module by default; `["-m", "verst.cli.main", "serve", "engine"]` works too
         self.entry = list(entry or ["-m", "verst.engine.server"])
         self.startup_timeout = startup_timeout
@@ -52,7 +53,7 @@ class EngineProcess:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(self.env or {})}
         cmd = [sys.executable, *self.entry, "--model", self.model, "--host", self.host,
-               "--port", "0", "--port-file", str(port_file), *self.args]
+               "--port", str(self.requested_port), "--port-file", str(port_file), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         if log is not subprocess.DEVNULL:
             log.close()

@@ -46,6 +46,7 @@ from verst.inference_client.protocol import (
     UpdateWeightVersionRequest,
     is_batch,
 )
+from verst.monitor.stacks import arm_stack_dump
 
 log = logging.getLogger(__name__)
 ENGINE_VERSION = "verst-engine-0.1"
@@ -345,6 +346,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    arm_stack_dump()  # SIGUSR1 prints every thread's stack into the engine's log (hang reports)
     import torch
     import uvicorn
 

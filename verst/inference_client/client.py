@@ -19,6 +19,7 @@ import numpy as np
 from verst.inference_client.batching import RequestBatcher
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+ROUTER_SEND_ERROR = "error sending request for url"  # sglang-router's 500 when an engine cannot be reached
 # httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
 # concurrent generations (seconds of client CPU for 256); generations are therefore spread over several
 # pools of at most this many connections each.
@@ -101,7 +102,9 @@ class EngineClient:
     """Talks to one base URL (an engine or a router). Use as `async with EngineClient(url) as c: ...`.
 
     `affinity=True` marks every generate as needing session affinity (multi-turn work behind a router
-    in manual policy): a call without `routing_key` then raises `RoutingKeyError`. `max_batch > 1` sends
+    in manual policy): a call without `routing_key` then raises `RoutingKeyError`. `generate_retries`:
+    a generation whose engine went away (connection lost, or the router's 502/503/504) is sent again,
+    after a backoff, up to that many times (behind a router, it goes to another engine); `retried` counts them. `max_batch > 1` sends
     generate calls made in the same event-loop turn as batched requests of up to that many prompts
     (`RequestBatcher`); the server must accept SGLang's batch form (the embedded engine and SGLang do).
     """
@@ -109,9 +112,10 @@ class EngineClient:
     def __init__(
         self, base_url: str, *, timeouts: Timeouts | None = None, affinity: bool = False,
         max_connections: int = 1024, get_retries: int = 3, transport: httpx.AsyncBaseTransport | None = None,
-        max_batch: int = 1,
+        max_batch: int = 1, generate_retries: int = 0, retry_backoff_s: float = 1.0,
     ):
         self.base_url = base_url.rstrip("/")
+        self.generate_retries, self.retry_backoff_s, self.retried = generate_retries, retry_backoff_s, 0
         self.timeouts = timeouts or Timeouts()
         self.affinity = affinity
         self.get_retries = get_retries
@@ -178,8 +182,16 @@ class EngineClient:
         return GenerateResult.from_reply(await self._send_generate(body, headers))
 
     async def _send_generate(self, body: dict[str, Any], headers: dict[str, str] | None) -> Any:
-        pool = self._pool(next(self._next_pool))
-        return await self._post("/generate", body, self.timeouts.generate, headers=headers, pool=pool)
+        for attempt in range(self.generate_retries + 1):
+            pool = self._pool(next(self._next_pool))
+            try:
+                return await self._post("/generate", body, self.timeouts.generate, headers=headers, pool=pool)
+            except EngineError as error:
+                if attempt == self.generate_retries or not engine_went_away(error):
+                    raise
+                self.retried += 1
+                await asyncio.sleep(min(self.retry_backoff_s * 2**attempt, 8.0))  # the engine's removal, meanwhile
+        raise AssertionError("unreachable")
 
     async def abort(self, rid: str) -> None:
         await self._post("/abort_request", {"rid": rid}, self.timeouts.control)
@@ -283,6 +295,14 @@ class EngineClient:
         except httpx.TransportError:
             return False
         return response.status_code == 200
+
+
+def engine_went_away(error: EngineError) -> bool:
+    """A lost connection (not a timeout), or a router's reply that its engine could not be reached
+    (sglang-router answers 500 "error sending request for url ...")."""
+    if error.status is None:
+        return "timed out" not in error.message
+    return error.status in (502, 503, 504) or (error.status == 500 and ROUTER_SEND_ERROR in error.message)
 
 
 def _message(response: httpx.Response) -> str:

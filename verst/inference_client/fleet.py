@@ -95,7 +95,8 @@ class IdleMeter:
     """The engines' idle fraction between successive reads: 1 − Δbusy / Δuptime of each engine (from
     `/get_server_info`'s `busy_seconds` and `uptime_seconds`), averaged over the engines.
 
-    Engines that do not report busy time (SGLang, vLLM) are left out; `read` returns None when none does.
+    Engines that do not report busy time (SGLang, vLLM), or do not answer (one being restarted), are left
+    out; `read` returns None when none does.
     """
 
     def __init__(self, fleet: EngineFleet):
@@ -103,10 +104,11 @@ class IdleMeter:
         self._last: dict[str, tuple[float, float]] = {}  # url -> (busy_seconds, uptime_seconds)
 
     async def read(self) -> float | None:
-        infos = await self.fleet.each("get_server_info", lambda c: c.get_server_info())
+        replies = await asyncio.gather(*(c.get_server_info() for c in self.fleet.clients.values()),
+                                       return_exceptions=True)
         fractions = []
-        for url, info in infos.items():
-            if "busy_seconds" not in info or "uptime_seconds" not in info:
+        for url, info in zip(self.fleet.urls, replies):
+            if isinstance(info, BaseException) or "busy_seconds" not in info or "uptime_seconds" not in info:
                 continue
             now = (float(info["busy_seconds"]), float(info["uptime_seconds"]))
             before, self._last[url] = self._last.get(url), now

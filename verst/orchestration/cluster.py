@@ -20,6 +20,7 @@ from typing import Any, Literal
 import ray
 
 from verst.config.schema import ClusterConfig
+from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.engine_actors import EngineActorGroup, check_engine_type
 from verst.orchestration.placement import BundlePlan, Placement, plan_bundles
 from verst.orchestration.ray_session import RaySession
@@ -156,7 +157,15 @@ class Orchestration:
         return self.placement
 
 
-_RemoteRolloutManager = ray.remote(max_restarts=0, max_task_retries=0)(RolloutManager)
+class _RolloutManagerActor(RolloutManager):
+    """The manager as an actor process: its stacks can be read by a hang report."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        arm_stack_dump()
+        super().__init__(*args, **kwargs)
+
+
+_RemoteRolloutManager = ray.remote(max_restarts=0, max_task_retries=0)(_RolloutManagerActor)
 # It mostly waits on HTTP; a CPU request would compete with the bundles on small machines.
 MANAGER_CPUS = 0
 

@@ -15,6 +15,7 @@ import httpx
 import ray
 
 from verst.engine.process import EngineProcess
+from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, current_bundle
 
 ENGINE_TYPES = ("embedded", "sglang", "vllm")
@@ -35,14 +36,16 @@ class EngineServer:
     """The body of one engine actor: the server runs as a child process, which Ray ends with the actor."""
 
     def __init__(self, index: int, model: str, device: str, args: list[str], startup_timeout_s: float,
-                 log_dir: str | None):
+                 log_dir: str | None, port: int = 0):
+        arm_stack_dump()  # a hang report can read this actor's stacks
         self.index = index
         # Bind where the router (perhaps on another node) can reach it: this node's Ray address,
         # which is 127.0.0.1 on a local one-node Ray.
         self.host = ray.util.get_node_ip_address()
-        log_path = Path(log_dir) / f"engine-{index}.log" if log_dir else None
-        self.server = EngineProcess(model, host=self.host, args=["--device", device, *args],
-                                    startup_timeout=startup_timeout_s, log_path=log_path)
+        self.log_path = Path(log_dir) / f"engine-{index}.log" if log_dir else None
+        self.args, self.startup_timeout_s = ["--device", device, *args], startup_timeout_s
+        self.server = EngineProcess(model, host=self.host, args=self.args, startup_timeout=startup_timeout_s,
+                                    log_path=self.log_path, port=port)
         self.device = device
 
     def start(self) -> dict[str, Any]:
@@ -57,6 +60,29 @@ class EngineServer:
 
     def url(self) -> str:
         return self.server.url
+
+    def restart(self, model: str, version: int) -> dict[str, Any]:
+        """Replace the server (stopped hard: it may be hung) by a new one serving `model` as weight version
+        `version`, on the same port, so its URL stays the same for the router, the syncer and the clients."""
+        port = self.server.port or 0
+        self.server.stop(grace=2.0)
+        args = with_weight_version(self.args, version)
+        self.server = EngineProcess(model, host=self.host, args=args, startup_timeout=self.startup_timeout_s,
+                                    log_path=self.log_path, port=port)
+        return self.start()
+
+    def halt(self) -> None:
+        """Kill the server at once (SIGKILL: it may be stopped or hung), so calls waiting on it fail now."""
+        proc = self.server.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def status(self) -> dict[str, Any]:
+        """The server's pid and its return code (None while it runs; negative: the killing signal)."""
+        proc = self.server.proc
+        return {"index": self.index, "server_pid": proc.pid if proc else None,
+                "returncode": proc.poll() if proc else None}
 
     def health(self) -> bool:
         """The server process is alive and `GET /health` answers 200."""
@@ -89,6 +115,20 @@ class EngineServer:
 _RemoteEngineServer = ray.remote(max_restarts=0, max_task_retries=0)(EngineServer)
 
 
+def with_weight_version(args: list[str], version: int) -> list[str]:
+    """Server arguments with `--weight-version` set to `version`."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg == "--weight-version":
+            skip = True
+            continue
+        out.append(arg)
+    return [*out, "--weight-version", str(version)]
+
+
 class EngineActorGroup:
     """One engine actor per engine bundle of `placement`, all started before this returns."""
 
@@ -106,6 +146,8 @@ class EngineActorGroup:
     ):
         check_engine_type(engine)
         self.engine, self.startup_timeout_s = engine, startup_timeout_s
+        self._placement, self._spawn = placement, (str(model), device, list(args or []), startup_timeout_s,
+                                                   str(log_dir) if log_dir else None)
         self._closed = False
         self._infos: list[dict[str, Any]] | None = None
         count = len(placement.plan.engine_bundles)
@@ -158,6 +200,51 @@ class EngineActorGroup:
 
     def resume_memory(self) -> list[bool]:
         return self._all("resume_memory", 120.0)
+
+    def halt(self, index: int, timeout_s: float = 15.0) -> None:
+        """Kill engine `index`'s server now (see `EngineServer.halt`); a dead actor has none left."""
+        ready, _ = ray.wait([self._actors[index].halt.remote()], timeout=timeout_s)
+        if ready:
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError:
+                pass
+
+    def restart(self, index: int, model: str, version: int) -> dict[str, Any]:
+        """Restart engine `index` in place: a new server in its actor (same bundle, same URL) serving
+        `model` as `version`; a dead actor is replaced by a new one in the same bundle. Returns its info."""
+        old = self.infos[index]
+        timeout_s = self.startup_timeout_s + 60.0
+        try:
+            info = ray.get(self._actors[index].restart.remote(model, version), timeout=timeout_s)
+        except ray.exceptions.RayActorError:  # the actor itself is gone: a new one, same bundle, same port
+            ray.kill(self._actors[index], no_restart=True)
+            _, device, args, startup, log_dir = self._spawn
+            port = int(old["url"].rsplit(":", 1)[1])
+            self._actors[index] = _RemoteEngineServer.options(**self._placement.actor_options("engine", index)).remote(
+                index, model, device, with_weight_version(args, version), startup, log_dir, port)
+            info = ray.get(self._actors[index].start.remote(), timeout=timeout_s)
+        except ray.exceptions.RayTaskError as error:
+            raise error.as_instanceof_cause() from None
+        info["index"] = index
+        self._infos[index] = info
+        return info
+
+    def status(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """Per engine, what its actor reports of its server (`EngineServer.status`), or `actor_error`
+        when the actor is dead or does not answer within `timeout_s`."""
+        refs = [actor.status.remote() for actor in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out: list[dict[str, Any]] = []
+        for index, ref in enumerate(refs):
+            if ref not in ready:
+                out.append({"index": index, "actor_error": f"no answer within {timeout_s:g} s"})
+                continue
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayError as error:
+                out.append({"index": index, "actor_error": str(error).splitlines()[0][:200]})
+        return out
 
     def shutdown(self, grace_s: float = 15.0) -> None:
         """Stop every server (SIGTERM, then SIGKILL), then the actors. Safe to call twice."""

@@ -8,9 +8,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import ray
+
+from verst.orchestration.reaper import Reaper
 
 # The logical resource every CPU bundle asks for: placement groups are exercised (and fail when
 # they cannot fit) on machines whose few real cores could not hold one CPU per actor.
@@ -51,6 +56,8 @@ class RaySession:
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.object_store_bytes, self.log_to_driver = object_store_bytes, log_to_driver
         self.owned = False  # this session called ray.init and will call ray.shutdown
+        self.tmp_dir: Path | None = None  # a local Ray's temporary files and its processes' (TMPDIR)
+        self._reaper: Reaper | None = None
         self._saved_env: dict[str, str | None] = {}
 
     def start(self) -> RaySession:
@@ -66,6 +73,7 @@ class RaySession:
 
     def _start_local(self) -> None:
         self._set_env({**_QUIET_ENV, _LOOPBACK_SWITCH: "0"})
+        self._start_reaper()
         self._put_cwd_on_pythonpath()
         import ray._private.ray_constants as constants
 
@@ -88,9 +96,11 @@ class RaySession:
                 object_store_memory=self.object_store_bytes,
                 logging_level=logging.WARNING,
                 log_to_driver=self.log_to_driver,
+                _temp_dir=str(self.tmp_dir),
             )
         except BaseException:
             ray.shutdown()  # whatever part of Ray did start
+            self._stop_reaper()
             self._restore_env()
             raise
         finally:
@@ -102,6 +112,7 @@ class RaySession:
             return
         self.owned = False
         ray.shutdown()
+        self._stop_reaper()
         self._restore_env()
 
     def resources(self) -> dict[str, float]:
@@ -113,6 +124,24 @@ class RaySession:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+    # ---- what a killed driver leaves behind: nothing ---------------------------------------
+    def _start_reaper(self) -> None:
+        """A run-owned temporary directory, for Ray's session files and, through TMPDIR (which Ray's
+        processes inherit), every temporary path of the run's processes; and the reaper that ends those
+        processes and removes it when this driver dies. A short path: Ray's sockets live under it."""
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="verst-"))
+        self._saved_env.setdefault("TMPDIR", os.environ.get("TMPDIR"))
+        os.environ["TMPDIR"] = str(self.tmp_dir)
+        self._reaper = Reaper.start(self.tmp_dir)
+
+    def _stop_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.done()
+            self._reaper = None
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     # ---- environment -------------------------------------------------------------------
     def _set_env(self, values: dict[str, str]) -> None:

@@ -250,6 +250,16 @@ class RolloutManager:
     async def engine_urls(self) -> list[str]:
         return list(self._engine_urls or [])
 
+    async def remove_engine(self, url: str) -> None:
+        """Take an engine out of the router (it failed; requests go to the others meanwhile)."""
+        if self._router is not None and url.rstrip("/") in self._router.engine_urls:
+            await asyncio.to_thread(self._router.remove_engine, url)
+
+    async def add_engine(self, url: str) -> None:
+        """Put a restarted engine back behind the router."""
+        if self._router is not None and url.rstrip("/") not in self._router.engine_urls:
+            await asyncio.to_thread(self._router.add_engine, url)
+
     async def router_url(self) -> str | None:
         return self._router.url if self._router is not None else None
 

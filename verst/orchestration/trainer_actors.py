@@ -25,7 +25,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from verst.config.schema import SyncConfig
 from verst.inference_client.ports import free_port
+from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, current_bundle
+from verst.sync.syncer import SyncFailure, WeightSyncError
 from verst.trainer.backend import CollectiveCalls, RankError, TrainBackend
 from verst.types import WeightBucket
 
@@ -39,6 +41,7 @@ class TrainerRank:
     def __init__(self, rank: int, world_size: int, device: str):
         from verst.orchestration.tensor_wire import register_tensor_serializer  # imports torch: ranks only
 
+        arm_stack_dump()  # a hang report can read this rank's stacks
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend: TrainBackend | None = None
         self.weight_sync: _SyncerLoop | None = None  # rank 0, after open_weight_sync
@@ -115,6 +118,8 @@ class TrainerRank:
         buckets = _DrainOnClose(self.backend.named_weights(bucket_bytes))
         try:
             return self.weight_sync.sync(buckets, version)
+        except WeightSyncError as error:  # an engine failed: this rank, and the trainer group, live on
+            return SyncFailure(str(error))
         finally:
             buckets.close()  # a no-op after a complete push
 
@@ -172,6 +177,11 @@ class TrainerActorGroup(CollectiveCalls):
                     self.shutdown()  # interrupted too: no rank is left starting
                     raise
         return self
+
+    @property
+    def ready_infos(self) -> list[dict[str, Any]]:
+        """`infos` once every rank is ready, else [] (never waits)."""
+        return list(self._infos or [])
 
     @property
     def infos(self) -> list[dict[str, Any]]:
@@ -338,10 +348,14 @@ class _SyncerLoop:
 
     @staticmethod
     async def _open(sync: SyncConfig, engine_urls: list[str], options: dict[str, Any]) -> tuple[Any, Any]:
+        from verst.inference_client.client import Timeouts
         from verst.inference_client.fleet import EngineFleet
         from verst.sync.factory import build_syncer
 
-        fleet = EngineFleet(engine_urls)  # its clients belong to this loop
+        options = dict(options)
+        control = options.pop("control_timeout_s", None)  # fault.engine_call_timeout_s
+        timeouts = Timeouts(control=control) if control else None
+        fleet = EngineFleet(engine_urls, timeouts=timeouts)  # its clients belong to this loop
         return fleet, build_syncer(sync, fleet, **options)
 
     def sync(self, buckets: Iterator[WeightBucket], version: int) -> dict[str, float]:

@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from verst.config.schema import SyncConfig
-from verst.sync.syncer import sync_due
+from verst.sync.syncer import SyncFailure, WeightSyncError, sync_due
 
 
 class TrainerWeightSync:
@@ -30,6 +30,7 @@ class TrainerWeightSync:
         self._version: int | None = None
         self._opening = (cfg.model_copy(update={"check_weights": False}), list(engine_urls), transport_options)
         self._opened = False
+        self.closed = False
 
     @property
     def version(self) -> int | None:
@@ -47,12 +48,24 @@ class TrainerWeightSync:
             await asyncio.to_thread(self.trainer.open_weight_sync, sync, urls, **options)
             self._opened = True
         metrics = await asyncio.to_thread(self.trainer.sync_weights, version, self.bucket_bytes)
+        if isinstance(metrics, SyncFailure):  # the engines failed; the trainer is intact
+            raise WeightSyncError(metrics.message)
         self._version = version
         if self.checker is not None:
             checker, self.checker = self.checker, None  # once
             metrics.update(await checker.check(self.fleet, version))
         return metrics
 
+    async def close_within(self, seconds: float) -> None:
+        """After a failure: close if it can be done quickly (rank 0 may be dead or stuck; the orchestration's
+        shutdown ends it regardless), errors ignored; a later `close()` then does nothing."""
+        try:
+            await asyncio.wait_for(self.close(), seconds)
+        except Exception:
+            pass
+
     async def close(self) -> None:
-        if self._opened:
+        """Close rank 0's syncer; once (a second call does nothing, even while the first still runs)."""
+        if self._opened and not self.closed:
+            self.closed = True
             await asyncio.to_thread(self.trainer.close_weight_sync)

@@ -32,7 +32,8 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
     tokenizer = load_tokenizer(cfg.model.path)
     source = load_object(cfg.data.source, "data.source")(cfg.data) if cfg.data.source else PromptSource.from_config(cfg.data)
     engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency,
-                          max_batch=request_batch(cfg, endpoints.router_url))
+                          max_batch=request_batch(cfg, endpoints.router_url),
+                          generate_retries=cfg.fault.generate_retries if cfg.fault.tolerate_engines else 0)
     control = [EngineClient(url) for url in endpoints.engine_urls]  # the router has no abort route
     ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control)
     last: dict[str, float] = {}
@@ -46,6 +47,8 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
     def metrics() -> dict[str, float]:
         out = dict(last)
         last.clear()
+        if engine.retried:  # generations sent again after their engine went away (fault tolerance)
+            out["fault/requests_retried_total"] = float(engine.retried)
         return out
 
     async def close() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
 from verst.data import load_prompts_from_config
-from verst.inference_client.client import EngineClient
+from verst.inference_client.client import EngineClient, Timeouts
 from verst.eval import engine_greedy_generate, evaluate_greedy
 from verst.eval.agentic import evaluate_agentic, score_key
 from verst.models import load_tokenizer
@@ -25,12 +25,15 @@ from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import EngineMemory, Orchestration, RolloutBatch, RolloutSource, RouterSpec, WeightPush
+from verst.orchestration.health import EngineSupervisor, disk_restart_weights
+from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules import checkpointing
 from verst.schedules.checkpointing import RunCheckpointer
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.schedules.train_steps import train_rollout_step
 from verst.inference_client.fleet import EngineFleet, IdleMeter
+from verst.sync.syncer import WeightSyncError
 from verst.trainer.backend import TrainerRanks, fsdp2_backend
 
 TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived for this long
@@ -60,6 +63,8 @@ class RLRun:
     startup_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # time/startup/*
     started: float = dataclasses.field(default_factory=time.perf_counter)
     started_at: float = dataclasses.field(default_factory=time.time)  # the same moment, wall clock
+    watchdog: Watchdog | None = None  # bounds each phase by its `fault.*_timeout_s` (None: unbounded)
+    supervisor: EngineSupervisor | None = None  # restarts failed engines (fault.tolerate_engines)
     _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
 
     # -- named steps ---------------------------------------------------------------------------
@@ -86,10 +91,15 @@ class RLRun:
 
     async def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
         """One rollout batch (its groups stay on the rollout side until the ranks fetch them) and its metrics."""
-        return await asyncio.to_thread(self.rollout.generate_train_batch, rollout_id, self.version)
+        return await self.guard(f"rollout step {rollout_id}", "rollout_timeout_s",
+                                asyncio.to_thread(self.rollout.generate_train_batch, rollout_id, self.version))
 
     async def take(self) -> tuple[RolloutBatch, dict[str, float]]:
         """Fully async: one train step's groups from the buffer (stale ones are dropped there)."""
+        return await self.guard(f"taking the groups of train step {self.version + 1}", "rollout_timeout_s",
+                                self._take())
+
+    async def _take(self) -> tuple[RolloutBatch, dict[str, float]]:
         start, need, have = time.perf_counter(), self.plan.groups_per_train_step, 0
         while have < need:
             got = await asyncio.to_thread(self.rollout.take_into_batch, need - have, self.version, TAKE_TIMEOUT_S)
@@ -113,7 +123,8 @@ class RLRun:
                 start = time.perf_counter()
                 groups = batch.groups if first == 0 else None  # later steps use the ranks' copy
                 # Tensors are built, and advantages computed, next to the model.
-                metrics = await asyncio.to_thread(on_ranks, self.trainer, train_rollout_step, groups, first, self.cfg)
+                metrics = await self.guard(f"train step {self.version + 1}", "step_timeout_s", asyncio.to_thread(
+                    on_ranks, self.trainer, train_rollout_step, groups, first, self.cfg))
                 metrics["time/train_s"] = time.perf_counter() - start  # with the trips to the ranks
             finally:
                 if self.cfg.cluster.placement == "colocated":
@@ -128,7 +139,29 @@ class RLRun:
         if not self.syncer.due(self.version):
             return {}
         await self.settle_evaluation()  # an evaluation in flight scores the weights the engines serve now
-        return await self.syncer.sync(self.version)
+        return await self.guard(f"weight sync to version {self.version}", "sync_timeout_s", self._sync())
+
+    async def _sync(self) -> dict[str, float]:
+        if self.supervisor is None:
+            return await self.syncer.sync(self.version)
+        for retry in (False, True):  # once more after an engine that failed during the push was restarted
+            await self.supervisor.check_now()  # a dead engine is restarted before the push reaches it
+            async with self.supervisor.lock:  # no push while an engine is being replaced
+                try:
+                    return await self.syncer.sync(self.version)
+                except WeightSyncError as error:
+                    if retry or not self.supervisor.restarts_engines:
+                        raise
+                    print(f"[fault] {str(error)[:300]}; pushing again once failed engines are restarted", flush=True)
+        raise AssertionError("unreachable")
+
+    async def guard(self, phase: str, limit_field: str, awaitable: Any) -> Any:
+        """`await awaitable` within `fault.<limit_field>`: past it the watchdog dumps every process's stacks
+        and stops the run naming `phase`."""
+        if self.watchdog is None:
+            return await awaitable
+        limit = getattr(self.cfg.fault, limit_field)
+        return await self.watchdog.guard(phase, limit, f"fault.{limit_field}", awaitable)
 
     @property
     def score_key(self) -> str:
@@ -163,11 +196,28 @@ class RLRun:
         step = self.version
 
         async def evaluate_and_log() -> None:
-            metrics = {**(extra or {}), **await self.evaluate(step)}
+            metrics = {**(extra or {}), **await self.evaluate_or_skip(step)}
             self.logger.log(metrics, step=step)
             self.progress.evaluated(step, metrics)
 
         self._evaluation = asyncio.create_task(evaluate_and_log())
+
+    async def evaluate_or_skip(self, step: int) -> dict[str, float]:
+        """`evaluate(step)` within `fault.eval_timeout_s`. A failure or timeout is raised under
+        `eval.on_error = "stop"`; under "skip" it becomes `eval/skipped` (and `eval/skipped_<reason>`) and
+        training goes on."""
+        try:
+            return await asyncio.wait_for(self.evaluate(step), self.cfg.fault.eval_timeout_s)
+        except Exception as error:
+            reason = "timeout" if isinstance(error, TimeoutError) else "error"
+            if self.cfg.eval.on_error == "stop":
+                if reason == "timeout":
+                    raise TimeoutError(f"the evaluation of step {step} did not finish within "
+                                       f"{self.cfg.fault.eval_timeout_s:g} s (fault.eval_timeout_s)") from error
+                raise
+            print(f"[{self.cfg.schedule}] evaluation of step {step} skipped ({reason}): "
+                  f"{type(error).__name__}: {str(error)[:300]}", flush=True)
+            return {"eval/skipped": 1.0, f"eval/skipped_{reason}": 1.0}
 
     async def settle_evaluation(self) -> None:
         """Wait for the evaluation in flight, if any (its failure is raised here)."""
@@ -186,7 +236,7 @@ class RLRun:
         """At the end of a run: the last version's score, unless an evaluation already measured it."""
         await self.settle_evaluation()
         if not self.eval_history or self.eval_history[-1][0] != self.version:
-            self.logger.log(await self.evaluate(), step=self.version)
+            self.logger.log(await self.evaluate_or_skip(self.version), step=self.version)
 
     def eval_due(self) -> bool:
         return bool(self.cfg.eval.interval) and self.version % self.cfg.eval.interval == 0
@@ -198,15 +248,20 @@ class RLRun:
         await self.settle_evaluation()
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
         metrics["train/weight_version"] = float(self.version)
-        idle = await self.idle_meter.read()
+        idle = await self.guard("reading the engines' busy time (get_server_info)", "engine_call_timeout_s",
+                                self.idle_meter.read())
         if idle is not None:
             metrics["perf/engine_idle_fraction"] = idle
+        if self.supervisor is not None:
+            metrics.update(self.supervisor.metrics())
         self.logger.log(metrics, step=self.version)
         self.progress.step(self.version, metrics)
 
     def finish(self) -> dict[str, Any]:
         """summary.json (accuracy before/after with the versions measured) and the HTML report."""
-        (v0, before), (v1, after) = self.eval_history[0], self.eval_history[-1]
+        # an evaluation may have been skipped (eval.on_error = "skip"): no score then
+        (v0, before), (v1, after) = (self.eval_history[0], self.eval_history[-1]) if self.eval_history else \
+            ((None, None), (None, None))
         summary = {
             f"{self.score_key}_before": before, f"{self.score_key}_after": after,
             "eval/version_before": v0, "eval/version_after": v1,
@@ -215,8 +270,9 @@ class RLRun:
         }
         write_summary(self.run_dir, summary)
         report = write_report(self.run_dir)
-        print(f"[{self.cfg.schedule}] held-out greedy {self.score_key[5:]} {before:.1%} (version {v0}) -> {after:.1%} "
-              f"(version {v1}) in {summary['time/total_s']:.0f} s; report {report}", flush=True)
+        scores = "no evaluation" if before is None else \
+            f"held-out greedy {self.score_key[5:]} {before:.1%} (version {v0}) -> {after:.1%} (version {v1})"
+        print(f"[{self.cfg.schedule}] {scores} in {summary['time/total_s']:.0f} s; report {report}", flush=True)
         return summary
 
 
@@ -255,13 +311,18 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
         rollout.start(urls)
         clock.lap("rollout_manager")  # router, data source and rollout fn, once the engines are up
         progress = RunProgress(cfg.schedule, plan.total_train_steps, mode="auto" if cfg.logging.progress else "off")
-        async with EngineFleet(urls) as fleet:
+        processes = RunProcesses(run_dir, engines, trainer, rollout, run_dir / "logs")
+        async with EngineFleet(urls, timeouts=Timeouts(control=cfg.fault.engine_call_timeout_s)) as fleet:
             syncer = TrainerWeightSync(trainer, cfg.sync, urls, checker=weight_checker(cfg, trainer, temperature),
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
-                                       source_model=cfg.model.path)
+                                       source_model=cfg.model.path, control_timeout_s=cfg.fault.engine_call_timeout_s)
+            watchdog = Watchdog(run_dir, processes)
+            supervisor = EngineSupervisor(cfg.fault, engines, rollout, urls, processes, watchdog,
+                                          functools.partial(disk_restart_weights, cfg, syncer, run_dir))
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started, started_at=started_at,
-                        checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout))
+                        checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout),
+                        watchdog=watchdog, supervisor=supervisor)
             if resume is not None:
                 await checkpointing.restore(run, resume)  # before any rollout: the engines serve its weights
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
@@ -269,9 +330,18 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
             run.startup_metrics = clock.metrics()  # logged with the step-0 evaluation
             print(f"[{cfg.schedule}] started in {clock.summary()}", flush=True)
             try:
-                with progress:
-                    yield run
-                await checkpointing.finish(run)  # final checkpoint and Hugging Face export
+                async with supervisor:
+                    with progress:
+                        yield run
+                    await checkpointing.finish(run)  # final checkpoint and Hugging Face export
+            except Exception as error:
+                await run.drop_evaluation()
+                await syncer.close_within(10.0)  # a dead or stuck part must not hold the report back
+                report = None if isinstance(error, RunFailure) else \
+                    await asyncio.to_thread(failure_report, processes, error)
+                if report is not None:
+                    raise report from None  # one screen: what died, how, and its log
+                raise
             finally:
                 await run.drop_evaluation()  # a run stopped early (an error, cancelled) has one in flight
                 run.checkpointer.close()

@@ -4,6 +4,7 @@ continue; versions only go up, engines are always continued, and an optional che
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -29,6 +30,14 @@ class VersionError(ValueError):
 
 class WeightSyncError(RuntimeError):
     """A sync failed; the message says what state the engines were left in (continued or still paused)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncFailure:
+    """A failed sync reported as a value (by trainer rank 0, which must live on: the engines failed, not
+    it); the driver raises it again as `WeightSyncError`."""
+
+    message: str
 
 
 class Checker(Protocol):
