@@ -278,7 +278,6 @@ def side_main(args: argparse.Namespace) -> int:
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # metrics.jsonl appends: start from an empty run directory
     if args.side == "trl":
         import trl
-
         from _trl_side import run_trl
 
         result = run_trl(cfg, target=args.target, max_steps=args.max_steps, time_cap_s=args.time_cap,

@@ -12,10 +12,10 @@ import torch
 from verst.config import batch_plan, load_config
 from verst.config.schema import ClusterConfig
 from verst.orchestration import Orchestration, RaySession, RolloutBatch
-from verst.schedules.trainer_setup import open_trainer
 from verst.schedules.run import RLRun
-from verst.trainer import FSDP2Backend, InProcessRank
 from verst.schedules.train_steps import old_logprob_source, old_logprobs, train_on_groups
+from verst.schedules.trainer_setup import open_trainer
+from verst.trainer import FSDP2Backend, InProcessRank
 from verst.types import Sample, Status
 
 
@@ -119,7 +119,9 @@ def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_mod
                              "--trainer.global-batch-size", "8"])
     assert old_logprob_source(cfg) == "recompute"
     groups = make_groups(4, 4, seed=2)
-    run = SimpleNamespace(cfg=cfg, plan=batch_plan(cfg), trainer=None, engines=None, version=0, started_at=0.0)
+    run = SimpleNamespace(cfg=cfg, plan=batch_plan(cfg), trainer=None, engines=None, version=0, started_at=0.0,
+                          watchdog=None)  # no phase limits: the steps run unguarded
+    run.guard = functools.partial(RLRun.guard, run)
 
     async def steps(batch) -> list[dict[str, float]]:
         return [m async for m in RLRun.train(run, batch)]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.models.factory import init_model
 from verst.models.native import NativeCausalLM
-from verst.trainer import FSDP2Backend, ForwardOutputs, MicroBatch, TrainBackend, TrainItem, sft_loss_fn
+from verst.trainer import ForwardOutputs, FSDP2Backend, MicroBatch, TrainBackend, TrainItem, sft_loss_fn
 from verst.trainer.schedule import lr_factor
 
 VOCAB = 256  # ids drawn from the byte range of the tiny tokenizer

@@ -18,8 +18,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.e2e.test_rl_schedules import REPO, rl_args, rl_config, run_schedule
-from tests.e2e.test_rl_schedules import ray_session  # noqa: F401  (the module's Ray session)
+from tests.e2e.test_rl_schedules import (
+    REPO,
+    ray_session,  # noqa: F401  (the module's Ray session)
+    rl_args,
+    rl_config,
+    run_schedule,
+)
 from verst.monitor import read_metrics
 from verst.monitor.checkpoints import CheckpointError, read_latest, read_manifest
 

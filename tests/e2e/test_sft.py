@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from tests.metrics_doc import undocumented
 from verst.cli.main import main
 from verst.models import load_model
-from tests.metrics_doc import undocumented
 from verst.monitor import read_metrics
 
 

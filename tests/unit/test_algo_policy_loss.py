@@ -18,7 +18,6 @@ from verst.algo import (
     value_loss,
 )
 
-
 MASK = torch.tensor(
     [
         [1, 1, 1, 1, 0, 0],

@@ -8,9 +8,9 @@ import torch
 import verst.engine.native as native
 from verst.engine.core import EngineConfig
 from verst.engine.model_runner import ModelRunner, check_native_model
-from verst.models.native import NativeCausalLM, load_causal_lm, load_native_model, native_config_reason
 from verst.models.factory import init_model
 from verst.models.loader import load_model
+from verst.models.native import NativeCausalLM, load_causal_lm, load_native_model, native_config_reason
 
 torch.set_num_threads(1)
 

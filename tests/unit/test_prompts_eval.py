@@ -3,8 +3,8 @@ import pytest
 from verst.config import DataConfig
 from verst.eval import evaluate_greedy
 from verst.models import load_tokenizer
-from verst.rewards import BUILTIN_REWARDS
 from verst.models.prompts import encode_prompt, encode_sft_example, prompt_messages
+from verst.rewards import BUILTIN_REWARDS
 from verst.types import Sample
 
 

@@ -10,8 +10,17 @@ from tests.unit.report_runs import rl_run, sft_run
 from verst.cli.main import main
 from verst.monitor.report import write_compare_report, write_report
 from verst.monitor.report_data import (
-    Run, build_series, ema, format_value, funnel, load_run, samples_per_s, split_constant, startup_phases,
-    time_breakdown, unit_of,
+    Run,
+    build_series,
+    ema,
+    format_value,
+    funnel,
+    load_run,
+    samples_per_s,
+    split_constant,
+    startup_phases,
+    time_breakdown,
+    unit_of,
 )
 from verst.monitor.samples import append_samples, examples, pick_steps, read_samples, sample_record
 from verst.rollout.plugins import RolloutBatch

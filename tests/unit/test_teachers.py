@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from verst.data import DataError, make_splits
-from verst.data.teachers import forgets_carry
 from verst.data.tasks import Problem
+from verst.data.teachers import forgets_carry
 
 
 def has_carry(problem):

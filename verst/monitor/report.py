@@ -15,7 +15,13 @@ from typing import Any
 
 from verst.monitor import report_figures as figs
 from verst.monitor.report_data import (
-    Run, by_namespace, child_run_dirs, format_value, load_run, parent_run_dir, split_constant,
+    Run,
+    by_namespace,
+    child_run_dirs,
+    format_value,
+    load_run,
+    parent_run_dir,
+    split_constant,
 )
 from verst.monitor.samples import examples, pick_steps, read_samples
 

@@ -7,8 +7,17 @@ import dataclasses
 from typing import Any
 
 from verst.monitor.report_data import (
-    Run, axis_label, ema, funnel, samples_per_s, startup_phases, thin, time_breakdown, title_of,
-    truncated_fraction, unit_of,
+    Run,
+    axis_label,
+    ema,
+    funnel,
+    samples_per_s,
+    startup_phases,
+    thin,
+    time_breakdown,
+    title_of,
+    truncated_fraction,
+    unit_of,
 )
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f",

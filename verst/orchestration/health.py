@@ -17,8 +17,8 @@ import httpx
 import ray
 
 from verst.config.schema import FaultConfig, VerstConfig
-from verst.sync.disk import snapshot_path
 from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
+from verst.sync.disk import snapshot_path
 
 RestartWeights = Callable[[], tuple[str, int] | None]
 """() -> (model directory, weight version) a restarted engine serves, or None when engines cannot restart."""

@@ -6,8 +6,8 @@ from verst.rollout.buffer import (
     DiscardReason,
     FifoBuffer,
     OnDiscard,
-    build_buffer,
     buffer_capacity,
+    build_buffer,
     discard_handler,
     is_unusable,
 )

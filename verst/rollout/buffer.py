@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 from verst.config import BufferConfig, ConfigError, load_object
-from verst.rollout.keys import PROMPT_TOO_LONG_KEY
 from verst.rollout.filters import GroupFilter, apply_filter
+from verst.rollout.keys import PROMPT_TOO_LONG_KEY
 from verst.types import Group, Sample, group_is_aborted, group_oldest_version, group_staleness
 
 DiscardReason = Literal["aborted", "filtered", "stale"]

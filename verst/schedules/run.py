@@ -17,9 +17,10 @@ from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
 from verst.data import load_prompts_from_config
-from verst.inference_client.client import EngineClient, Timeouts
 from verst.eval import engine_greedy_generate, evaluate_greedy
 from verst.eval.agentic import evaluate_agentic, score_key
+from verst.inference_client.client import EngineClient, Timeouts
+from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.models import load_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
@@ -32,7 +33,6 @@ from verst.schedules import checkpointing
 from verst.schedules.checkpointing import RunCheckpointer
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
 from verst.schedules.train_steps import train_rollout_step
-from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.sync.syncer import WeightSyncError
 from verst.trainer.backend import TrainerRanks, fsdp2_backend
 

@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 
 from verst.types import WeightBucket
 
+
 @runtime_checkable
 class WeightTransport(Protocol):
     """Moves weights to every engine; never pauses engines nor sets their version (the syncer does).
