@@ -15,6 +15,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from tests.processes import alive, wait_gone
 from verst.config.schema import ClusterConfig, ModelConfig, TrainerConfig
 from verst.inference_client.client import EngineClient
 from verst.models.factory import init_model
@@ -77,22 +78,6 @@ class Probe:
 # Functions of this module travel to the actors by value: importing the module there would cost each
 # actor the torch and trainer imports at the top of this file.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie left for its parent to reap has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, timeout=20.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from tests.processes import wait_gone
 from verst.config.schema import ClusterConfig, ModelConfig, TrainerConfig
 from verst.models.factory import init_model
 from verst.orchestration import Orchestration, RaySession
@@ -78,22 +79,6 @@ def trainer_ranks(factory, world_size, timeout_s, start_timeout_s=300.0):
     cluster = ClusterConfig(trainer_ranks=world_size, device="cpu")
     with Orchestration(cluster, engines=False, timeout_s=timeout_s, start_timeout_s=start_timeout_s) as orch:
         yield orch.start_trainer(factory)
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie left for its parent to reap has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, timeout=20.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 @pytest.fixture(scope="module")

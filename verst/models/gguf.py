@@ -19,6 +19,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from verst.models.loader import load_full_state_dict
+
 CHECK_TEXT = "What is 12 + 35? Reply with only the number."
 CHECK_TOLERANCE = 1e-5  # float32 logits of the same weights and the same forward; a wider gap is a bad copy
 
@@ -98,13 +100,8 @@ def import_gguf(gguf_file: str | Path, out: str | Path) -> dict[str, Any]:
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the saved weights are plain float32
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    missing, unexpected = plain.load_state_dict(quantised.state_dict(), strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight") and quantised.config.tie_word_embeddings}
-    if unexpected or set(missing) - tied:
-        raise ConversionError(f"{gguf_file.name}: state dict does not fit the plain model: missing "
-                              f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
-    if tied:
-        plain.tie_weights()
+    load_full_state_dict(plain, quantised.state_dict(), f"{gguf_file.name}: the dequantised weights",
+                         error=ConversionError)
     out.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -112,6 +112,19 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", tr
     return model.to(device).eval()
 
 
+def load_full_state_dict(model: Any, state: dict[str, Any], what: str,
+                         error: type[Exception] = ValueError) -> None:
+    """Copy a full state dict into a plain HF model; only a tied lm_head may be absent (it is re-tied).
+    Anything else missing or unexpected raises `error`, naming `what` and the keys."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {name for name in missing if name.endswith("lm_head.weight") and model.config.tie_word_embeddings}
+    if unexpected or set(missing) - tied:
+        raise error(f"{what} do not fit the model: missing {sorted(set(missing) - tied)}, "
+                    f"unexpected {sorted(unexpected)}")
+    if tied:
+        model.tie_weights()
+
+
 def check_vocab(tokenizer: Any, model: Any) -> None:
     """Every token id must have an embedding row; more rows than tokens (padding) is allowed."""
     n_tokens = len(tokenizer)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from verst.config import VerstConfig
+from verst.models.loader import load_full_state_dict
 from verst.trainer import TrainBackend, fsdp2_backend
 from verst.types import WeightBucket
 
@@ -34,10 +35,4 @@ def open_trainer(cfg: VerstConfig, total_steps: int, temperature: float = 1.0,
 def load_weights_into(model: Any, buckets: Iterator[WeightBucket]) -> None:
     """Copy full trainer weights into a plain HF model; only tied weights may be absent."""
     state = {name: tensor for bucket in buckets for name, tensor in bucket}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {name for name in missing if name.endswith("lm_head.weight") and model.config.tie_word_embeddings}
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"trainer weights do not fit the model: missing {sorted(set(missing) - tied)}, "
-                           f"unexpected {sorted(unexpected)}")
-    if tied:
-        model.tie_weights()
+    load_full_state_dict(model, state, "trainer weights", error=RuntimeError)
