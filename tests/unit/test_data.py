@@ -290,13 +290,14 @@ def test_chain_addition_labels_are_running_sums_with_a_long_tail_of_terms():
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_splits_are_disjoint_distinct_and_deterministic(task):
-    train, test = make_splits(task, 500, 100, seed=3)
+    n_train = 100 if task == "small_addition" else 500  # small_addition has 225 prompts in all
+    train, test = make_splits(task, n_train, 100, seed=3)
     train_texts, test_texts = {p.text for p in train}, {p.text for p in test}
-    assert len(train_texts) == 500 and len(test_texts) == 100
+    assert len(train_texts) == n_train and len(test_texts) == 100
     assert not train_texts & test_texts
-    assert make_splits(task, 500, 100, seed=3) == (train, test)
+    assert make_splits(task, n_train, 100, seed=3) == (train, test)
     assert make_splits(task, 50, 100, seed=3)[1] == test  # the test split does not depend on n_train
-    assert make_splits(task, 500, 100, seed=4)[1] != test
+    assert make_splits(task, n_train, 100, seed=4)[1] != test
 
 
 def test_task_errors():
@@ -332,3 +333,15 @@ def test_cli_reports_an_impossible_request(tmp_path, capsys):
     assert "8100 distinct prompts" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["make", "nonsense", "--n", "1", "--out", str(tmp_path)])
+
+
+def test_small_addition_covers_all_sums_of_two_numbers_up_to_15():
+    train, test = make_splits("small_addition", 165, 60, seed=0)
+    pairs = set()
+    for problem in train + test:
+        a, b = map(int, problem.text.removeprefix("What is ").split("?")[0].split(" + "))
+        assert problem.label == str(a + b) and 1 <= a <= 15 and 1 <= b <= 15
+        pairs.add((a, b))
+    assert len(pairs) == 225  # every pair once: train and test share no prompt
+    with pytest.raises(DataError, match="225 distinct prompts"):
+        make_splits("small_addition", 200, 26)

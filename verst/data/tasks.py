@@ -1,6 +1,7 @@
-"""Procedural verifiable tasks (addition, chain addition, reversal, multistep, calculator) from seeded generators, and their splits.
+"""Procedural verifiable tasks (addition, chain addition, small addition, reversal, multistep, calculator) from seeded generators, and their splits.
 
-Prompts are short and plain (one user message) so a tiny model with a byte tokenizer can learn them.
+Prompts are short and plain (one user message) so a tiny model with a byte tokenizer can learn them;
+`small_addition` is worded for a pretrained chat model.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def addition(rng: random.Random) -> Problem:
     """Two 2-digit numbers: '12+34=' -> '46'."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     return Problem(f"{a}+{b}=", str(a + b), {"task": "addition"})
+
+
+def small_addition(rng: random.Random) -> Problem:
+    """Two numbers from 1 to 15 asked in words, for a pretrained chat model: 'What is 7 + 12? Reply with
+    only the number.' -> '19'. SmolLM2-135M-Instruct knows most of these sums but often buries the answer
+    in an equation or a sentence; `make demo-real` rewards the last number it writes."""
+    a, b = rng.randint(1, 15), rng.randint(1, 15)
+    return Problem(f"What is {a} + {b}? Reply with only the number.", str(a + b), {"task": "small_addition"})
 
 
 # (% of problems, fewest terms, most terms): most chains are a plain sum, a few are long. Response lengths
@@ -96,6 +105,7 @@ def calculator(rng: random.Random) -> Problem:
 TASKS: dict[str, tuple[Callable[[random.Random], Problem], int | None]] = {
     "addition": (addition, 90 * 90),
     "chain_addition": (chain_addition, None),
+    "small_addition": (small_addition, 15 * 15),
     "reversal": (reversal, None),
     "multistep": (multistep, None),
     # operands 2..9 (8 each); operator pairs: '*' then any of 3, or '+'/'-' then '+'/'-' (no brackets)
