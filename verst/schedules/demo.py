@@ -72,7 +72,6 @@ def check_rl_summary(summary: dict[str, Any]) -> tuple[float, float]:
 
 
 def main() -> int:
-    from verst.schedules import SCHEDULES
     from verst.schedules.sft import run_sft
 
     start = time.perf_counter()
@@ -82,20 +81,28 @@ def main() -> int:
     cfg = rl_config(sft_run_dir)
     if cfg.schedule != "fully_async":
         raise ValueError(f"{RL_RECIPE}: the demo runs the fully async schedule, got schedule = {cfg.schedule!r}")
+    print(f"[demo] SFT warm start: held-out greedy accuracy {sft_summary['eval/accuracy_before']:.1%} -> "
+          f"{sft_summary['eval/accuracy_after']:.1%} in {sft_s:.0f} s ({sft_run_dir})", flush=True)
+    return run_rl_and_report(cfg, start)
+
+
+def run_rl_and_report(cfg: VerstConfig, start: float, tag: str = "demo") -> int:
+    """Runs the fully async RL job of a demo and prints accuracy before and after, the summary's and the
+    report's paths and the time since `start`; 1 when RL took no step or measured nothing."""
+    from verst.schedules import SCHEDULES
+
     summary = asyncio.run(SCHEDULES[cfg.schedule](cfg))
     try:
         before, after = check_rl_summary(summary)
     except RuntimeError as err:
-        print(f"[demo] {err}", file=sys.stderr, flush=True)
+        print(f"[{tag}] {err}", file=sys.stderr, flush=True)
         return 1
     run_dir = Path(cfg.run_dir or Path("runs") / cfg.name)
-    print(f"[demo] SFT warm start: held-out greedy accuracy {sft_summary['eval/accuracy_before']:.1%} -> "
-          f"{sft_summary['eval/accuracy_after']:.1%} in {sft_s:.0f} s ({sft_run_dir})")
-    print(f"[demo] GRPO (fully async, {summary['train/steps']} steps): held-out greedy accuracy "
+    print(f"[{tag}] GRPO (fully async, {summary['train/steps']} steps): held-out greedy accuracy "
           f"{before:.1%} before RL -> {after:.1%} after RL ({after - before:+.1%})")
-    print(f"[demo] summary: {run_dir / 'summary.json'}")
-    print(f"[demo] report: {run_dir / 'report.html'}")
-    print(f"[demo] finished in {time.perf_counter() - start:.0f} s")
+    print(f"[{tag}] summary: {run_dir / 'summary.json'}")
+    print(f"[{tag}] report: {run_dir / 'report.html'}")
+    print(f"[{tag}] finished in {time.perf_counter() - start:.0f} s")
     return 0
 
 
