@@ -55,3 +55,28 @@ def test_a_killed_driver_leaves_no_process_and_no_temporary_directory(tiny_model
             except ProcessLookupError:
                 pass
         shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_run_in_one_line_naming_its_latest_checkpoint(tiny_model_dir, addition_data_dir, tmp_path):
+    args = rl_args(tmp_path, tiny_model_dir, addition_data_dir, "--rollout.num-rollouts", "200",
+                   "--checkpoint.interval", "1")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    driver = subprocess.Popen([sys.executable, "-m", "verst.cli.main", "train", *args], env=env, cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        latest = tmp_path / "run" / "checkpoints" / "latest"
+        deadline = time.monotonic() + 180
+        while not latest.exists() and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert latest.exists(), f"no checkpoint was written (exit code {driver.poll()})"
+        driver.send_signal(signal.SIGINT)
+        _, stderr = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 130, stderr
+    assert "Traceback" not in stderr and "never retrieved" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("verst train: interrupted; latest checkpoint ") and last.endswith(
+        f"continue with: verst train --resume {tmp_path / 'run'}"), last

@@ -52,8 +52,24 @@ def run_config_command(prog: str, argv: list[str], description: str, run: Callab
         print(f"verst {prog}: {error}", file=sys.stderr)
         return 2
     if not dry_run:
-        run(cfg)
+        try:
+            run(cfg)
+        except KeyboardInterrupt:
+            print(interrupted_message(prog, cfg), file=sys.stderr, flush=True)
+            return 130
     return 0
+
+
+def interrupted_message(prog: str, cfg: VerstConfig) -> str:
+    """What Ctrl-C leaves: the run's latest checkpoint and how to continue from it (no traceback)."""
+    from verst.monitor.checkpoints import read_latest
+    from verst.monitor.run_dir import run_dir_of
+
+    run_dir = run_dir_of(cfg)
+    latest = read_latest(run_dir) if run_dir.is_dir() else None
+    if latest is None:
+        return f"verst {prog}: interrupted; {run_dir} holds no checkpoint yet (checkpoint.interval = {cfg.checkpoint.interval})"
+    return f"verst {prog}: interrupted; latest checkpoint {latest}; continue with: verst {prog} --resume {run_dir}"
 
 
 def parse_config_command(prog: str, argv: list[str], description: str) -> tuple[VerstConfig | None, bool]:

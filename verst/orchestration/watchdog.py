@@ -151,6 +151,9 @@ class Watchdog:
         failed = asyncio.ensure_future(self._event().wait())
         try:
             done, _ = await asyncio.wait({task, failed}, timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # the run is cancelled (Ctrl-C): the phase ends with it, not as an orphan task
+            raise
         finally:
             failed.cancel()
         if task in done:
