@@ -159,6 +159,7 @@ def test_ess_ratio_bounds_and_edge_cases():
     assert ess_ratio(one_hot, torch.ones(1, 4)).item() == pytest.approx(0.25)  # one token carries all: 1/N
     assert ess_ratio(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0  # no policy token
     assert ess_ratio_from_moments(0.0, 0.0) == 0.0
+    assert ess_ratio_from_moments(1.0000001, 1.0) == 1.0  # float32 rounding never lifts it above its bound
 
 
 def test_icepop_is_the_masked_token_weight():

@@ -99,8 +99,9 @@ def ess_ratio(weights: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 def ess_ratio_from_moments(mean: float, square_mean: float) -> float:
     """`ess_ratio` from the weights' mean and mean square: mean² / square_mean, equal to (Σ w)² / (N · Σ w²).
     Both means add up over micro-batches (`train/mismatch_ratio_mean`, `train/mismatch_ratio_sq_mean`),
-    so the ratio of the whole step's batch follows from the combined metrics; 0 for no weight."""
-    return mean * mean / square_mean if square_mean > 0 else 0.0
+    so the ratio of the whole step's batch follows from the combined metrics; 0 for no weight. Capped
+    at 1, its bound (Cauchy–Schwarz), which the rounding of float32 moments can overshoot by an ulp."""
+    return min(1.0, mean * mean / square_mean) if square_mean > 0 else 0.0
 
 
 def mismatch_metrics(
