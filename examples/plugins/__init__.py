@@ -1,4 +1,4 @@
-"""One small, runnable example per rollout plug-in point; docs/plugins.md shows each with its signature.
+"""One small, runnable example per plug-in point; docs/plugins.md shows each with its signature.
 
 tests/contracts/test_plugin_examples.py runs every example through its contract.
 """

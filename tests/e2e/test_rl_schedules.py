@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -118,6 +119,22 @@ def test_sync_colocated_two_steps_per_rollout(ray_session, tiny_model_dir, addit
     records = check_run(cfg, run_schedule(cfg), steps=4, steps_per_rollout=2)
     train = [r for r in records if "train/loss" in r]
     assert all(r["time/logprob_s"] > 0 for r in train[::2])  # the recompute, on each rollout's first step
+
+
+def test_sync_with_the_mismatch_corrections_and_options_on(ray_session, tiny_model_dir, addition_data_dir, tmp_path):
+    """IcePop, off-policy sequence masking, advantage whitening and the importance-weighted KL in one run:
+    the loss stays finite and each correction's metrics are logged (and documented, by check_run)."""
+    cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "sync", "--sync.transport", "disk",
+                    "--algorithm.mismatch-correction", "icepop", "--algorithm.tis-clip-low", "0.5",
+                    "--algorithm.opsm-delta", "0.0", "--algorithm.whiten-advantages", "true",
+                    "--algorithm.kl-loss-coef", "0.01", "--algorithm.kl-importance-weighted", "true")
+    records = check_run(cfg, run_schedule(cfg), steps=2)
+    keys = ("train/loss", "train/kl", "train/mis_reject_frac", "train/opsm_masked_frac", "train/ess_ratio",
+            "train/mismatch_ratio_mean", "train/mismatch_ratio_max", "train/mismatch_ratio_min")
+    for r in (r for r in records if "train/loss" in r):
+        assert all(math.isfinite(r[k]) for k in keys), {k: r.get(k) for k in keys}
+        assert 0.0 < r["train/ess_ratio"] <= 1.0
+        assert r["train/mismatch_ratio_min"] <= r["train/mismatch_ratio_mean"] <= r["train/mismatch_ratio_max"]
 
 
 def test_sync_two_ranks_two_engines_with_weight_check(ray_session, tiny_model_dir, addition_data_dir, tmp_path):

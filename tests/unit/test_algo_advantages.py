@@ -241,3 +241,30 @@ def test_integer_rewards_and_list_group_ids_are_accepted():
         broadcast_to_tokens(adv, torch.tensor([[1, 0], [1, 1], [0, 0], [1, 1]])),
         torch.tensor([[0.5, 0.0], [-0.5, -0.5], [0.0, 0.0], [0.0, 0.0]]),
     )
+
+
+def ref_whiten(values: list[list[float]], mask: list[list[float]]) -> list[list[float]]:
+    """(A − mean) / (std + 1e-6) with the population mean and std over the policy tokens; 0 elsewhere."""
+    policy = [v for row, m_row in zip(values, mask) for v, m in zip(row, m_row) if m]
+    mean = sum(policy) / len(policy)
+    std = math.sqrt(sum((v - mean) ** 2 for v in policy) / len(policy))
+    return [[(v - mean) / (std + 1e-6) if m else 0.0 for v, m in zip(row, m_row)] for row, m_row in zip(values, mask)]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "ppo"])
+def test_whiten_advantages_whitens_every_estimator_over_policy_tokens(estimator):
+    rng = random.Random(1)
+    gids = [3, 3, 3, 1, 1, 7, 7, 7, 7]  # every group of two or more: RLOO needs it
+    rewards = [rng.random() for _ in gids]
+    mask = make_mask(len(rewards))
+    values = torch.randn(mask.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    args = (torch.tensor(rewards, dtype=torch.float64), torch.tensor(gids), mask)
+    raw, raw_returns = compute_advantages(AlgorithmConfig(advantage_estimator=estimator), *args, values=values)
+    cfg = AlgorithmConfig(advantage_estimator=estimator, whiten_advantages=True)
+    adv, returns = compute_advantages(cfg, *args, values=values)
+    want = ref_whiten(raw.tolist(), mask.tolist())
+    torch.testing.assert_close(adv, torch.tensor(want, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    policy = adv[mask != 0]
+    assert abs(policy.mean().item()) < 1e-12 and policy.std(correction=0).item() == pytest.approx(1.0, rel=1e-5)
+    if estimator == "ppo":
+        torch.testing.assert_close(returns, raw_returns)  # the value targets are not whitened

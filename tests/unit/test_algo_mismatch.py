@@ -1,4 +1,5 @@
-"""Train–inference mismatch weights (TIS, MIS token/sequence/geometric, IcePop band) and metrics."""
+"""Train–inference mismatch weights (TIS, MIS token/sequence/geometric, IcePop, band mask), their metrics
+(raw ratios, effective sample size) and off-policy sequence masking, against loop references."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from verst.algo import mismatch_metrics, mismatch_weights, rl_loss
+from verst.algo import ess_ratio, ess_ratio_from_moments, mismatch_metrics, mismatch_weights, opsm_keep, rl_loss
 from verst.config.schema import AlgorithmConfig
 
 MASK = torch.tensor(
@@ -41,7 +42,7 @@ def ref_weights(mode: str, old: list[list[float]], rollout: list[list[float]], m
             if not m:
                 row.append(None)
                 continue
-            if mode in ("tis", "mis_token", "icepop"):
+            if mode in ("tis", "mis_token", "icepop", "band_mask"):
                 rho = math.exp(o - r)
             elif mode == "mis_sequence":
                 rho = math.prod(math.exp(x) for x in logs)
@@ -50,15 +51,20 @@ def ref_weights(mode: str, old: list[list[float]], rollout: list[list[float]], m
             inside = LOW <= rho <= HIGH
             if mode == "tis":
                 row.append((min(max(rho, LOW), HIGH), not inside))
-            elif mode == "icepop":
+            elif mode == "band_mask":
                 row.append((1.0 if inside else 0.0, not inside))
+            elif mode == "icepop":  # IcePop's M(k): k on [alpha, beta], 0 elsewhere (Ring-1T report)
+                row.append((rho if LOW <= rho <= HIGH else 0.0, not inside))
             else:
                 row.append((rho if inside else 0.0, not inside))
         out.append(row)
     return out
 
 
-@pytest.mark.parametrize("mode", ["tis", "mis_token", "mis_sequence", "mis_geometric", "icepop"])
+MODES = ["tis", "mis_token", "mis_sequence", "mis_geometric", "icepop", "band_mask"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_weights_match_reference(mode):
     old, rollout = logprob_pair(0)
     weights, flags = mismatch_weights(mode, old, rollout, MASK, clip_low=LOW, clip_high=HIGH)
@@ -77,7 +83,7 @@ def test_weights_match_reference(mode):
     assert not weights.requires_grad
 
 
-@pytest.mark.parametrize("mode", ["tis", "mis_token", "mis_sequence", "mis_geometric", "icepop"])
+@pytest.mark.parametrize("mode", MODES)
 def test_extreme_mismatch_is_finite_and_clipped_or_rejected(mode):
     rollout = torch.full((3, 2), -1.0)
     old = rollout + torch.tensor([[1e3, 1e3], [-1e3, -1e3], [0.1, 0.1]])
@@ -88,7 +94,7 @@ def test_extreme_mismatch_is_finite_and_clipped_or_rejected(mode):
         torch.testing.assert_close(weights[:2], torch.tensor([[HIGH, HIGH], [LOW, LOW]]))
     else:
         assert torch.equal(weights[:2], torch.zeros(2, 2))
-    rho = {"mis_sequence": math.exp(0.2), "icepop": 1.0}.get(mode, math.exp(0.1))
+    rho = {"mis_sequence": math.exp(0.2), "band_mask": 1.0}.get(mode, math.exp(0.1))
     torch.testing.assert_close(weights[2], torch.full((2,), rho))
 
 
@@ -107,6 +113,104 @@ def test_mismatch_metrics_match_reference():
     kl = sum(math.exp(d) - 1 - d for d in diffs) / len(diffs)  # k3 of KL(rollout ‖ old), log r = old − rollout
     assert metrics["train/rollout_logprob_abs_diff"] == pytest.approx(abs_diff)
     assert metrics["train/rollout_kl"] == pytest.approx(kl)
+    rhos = [math.exp(d) for d in diffs]  # no correction: the raw token ratios
+    assert metrics["train/mismatch_ratio_mean"] == pytest.approx(sum(rhos) / len(rhos), rel=1e-12)
+    assert metrics["train/mismatch_ratio_max"] == pytest.approx(max(rhos), rel=1e-12)
+    assert metrics["train/mismatch_ratio_min"] == pytest.approx(min(rhos), rel=1e-12)
+    assert metrics["train/mismatch_ratio_sq_mean"] == pytest.approx(sum(r * r for r in rhos) / len(rhos), rel=1e-12)
+    ess = ess_ratio_from_moments(metrics["train/mismatch_ratio_mean"], metrics["train/mismatch_ratio_sq_mean"])
+    assert ess == pytest.approx(ref_ess(rhos), rel=1e-12)
+
+
+def ref_ess(weights: list[float]) -> float:
+    """Kong's effective sample size over N: (sum w)^2 / (N * sum w^2)."""
+    total = sq = 0.0
+    for w in weights:
+        total += w
+        sq += w * w
+    return total * total / (len(weights) * sq)
+
+
+@pytest.mark.parametrize("correction", ["mis_sequence", "mis_geometric"])
+def test_raw_ratio_metrics_are_those_the_sequence_corrections_test(correction):
+    old, rollout = logprob_pair(4, scale=0.2)
+    metrics = mismatch_metrics(old, rollout, MASK, aggregation="token_mean", correction=correction)
+    rhos = []  # the sequence's ratio once per policy token, as the token mean weighs it
+    for o_row, r_row, m_row in zip(old.tolist(), rollout.tolist(), MASK.tolist()):
+        logs = [o - r for o, r, m in zip(o_row, r_row, m_row) if m]
+        if logs:
+            seq = sum(logs) if correction == "mis_sequence" else sum(logs) / len(logs)
+            rhos += [math.exp(seq)] * len(logs)
+    assert metrics["train/mismatch_ratio_mean"] == pytest.approx(sum(rhos) / len(rhos), rel=1e-12)
+    assert metrics["train/mismatch_ratio_max"] == pytest.approx(max(rhos), rel=1e-12)
+    assert metrics["train/mismatch_ratio_min"] == pytest.approx(min(rhos), rel=1e-12)
+    assert metrics["train/mismatch_ratio_sq_mean"] == pytest.approx(sum(r * r for r in rhos) / len(rhos), rel=1e-12)
+    ess = ess_ratio_from_moments(metrics["train/mismatch_ratio_mean"], metrics["train/mismatch_ratio_sq_mean"])
+    assert ess == pytest.approx(ref_ess(rhos), rel=1e-12)
+
+
+def test_ess_ratio_bounds_and_edge_cases():
+    gen = torch.Generator().manual_seed(7)
+    weights = torch.rand(MASK.shape, generator=gen, dtype=torch.float64) * 3
+    kept = [w for w_row, m_row in zip(weights.tolist(), MASK.tolist()) for w, m in zip(w_row, m_row) if m]
+    assert ess_ratio(weights, MASK).item() == pytest.approx(ref_ess(kept), rel=1e-12)
+    assert ess_ratio(torch.full((2, 3), 0.7), torch.ones(2, 3)).item() == pytest.approx(1.0)  # equal weights
+    one_hot = torch.tensor([[5.0, 0.0, 0.0, 0.0]])
+    assert ess_ratio(one_hot, torch.ones(1, 4)).item() == pytest.approx(0.25)  # one token carries all: 1/N
+    assert ess_ratio(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0  # no policy token
+    assert ess_ratio_from_moments(0.0, 0.0) == 0.0
+    assert ess_ratio_from_moments(1.0000001, 1.0) == 1.0  # float32 rounding never lifts it above its bound
+
+
+def test_icepop_is_the_masked_token_weight():
+    old, rollout = logprob_pair(5)
+    icepop = mismatch_weights("icepop", old, rollout, MASK, clip_low=LOW, clip_high=HIGH)
+    mis = mismatch_weights("mis_token", old, rollout, MASK, clip_low=LOW, clip_high=HIGH)
+    assert torch.equal(icepop[0], mis[0]) and torch.equal(icepop[1], mis[1])
+
+
+def ref_opsm(logp, rollout, adv, mask, delta):
+    """DeepSeek-V3.2's M_{i,t}: 0 when A_{i,t} < 0 and mean_t log(pi_rollout / pi_theta) > delta, else 1."""
+    keep = []
+    for lp_row, r_row, a_row, m_row in zip(logp, rollout, adv, mask):
+        terms = [r - lp for lp, r, m in zip(lp_row, r_row, m_row) if m]
+        seq_kl = sum(terms) / len(terms) if terms else 0.0
+        keep.append([0.0 if (m and a < 0 and seq_kl > delta) else 1.0 for a, m in zip(a_row, m_row)])
+    return keep
+
+
+def test_opsm_drops_negative_advantage_tokens_of_far_off_policy_sequences():
+    gen = torch.Generator().manual_seed(8)
+    rollout = -torch.rand(MASK.shape, generator=gen, dtype=torch.float64) * 3
+    shift = torch.tensor([0.5, -0.5, 0.3, 0.02, 0.0], dtype=torch.float64)[:, None]  # per-sequence drift
+    logp = rollout - shift + 0.05 * torch.randn(MASK.shape, generator=gen, dtype=torch.float64)
+    adv = torch.randn(MASK.shape, generator=gen, dtype=torch.float64)
+    adv[0, :2], adv[0, 2:4], adv[2, 1], adv[3, :] = -1.0, 1.0, -1.0, -1.0  # both signs where it matters
+    keep, dropped = opsm_keep(logp.requires_grad_(True), rollout, adv, MASK, delta=0.1)
+    want = ref_opsm(logp.tolist(), rollout.tolist(), adv.tolist(), MASK.tolist(), 0.1)
+    assert keep.tolist() == want
+    assert torch.equal(dropped, (keep == 0))
+    assert dropped[0, :2].all() and not dropped[0, 2:4].any() and not dropped[3].any()
+    assert not keep.requires_grad
+
+
+def test_opsm_in_the_loss_zeroes_the_dropped_tokens_gradient_and_reports_their_share():
+    gen = torch.Generator().manual_seed(9)
+    old = -torch.rand(MASK.shape, generator=gen, dtype=torch.float64) * 3
+    rollout = old + torch.tensor([0.4, 0.0, -0.4, 0.4, 0.0], dtype=torch.float64)[:, None]
+    logp = old.clone().requires_grad_(True)
+    adv = -torch.ones(MASK.shape, dtype=torch.float64) * MASK
+    loss, metrics = rl_loss(AlgorithmConfig(opsm_delta=0.2), logp, old, adv, MASK, rollout_logprobs=rollout)
+    loss.backward()
+    want = ref_opsm(logp.tolist(), rollout.tolist(), adv.tolist(), MASK.tolist(), 0.2)
+    n = MASK.sum().item()
+    dropped = sum(1 for k_row, m_row in zip(want, MASK.tolist()) for k, m in zip(k_row, m_row) if m and k == 0)
+    assert dropped == 4 + 6  # rows 0 and 3 (KL 0.4 > 0.2), not row 2 (KL −0.4)
+    assert metrics["train/opsm_masked_frac"] == pytest.approx(dropped / n)
+    for i in range(5):
+        for t in range(6):
+            expected = want[i][t] * 1.0 / n if MASK[i, t] else 0.0  # −A·ρ with A = −1, ρ = 1
+            assert logp.grad[i, t].item() == pytest.approx(expected, abs=1e-15)
 
 
 def test_bad_band_and_mode_fail_loudly():

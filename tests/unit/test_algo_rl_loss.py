@@ -43,7 +43,8 @@ def reference(x: dict[str, torch.Tensor], mode: str) -> dict[str, float]:
     """Every term of rl_loss written per token with math, then reduced by loops."""
     lists = {k: v.tolist() for k, v in x.items()}
     per_token_mode = "seq_mean_token_mean" if mode == "seq_mean_token_sum" else mode
-    rows: dict[str, list[list[float]]] = {k: [] for k in ("pg", "clip", "kl", "ent", "dist", "dist_kl", "v", "tis", "tisc")}
+    names = ("pg", "clip", "kl", "ent", "dist", "dist_kl", "v", "tis", "tisc", "rho", "rho2")
+    rows: dict[str, list[list[float]]] = {k: [] for k in names}
     for i in range(MASK.shape[0]):
         for row in rows.values():
             row.append([])
@@ -59,7 +60,7 @@ def reference(x: dict[str, torch.Tensor], mode: str) -> dict[str, float]:
                 "pg": pg * tis, "clip": float(clipped), "kl": math.exp(log_r) - 1 - log_r, "ent": g["entropy"],
                 "dist": distill_kl * math.exp(g["logprobs"] - g["old_logprobs"]), "dist_kl": distill_kl,
                 "v": 0.5 * max((g["values"] - g["returns"]) ** 2, (vc - g["returns"]) ** 2),
-                "tis": tis, "tisc": float(rho < 0.5 or rho > 1.5),
+                "tis": tis, "tisc": float(rho < 0.5 or rho > 1.5), "rho": rho, "rho2": rho * rho,
             }  # fmt: skip
             for k, v in values.items():
                 rows[k][-1].append(v)
@@ -71,6 +72,9 @@ def reference(x: dict[str, torch.Tensor], mode: str) -> dict[str, float]:
         "train/loss": loss, "train/pg_loss": agg["pg"], "train/pg_clipfrac": per_tok["clip"], "train/kl": per_tok["kl"],
         "train/entropy": per_tok["ent"], "train/distill_kl": per_tok["dist_kl"], "train/value_loss": agg["v"],
         "train/tis_mean": per_tok["tis"], "train/tis_clipfrac": per_tok["tisc"],
+        "train/mismatch_ratio_mean": per_tok["rho"], "train/mismatch_ratio_sq_mean": per_tok["rho2"],
+        "train/mismatch_ratio_max": max(r for row, m_row in zip(rows["rho"], mask) for r, m in zip(row, m_row) if m),
+        "train/mismatch_ratio_min": min(r for row, m_row in zip(rows["rho"], mask) for r, m in zip(row, m_row) if m),
     }  # fmt: skip
 
 
@@ -128,7 +132,10 @@ def test_micro_batches_with_the_global_normalizer_add_up_to_the_full_batch(mode,
         total += loss.item()
         share = aggregation_normalizer(mode, MASK[rows]) / normalizer  # metrics are local means
         for key, value in metrics.items():
-            summed[key] = summed.get(key, 0.0) + value * share
+            if key.endswith(("_max", "_min")):  # extremes combine by max / min, as the backend does
+                summed[key] = (max if key.endswith("_max") else min)(summed.get(key, value), value)
+            else:
+                summed[key] = summed.get(key, 0.0) + value * share
     assert total == pytest.approx(full_loss.item(), rel=1e-10)
     assert set(summed) == set(full_metrics)
     for key, value in full_metrics.items():

@@ -84,6 +84,21 @@ def test_preflight_names_every_missing_thing(tmp_path, tiny_model_dir, addition_
     ]
 
 
+def test_preflight_names_each_loss_plug_in_that_is_not_there(tmp_path, tiny_model_dir, addition_data_dir):
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir,
+                      "--algorithm.mismatch-fn", "verst.no_such_module:weights",
+                      "--algorithm.policy-loss-fn", "no_such_pkg_xyz.losses:pg",
+                      "--algorithm.loss-reducer", "examples.plugins.losses:token_sum_over_budget")
+    with pytest.raises(PreflightError) as error:
+        preflight(cfg, rl=True)
+    assert [line.strip() for line in str(error.value).splitlines()[1:]] == [
+        "algorithm.mismatch_fn = 'verst.no_such_module:weights': no module named 'verst.no_such_module' "
+        "(on sys.path or in the working directory)",
+        "algorithm.policy_loss_fn = 'no_such_pkg_xyz.losses:pg': cannot import a parent of module "
+        "'no_such_pkg_xyz.losses' (No module named 'no_such_pkg_xyz')",
+    ]  # the reducer's module exists: it passes
+
+
 def test_preflight_checks_the_tokenizer(tmp_path, tiny_model_dir, addition_data_dir):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)

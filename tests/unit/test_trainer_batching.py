@@ -15,7 +15,7 @@ from verst.trainer.batching import (
     pack_micro_batches,
     split_to_count,
 )
-from verst.trainer.losses import sft_loss_fn
+from verst.trainer.losses import combine_metric, sft_loss_fn
 from verst.trainer.schedule import lr_factor
 from verst.types import Sample, Status
 
@@ -162,3 +162,13 @@ def test_lr_schedules_warm_up_then_decay_to_the_floor():
     assert lr_factor(100, TrainerConfig(), None) == 1.0
     with pytest.raises(ValueError, match="needs the total number of train steps"):
         lr_factor(3, linear, None)
+
+
+def test_metrics_combine_as_weighted_means_except_extremes():
+    totals: dict[str, float] = {}
+    for metrics, weight in [({"train/x": 2.0, "train/r_max": 3.0, "train/r_min": 0.5}, 0.25),
+                            ({"train/x": 4.0, "train/r_max": 1.0, "train/r_min": 0.7}, 0.75),
+                            ({"train/x": 1.0}, 0.0)]:  # fmt: skip
+        for key, value in metrics.items():
+            combine_metric(totals, key, value, weight)
+    assert totals == {"train/x": 2.0 * 0.25 + 4.0 * 0.75, "train/r_max": 3.0, "train/r_min": 0.5}

@@ -20,15 +20,28 @@ from verst.algo.aggregation import (
     metric_aggregation,
     to_global_share,
 )
-from verst.algo.kl import KL_ESTIMATORS, kl_estimate
+from verst.algo.kl import KL_ESTIMATORS, importance_weighted_kl, kl_estimate
 from verst.algo.losses import distill_token_loss, rl_loss, sft_loss
-from verst.algo.mismatch import CORRECTIONS, mismatch_metrics, mismatch_weights
-from verst.algo.policy_loss import clipped_surrogate, gspo_log_ratio, policy_loss, value_loss
+from verst.algo.mismatch import (
+    CORRECTIONS,
+    ess_ratio,
+    ess_ratio_from_moments,
+    mismatch_log_ratio,
+    mismatch_metrics,
+    mismatch_weights,
+    opsm_keep,
+)
+from verst.algo.plugins import LossPlugins, LossReducer, MismatchFn, PolicyLossFn, load_loss_plugins
+from verst.algo.policy_loss import clipped_surrogate, gspo_log_ratio, policy_loss, policy_token_loss, value_loss
 
 __all__ = [
     "AGGREGATIONS",
     "CORRECTIONS",
     "KL_ESTIMATORS",
+    "LossPlugins",
+    "LossReducer",
+    "MismatchFn",
+    "PolicyLossFn",
     "aggregate",
     "aggregation_normalizer",
     "batch_whiten",
@@ -37,14 +50,21 @@ __all__ = [
     "compute_advantages",
     "discounted_returns",
     "distill_token_loss",
+    "ess_ratio",
+    "ess_ratio_from_moments",
     "gae",
     "group_relative_rewards",
     "gspo_log_ratio",
+    "importance_weighted_kl",
     "kl_estimate",
+    "load_loss_plugins",
     "metric_aggregation",
+    "mismatch_log_ratio",
     "mismatch_metrics",
     "mismatch_weights",
+    "opsm_keep",
     "policy_loss",
+    "policy_token_loss",
     "reinforce_plus_plus",
     "rl_loss",
     "rloo_rewards",

@@ -202,7 +202,28 @@ def compute_advantages(
     `logprobs` (old policy) and `ref_logprobs` are needed when `cfg.kl_penalty_coef > 0`, which only
     REINFORCE++ and PPO fold into rewards (kl_t = `cfg.kl_estimator` of old vs reference); for the
     group estimators use `kl_loss_coef` instead. `values` (critic, old) are needed for `ppo`.
+    With `cfg.whiten_advantages` the advantages are then whitened over the batch's policy tokens
+    (`batch_whiten`; the returns are not).
     """
+    advantages, returns = _estimate(
+        cfg, rewards, group_ids, loss_mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values
+    )
+    if cfg.whiten_advantages:
+        advantages = batch_whiten(advantages, loss_mask)
+    return advantages, returns
+
+
+def _estimate(
+    cfg: AlgorithmConfig,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    values: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`compute_advantages` before whitening."""
     rewards = _float_rewards(rewards)
     check_token_shapes(loss_mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values)
     if rewards.shape != loss_mask.shape[:1]:

@@ -1,4 +1,5 @@
-"""Per-token KL estimators k1, k2, k3 and low_var_kl between the policy and a base policy.
+"""Per-token KL estimators k1, k2, k3 and low_var_kl between the policy and a base policy, and their
+importance-weighted form for samples drawn from an older policy.
 
 Schulman, "Approximating KL Divergence" (2020, http://joschu.net/blog/kl-approx.html).
 """
@@ -39,3 +40,19 @@ def kl_estimate(logprobs: torch.Tensor, base_logprobs: torch.Tensor, estimator: 
     if estimator == "k3":
         return k3
     return k3.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
+
+
+def importance_weighted_kl(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Per-token KL(π ‖ π_ref) estimate on tokens sampled from π_old, weighted by the importance ratio.
+
+    (π(y_t)/π_old(y_t))·kl_t with kl_t = `kl_estimate(logprobs, ref_logprobs, estimator)`; with k3 this is
+    the unbiased KL estimate of the DeepSeek-V3.2 report (DeepSeek-AI 2025, arXiv:2512.02556, §3.1,
+    eq. 7). The samples come from π_old, not π: the ratio makes both the value and, because gradients
+    flow through the ratio as well, the gradient unbiased: for k3 the gradient with respect to
+    log π(y_t) is ρ_t·(log π(y_t) − log π_ref(y_t)), the true KL gradient's sample. The log-ratio
+    is clamped to ±LOG_RATIO_CLAMP before exp.
+    """
+    ratio = torch.exp((logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return ratio * kl_estimate(logprobs, ref_logprobs, estimator)

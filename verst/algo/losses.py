@@ -5,12 +5,15 @@ Everything returns `(loss, metrics)`; metrics are python floats, local means (se
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from verst.algo.aggregation import aggregate, check_token_shapes, clamped_exp, metric_aggregation, to_global_share
-from verst.algo.kl import kl_estimate
-from verst.algo.mismatch import correction_metrics, mismatch_metrics, mismatch_weights
-from verst.algo.policy_loss import policy_loss, value_loss
+from verst.algo.kl import importance_weighted_kl, kl_estimate
+from verst.algo.mismatch import correction_metrics, mismatch_metrics, mismatch_weights, opsm_keep
+from verst.algo.plugins import LossPlugins, load_loss_plugins
+from verst.algo.policy_loss import policy_metrics, policy_token_loss, value_loss
 from verst.config.schema import AlgorithmConfig
 
 
@@ -45,7 +48,7 @@ def distill_token_loss(
     return kl * ratio, kl
 
 
-def _check_needed(cfg: AlgorithmConfig, **given: torch.Tensor | None) -> None:
+def _check_needed(cfg: AlgorithmConfig, custom_mismatch: bool, **given: torch.Tensor | None) -> None:
     needs = {
         "ref_logprobs": ("kl_loss_coef", cfg.kl_loss_coef),
         "entropy": ("entropy_coef", cfg.entropy_coef),
@@ -54,45 +57,90 @@ def _check_needed(cfg: AlgorithmConfig, **given: torch.Tensor | None) -> None:
     for name, (field, coef) in needs.items():
         if coef > 0 and given[name] is None:
             raise ValueError(f"algorithm.{field} = {coef} needs {name}, which was not given")
-    if cfg.mismatch_correction != "none":
+    correction = (
+        f"mismatch_fn = {cfg.mismatch_fn!r}"
+        if custom_mismatch
+        else f"mismatch_correction = {cfg.mismatch_correction!r}"
+    )
+    if custom_mismatch or cfg.mismatch_correction != "none":
         if given["rollout_logprobs"] is None:
-            raise ValueError(f"mismatch_correction = {cfg.mismatch_correction!r} needs rollout_logprobs")
+            raise ValueError(f"{correction} needs rollout_logprobs")
         if cfg.old_logprobs == "rollout":
             raise ValueError(
-                f"mismatch_correction = {cfg.mismatch_correction!r} with old_logprobs = 'rollout': the old policy "
+                f"{correction} with old_logprobs = 'rollout': the old policy "
                 "is then the rollout policy and there is no mismatch to correct; turn one off"
             )
+    if cfg.opsm_delta is not None and given["rollout_logprobs"] is None:
+        raise ValueError(f"algorithm.opsm_delta = {cfg.opsm_delta} needs rollout_logprobs")
     value_inputs = [given["values"], given["old_values"], given["returns"]]
     if any(v is not None for v in value_inputs) and any(v is None for v in value_inputs):
         raise ValueError("the value loss needs values, old_values and returns together; some were None")
 
 
+def _token_weights(
+    cfg: AlgorithmConfig,
+    plugins: LossPlugins,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The product of the mismatch weights and the OPSM mask on each token's policy loss (None: neither is
+    on), with the metrics of both and of the raw mismatch ratio."""
+    mode = cfg.loss_aggregation
+    metrics: dict[str, float] = {}
+    weights = None
+    if rollout_logprobs is not None:
+        metrics |= mismatch_metrics(
+            old_logprobs, rollout_logprobs, loss_mask, aggregation=mode, correction=cfg.mismatch_correction
+        )
+    if plugins.mismatch_fn is not None or cfg.mismatch_correction != "none":
+        band = {"clip_low": cfg.tis_clip_low, "clip_high": cfg.tis_clip}
+        if plugins.mismatch_fn is not None:
+            weights, flags = plugins.mismatch_fn(old_logprobs.detach(), rollout_logprobs.detach(), loss_mask, **band)
+            check_token_shapes(loss_mask, **{"mismatch_fn weights": weights, "mismatch_fn flags": flags})
+        else:
+            weights, flags = mismatch_weights(
+                cfg.mismatch_correction, old_logprobs, rollout_logprobs, loss_mask, **band
+            )
+        weights = weights.detach().to(logprobs.dtype)
+        metrics |= correction_metrics(cfg.mismatch_correction, weights, flags, loss_mask, aggregation=mode)
+    if cfg.opsm_delta is not None:
+        keep, dropped = opsm_keep(logprobs, rollout_logprobs, advantages, loss_mask, delta=cfg.opsm_delta)
+        weights = keep if weights is None else weights * keep
+        share = aggregate(dropped.to(logprobs.dtype), loss_mask, metric_aggregation(mode))
+        metrics["train/opsm_masked_frac"] = share.item()
+    return weights, metrics
+
+
 def _policy_term(
     cfg: AlgorithmConfig,
+    plugins: LossPlugins,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     rollout_logprobs: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The local-mean policy-gradient loss with its mismatch weights, and their metrics."""
-    mode = cfg.loss_aggregation
-    metrics: dict[str, float] = {}
-    weights = None
-    if rollout_logprobs is not None:
-        metrics |= mismatch_metrics(old_logprobs, rollout_logprobs, loss_mask, aggregation=mode)
-    if cfg.mismatch_correction != "none":
-        weights, flags = mismatch_weights(
-            cfg.mismatch_correction, old_logprobs, rollout_logprobs, loss_mask,
-            clip_low=cfg.tis_clip_low, clip_high=cfg.tis_clip,
+    """The local-mean policy-gradient loss with its mismatch weights and OPSM mask, and their metrics."""
+    weights, metrics = _token_weights(cfg, plugins, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs)
+    if plugins.policy_loss_fn is not None:
+        token_loss, clipped = plugins.policy_loss_fn(
+            logprobs, old_logprobs.detach(), advantages.detach(), loss_mask, cfg
+        )
+        check_token_shapes(loss_mask, **{"policy_loss_fn token_loss": token_loss, "policy_loss_fn clipped": clipped})
+    else:
+        token_loss, clipped = policy_token_loss(
+            logprobs, old_logprobs, advantages, loss_mask,
+            kind=cfg.policy_loss, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, dual_clip_c=cfg.dual_clip_c,
         )  # fmt: skip
-        metrics |= correction_metrics(cfg.mismatch_correction, weights, flags, loss_mask, aggregation=mode)
-    loss, pg_metrics = policy_loss(
-        logprobs, old_logprobs, advantages, loss_mask,
-        kind=cfg.policy_loss, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, dual_clip_c=cfg.dual_clip_c,
-        aggregation=mode, weights=weights,
-    )  # fmt: skip
-    return loss, metrics | pg_metrics
+    if weights is not None:
+        token_loss = token_loss * weights
+    loss = reduce(token_loss)
+    metrics |= policy_metrics(loss, clipped, logprobs, old_logprobs, loss_mask, aggregation=cfg.loss_aggregation)
+    return loss, metrics
 
 
 def rl_loss(
@@ -110,59 +158,72 @@ def rl_loss(
     old_values: torch.Tensor | None = None,
     returns: torch.Tensor | None = None,
     normalizer: float | None = None,
+    plugins: LossPlugins | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss of one (micro-)batch -> (loss, metrics); all per-token tensors [batch, resp_len].
 
     loss = pg + kl_loss_coef·KL(π ‖ π_ref) − entropy_coef·H + distill_coef·distill [+ value loss]
-    - pg: `cfg.policy_loss` (PPO clip or GSPO, see `policy_loss`), each token's loss multiplied by the
-      train–inference mismatch weight of `cfg.mismatch_correction` (see `mismatch`), which changes the
-      numerator only: rejected tokens still count in the normaliser.
-    - KL: `cfg.kl_estimator` of π vs `ref_logprobs`; H: the given per-token `entropy`.
+    - pg: `cfg.policy_loss` (PPO clip or GSPO, see `policy_loss`) or the `cfg.policy_loss_fn` plug-in,
+      each token's loss multiplied by the train–inference mismatch weight of `cfg.mismatch_correction`
+      or the `cfg.mismatch_fn` plug-in (see `mismatch`) and by the OPSM mask of `cfg.opsm_delta`
+      (`opsm_keep`), which change the numerator only: rejected tokens still count in the normaliser.
+    - KL: `cfg.kl_estimator` of π vs `ref_logprobs`, weighted by π/π_old with
+      `cfg.kl_importance_weighted` (`importance_weighted_kl`); H: the given per-token `entropy`.
     - distill: reverse KL to `teacher_logprobs` (see `distill_token_loss`).
     - value loss: added with weight 1 when `values`, `old_values`, `returns` are given (a shared value
       head); a separate critic calls `value_loss` itself.
-    Every term is reduced by `cfg.loss_aggregation`. With `normalizer` (the global token or sequence
-    count: `aggregation_normalizer` summed over all micro-batches and ranks) the loss is this
+    Every term is reduced by `cfg.loss_aggregation`, or by the `cfg.loss_reducer` plug-in. `plugins`
+    are the loaded plug-ins (default: `load_loss_plugins(cfg)`). With `normalizer` (the global token or
+    sequence count: `aggregation_normalizer` summed over all micro-batches and ranks) the loss is this
     micro-batch's share, so the micro-batch losses add up to the global-batch loss. Metrics are local
     means (per-token ones reduced by `metric_aggregation`; weight them by `aggregation_normalizer` to
-    combine micro-batches). Metrics present only when their inputs are: `train/pg_loss`,
-    `train/pg_clipfrac`, `train/ppo_kl`, `train/loss`, `train/kl`, `train/entropy`, `train/distill_kl`,
-    `train/value_loss`, `train/value_clipfrac`, and with rollout logprobs
-    `train/rollout_logprob_abs_diff`, `train/rollout_kl`, `train/tis_mean`,
-    `train/tis_clipfrac` or `train/mis_reject_frac`.
+    combine micro-batches; `*_max`/`*_min` combine by max/min). Metrics present only when their inputs
+    are: `train/pg_loss`, `train/pg_clipfrac`, `train/ppo_kl`, `train/loss`, `train/kl`,
+    `train/entropy`, `train/distill_kl`, `train/value_loss`, `train/value_clipfrac`,
+    `train/opsm_masked_frac`, and with rollout logprobs `train/rollout_logprob_abs_diff`,
+    `train/rollout_kl`, `train/mismatch_ratio_mean`, `_max`, `_min`, `train/ess_ratio`,
+    `train/tis_mean`, `train/tis_clipfrac` or `train/mis_reject_frac`.
     """
     check_token_shapes(
         loss_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
         teacher_logprobs=teacher_logprobs, values=values, old_values=old_values, returns=returns,
     )  # fmt: skip
+    plugins = load_loss_plugins(cfg) if plugins is None else plugins
     _check_needed(
-        cfg, rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
-        teacher_logprobs=teacher_logprobs, values=values, old_values=old_values, returns=returns,
+        cfg, plugins.mismatch_fn is not None, rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
+        entropy=entropy, teacher_logprobs=teacher_logprobs, values=values, old_values=old_values, returns=returns,
     )  # fmt: skip
     mode, per_token = cfg.loss_aggregation, metric_aggregation(cfg.loss_aggregation)
+    reducer = plugins.loss_reducer or aggregate
 
-    def reduce(token_values: torch.Tensor, how: str = mode) -> torch.Tensor:
-        return aggregate(token_values, loss_mask, how)
+    def reduce(token_values: torch.Tensor) -> torch.Tensor:
+        return reducer(token_values, loss_mask, mode)
 
-    loss, metrics = _policy_term(cfg, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs)
+    def metric(token_values: torch.Tensor) -> float:
+        return aggregate(token_values.detach(), loss_mask, per_token).item()
+
+    loss, metrics = _policy_term(cfg, plugins, reduce, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs)
     if ref_logprobs is not None:
-        kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator)
-        metrics["train/kl"] = reduce(kl.detach(), per_token).item()
+        if cfg.kl_importance_weighted:
+            kl = importance_weighted_kl(logprobs, old_logprobs, ref_logprobs, cfg.kl_estimator)
+        else:
+            kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator)
+        metrics["train/kl"] = metric(kl)
         if cfg.kl_loss_coef > 0:
             loss = loss + cfg.kl_loss_coef * reduce(kl)
     if entropy is not None:
-        metrics["train/entropy"] = reduce(entropy.detach(), per_token).item()
+        metrics["train/entropy"] = metric(entropy)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * reduce(entropy)
     if teacher_logprobs is not None:
         surrogate, distill_kl = distill_token_loss(logprobs, old_logprobs, teacher_logprobs)
-        metrics["train/distill_kl"] = reduce(distill_kl, per_token).item()
+        metrics["train/distill_kl"] = metric(distill_kl)
         if cfg.distill_coef > 0:
             loss = loss + cfg.distill_coef * reduce(surrogate)
     if values is not None:
         v_loss, v_metrics = value_loss(
-            values, old_values, returns, loss_mask, value_clip=cfg.value_clip, aggregation=mode
+            values, old_values, returns, loss_mask, value_clip=cfg.value_clip, aggregation=mode, reducer=reducer
         )
         loss = loss + v_loss
         metrics |= v_metrics

@@ -1,4 +1,5 @@
-"""Train–inference mismatch: weights on the policy loss from rollout vs trainer old logprobs.
+"""Train–inference mismatch: weights on the policy loss from rollout vs trainer old logprobs, their
+raw-ratio and effective-sample-size metrics, and off-policy sequence masking (OPSM).
 
 The engine's sampling policy π_rollout and the trainer's π_old differ numerically (kernels, precision);
 ρ_t = π_old(y_t) / π_rollout(y_t) corrects for it (decoupled, three-policy PPO).
@@ -10,10 +11,38 @@ import math
 
 import torch
 
-from verst.algo.aggregation import aggregate, check_token_shapes, clamped_exp, metric_aggregation
+from verst.algo.aggregation import (
+    aggregate,
+    check_token_shapes,
+    clamped_exp,
+    masked_sequence_mean,
+    metric_aggregation,
+)
 from verst.algo.kl import kl_estimate
 
-CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis_token", "mis_sequence", "mis_geometric", "icepop")
+CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis_token", "mis_sequence", "mis_geometric", "icepop", "band_mask")
+
+# IcePop's M(k) (Ring-1T report, inclusionAI 2025, §IcePop) is k inside [α, β] and 0 outside: exactly
+# the masked token importance weight of `mis_token`, so the two names run one computation.
+ALIASES: dict[str, str] = {"icepop": "mis_token"}
+
+
+def mismatch_log_ratio(
+    mode: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """The log-ratio [batch, resp_len] that correction `mode` clips or tests (no gradient, 0 on masked tokens).
+
+    log ρ_t = log π_old(y_t) − log π_rollout(y_t) per token; for `mis_sequence` the sequence's
+    Σ_t log ρ_t, for `mis_geometric` its mean over policy tokens, on every token of the sequence.
+    """
+    check_token_shapes(loss_mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
+    mask = loss_mask != 0
+    log_rho = torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach(), 0.0)  # [batch, resp_len]
+    if mode == "mis_sequence":
+        log_rho = log_rho.sum(dim=-1, keepdim=True).expand_as(log_rho)
+    elif mode == "mis_geometric":
+        log_rho = masked_sequence_mean(log_rho, loss_mask)[:, None].expand_as(log_rho)
+    return torch.where(mask, log_rho, 0.0)
 
 
 def mismatch_weights(
@@ -27,36 +56,52 @@ def mismatch_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token weights on the policy loss and the tokens they clip or reject, both [batch, resp_len].
 
-    With log ρ_t = log π_old(y_t) − log π_rollout(y_t) and the band [clip_low, clip_high]:
+    With ρ from `mismatch_log_ratio` and the band [clip_low, clip_high]:
     - `tis`: w_t = clip(ρ_t, low, high), truncated importance sampling (Yao et al. 2025, "Your
       Efficient RL Framework Secretly Brings You Off-Policy RL Training"; flag = clipped);
     - `mis_token`: w_t = ρ_t inside the band, 0 outside (masked importance sampling, Liu et al. 2025,
-      "When Speed Kills Stability"; also IcePop's M(k) in the Ring-1T report, inclusionAI 2025);
+      "When Speed Kills Stability");
+    - `icepop`: an alias of `mis_token`: IcePop's M(ρ_t) = ρ_t on [α, β], 0 elsewhere (Ring-1T report,
+      inclusionAI 2025), with α = low and β = high;
     - `mis_sequence`: the same test and weight with the sequence ratio ρ = Π_t ρ_t;
     - `mis_geometric`: with the geometric mean ρ = exp(mean_t log ρ_t), a length-independent band;
-    - `icepop`: the token band as a pure mask (1 inside, 0 outside), no reweighting.
-    For the `mis_*`/`icepop` modes the flag marks rejected tokens. Weights carry no gradient; the
-    band test is done on log ρ, so extreme ratios are rejected exactly and weights stay finite.
+    - `band_mask`: the token band as a plain 0/1 mask (1 inside, 0 outside), no reweighting.
+    For every mode but `tis` the flag marks rejected tokens. Weights carry no gradient; the band test
+    is done on log ρ, so extreme ratios are rejected exactly and weights stay finite.
     """
     if mode not in CORRECTIONS or mode == "none":
         raise ValueError(f"mismatch_correction {mode!r} has no weights; expected one of {CORRECTIONS[1:]}")
     if not 0.0 <= clip_low < clip_high:
         raise ValueError(f"need 0 <= tis_clip_low < tis_clip; got tis_clip_low={clip_low}, tis_clip={clip_high}")
-    check_token_shapes(loss_mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
-    mask = loss_mask != 0
-    log_rho = torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach(), 0.0)  # [batch, resp_len]
-    if mode == "mis_sequence":
-        log_rho = log_rho.sum(dim=-1, keepdim=True).expand_as(log_rho)
-    elif mode == "mis_geometric":
-        tokens = mask.sum(dim=-1, keepdim=True).clamp(min=1)
-        log_rho = (log_rho.sum(dim=-1, keepdim=True) / tokens).expand_as(log_rho)
+    mode = ALIASES.get(mode, mode)
+    log_rho = mismatch_log_ratio(mode, old_logprobs, rollout_logprobs, loss_mask)
     log_low = math.log(clip_low) if clip_low > 0 else -math.inf
     outside = (log_rho < log_low) | (log_rho > math.log(clip_high))
     rho = clamped_exp(log_rho)
     if mode == "tis":
         return rho.clamp(clip_low, clip_high), outside
     keep = torch.where(outside, 0.0, 1.0).to(rho.dtype)
-    return (keep if mode == "icepop" else rho * keep), outside
+    return (keep if mode == "band_mask" else rho * keep), outside
+
+
+def ess_ratio(weights: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Effective sample size over sample count of importance weights: (Σ w)² / (N · Σ w²) over the N
+    policy tokens (Kong 1992; Owen, "Monte Carlo theory, methods and examples", §9.3). 1 when every
+    weight is equal, 1/N when one token carries all the weight; 0 without policy tokens."""
+    check_token_shapes(loss_mask, weights=weights)
+    w = weights.detach()[loss_mask != 0]  # [N]
+    square_sum = w.square().sum()
+    if not square_sum > 0:
+        return torch.zeros((), dtype=weights.dtype, device=weights.device)
+    return w.sum().square() / (w.numel() * square_sum)
+
+
+def ess_ratio_from_moments(mean: float, square_mean: float) -> float:
+    """`ess_ratio` from the weights' mean and mean square: mean² / square_mean, equal to (Σ w)² / (N · Σ w²).
+    Both means add up over micro-batches (`train/mismatch_ratio_mean`, `train/mismatch_ratio_sq_mean`),
+    so the ratio of the whole step's batch follows from the combined metrics; 0 for no weight. Capped
+    at 1, its bound (Cauchy–Schwarz), which the rounding of float32 moments can overshoot by an ulp."""
+    return min(1.0, mean * mean / square_mean) if square_mean > 0 else 0.0
 
 
 def mismatch_metrics(
@@ -65,14 +110,32 @@ def mismatch_metrics(
     loss_mask: torch.Tensor,
     *,
     aggregation: str,
+    correction: str = "none",
 ) -> dict[str, float]:
-    """`train/rollout_logprob_abs_diff` (|log π_old − log π_rollout|) and `train/rollout_kl`
-    (k3 estimate of KL(π_rollout ‖ π_old) on the rollout's tokens): local means by `metric_aggregation`."""
+    """Local metrics of the mismatch (means by `metric_aggregation`):
+    - `train/rollout_logprob_abs_diff`: |log π_old − log π_rollout|;
+    - `train/rollout_kl`: k3 estimate of KL(π_rollout ‖ π_old) on the rollout's tokens;
+    - `train/mismatch_ratio_mean`, `_max`, `_min`: the raw ratio ρ that `correction` tests (see
+      `mismatch_log_ratio`; token ρ_t for `none`), before any clipping or masking; max and min
+      only where there are policy tokens;
+    - `train/mismatch_ratio_sq_mean`: the mean of ρ², from which `ess_ratio_from_moments` gives the
+      effective sample size ratio of the combined micro-batches (`train/ess_ratio`, logged per step).
+    """
     old, rollout = old_logprobs.detach(), rollout_logprobs.detach()
     mode = metric_aggregation(aggregation)
     abs_diff = aggregate((old - rollout).abs(), loss_mask, mode)
     kl = aggregate(kl_estimate(rollout, old, "k3"), loss_mask, mode)
-    return {"train/rollout_logprob_abs_diff": abs_diff.item(), "train/rollout_kl": kl.item()}
+    rho = clamped_exp(mismatch_log_ratio(ALIASES.get(correction, correction), old, rollout, loss_mask))
+    metrics = {
+        "train/rollout_logprob_abs_diff": abs_diff.item(),
+        "train/rollout_kl": kl.item(),
+        "train/mismatch_ratio_mean": aggregate(rho, loss_mask, mode).item(),
+        "train/mismatch_ratio_sq_mean": aggregate(rho.square(), loss_mask, mode).item(),
+    }
+    policy = rho[loss_mask != 0]
+    if policy.numel():
+        metrics |= {"train/mismatch_ratio_max": policy.max().item(), "train/mismatch_ratio_min": policy.min().item()}
+    return metrics
 
 
 def correction_metrics(
@@ -89,3 +152,28 @@ def correction_metrics(
     share = aggregate(flags.to(weights.dtype), loss_mask, per_token).item()
     metrics["train/tis_clipfrac" if mode == "tis" else "train/mis_reject_frac"] = share
     return metrics
+
+
+def opsm_keep(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    delta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off-policy sequence masking -> (keep [batch, resp_len] 0/1 float, dropped [batch, resp_len] bool).
+
+    DeepSeek-V3.2 report (DeepSeek-AI 2025, arXiv:2512.02556, §3.1): token t of sequence i is dropped
+    when Â_{i,t} < 0 and the sequence's KL(π_rollout ‖ π_θ), estimated as the mean over its policy
+    tokens of log π_rollout(y_t) − log π_θ(y_t), exceeds `delta`. π_θ is the policy being trained
+    (`logprobs`, detached) and π_rollout the sampling policy, so the KL covers both the
+    train–inference gap and the policy's drift since sampling. Positive-advantage tokens are kept:
+    learning from one's own successes needs no guard, while negative samples far off policy mislead.
+    """
+    check_token_shapes(loss_mask, logprobs=logprobs, rollout_logprobs=rollout_logprobs, advantages=advantages)
+    if not delta >= 0:
+        raise ValueError(f"opsm_delta must be >= 0; got {delta}")
+    seq_kl = masked_sequence_mean(rollout_logprobs.detach() - logprobs.detach(), loss_mask)  # [batch]
+    dropped = (advantages.detach() < 0) & (seq_kl > delta)[:, None] & (loss_mask != 0)
+    return torch.where(dropped, 0.0, 1.0).to(logprobs.dtype), dropped

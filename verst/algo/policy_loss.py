@@ -5,6 +5,8 @@ Each has a per-token form (for composing) and a `(loss, metrics)` form (aggregat
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from verst.algo.aggregation import (
@@ -98,13 +100,26 @@ def policy_loss(
         check_token_shapes(loss_mask, weights=weights)
         token_loss = token_loss * weights.detach()
     local = aggregate(token_loss, loss_mask, aggregation)
+    metrics = policy_metrics(local, clipped, logprobs, old_logprobs, loss_mask, aggregation=aggregation)
+    return to_global_share(local, loss_mask, aggregation, normalizer), metrics
+
+
+def policy_metrics(
+    local_loss: torch.Tensor,
+    clipped: torch.Tensor,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    aggregation: str,
+) -> dict[str, float]:
+    """`train/pg_loss` (the local loss), `train/pg_clipfrac` and `train/ppo_kl` (by `metric_aggregation`)."""
     per_token = metric_aggregation(aggregation)
-    metrics = {
-        "train/pg_loss": local.item(),
-        "train/pg_clipfrac": aggregate(clipped.to(token_loss.dtype), loss_mask, per_token).item(),
+    return {
+        "train/pg_loss": local_loss.item(),
+        "train/pg_clipfrac": aggregate(clipped.to(logprobs.dtype), loss_mask, per_token).item(),
         "train/ppo_kl": aggregate(ppo_kl(logprobs, old_logprobs), loss_mask, per_token).item(),
     }
-    return to_global_share(local, loss_mask, aggregation, normalizer), metrics
 
 
 def policy_token_loss(
@@ -139,11 +154,13 @@ def value_loss(
     value_clip: float,
     aggregation: str = "token_mean",
     normalizer: float | None = None,
+    reducer: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor] = aggregate,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss -> (loss, local-mean metrics `train/value_loss`, `train/value_clipfrac`).
 
     ½·max((V − R)², (V_old + clip(V − V_old, −c, c) − R)²) per token (PPO as in OpenAI baselines'
-    ppo2; Schulman et al. 2017, arXiv:1707.06347, eq. 9 with clipping of the value update).
+    ppo2; Schulman et al. 2017, arXiv:1707.06347, eq. 9 with clipping of the value update), reduced by
+    `reducer` (default `aggregate`; a `LossReducer` plug-in).
     """
     check_token_shapes(loss_mask, values=values, old_values=old_values, returns=returns)
     old_values, returns = old_values.detach(), returns.detach()
@@ -152,7 +169,7 @@ def value_loss(
     clipped_err = (clipped_values - returns).square()
     clipped = clipped_err > unclipped_err
     token_loss = 0.5 * torch.where(clipped, clipped_err, unclipped_err)
-    local = aggregate(token_loss, loss_mask, aggregation)
+    local = reducer(token_loss, loss_mask, aggregation)
     clipfrac = aggregate(clipped.to(token_loss.dtype), loss_mask, metric_aggregation(aggregation))
     metrics = {"train/value_loss": local.item(), "train/value_clipfrac": clipfrac.item()}
     return to_global_share(local, loss_mask, aggregation, normalizer), metrics

@@ -46,6 +46,9 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
             imports["rollout.dynamic_filter"] = cfg.rollout.dynamic_filter
         if cfg.reward.type == "custom":
             imports["reward.path"] = cfg.reward.path
+        algo = cfg.algorithm
+        imports |= {"algorithm.mismatch_fn": algo.mismatch_fn, "algorithm.policy_loss_fn": algo.policy_loss_fn,
+                    "algorithm.loss_reducer": algo.loss_reducer}
     for field, path in imports.items():
         if path:
             problems += _missing_module(field, path)

@@ -128,8 +128,15 @@ class AlgorithmConfig(Section):
     gamma: float = Field(1.0, ge=0, le=1, description="Discount (REINFORCE++, GAE).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     value_clip: float = Field(0.2, gt=0, description="PPO value-loss clip range.")
-    mismatch_correction: Literal["none", "tis", "mis_token", "mis_sequence", "mis_geometric", "icepop"] = Field(
-        "none", description="Train–inference mismatch correction from rollout logprobs."
+    whiten_advantages: bool = Field(
+        False, description="Whiten the advantages of every estimator: (A − mean) / std over the step's policy tokens."
+    )
+    mismatch_correction: Literal[
+        "none", "tis", "mis_token", "mis_sequence", "mis_geometric", "icepop", "band_mask"
+    ] = Field(
+        "none", description="Train–inference mismatch correction from rollout logprobs: tis (truncated weight), "
+        "mis_token (weight ρ inside the band, 0 outside; icepop is the same), mis_sequence, mis_geometric, "
+        "band_mask (a 0/1 band mask, no reweighting).",
     )
     tis_clip: float = Field(2.0, gt=0, description="Upper bound of the truncated importance weight / band.")
     tis_clip_low: float = Field(0.0, ge=0, description="Lower bound of the importance weight / band.")
@@ -140,6 +147,24 @@ class AlgorithmConfig(Section):
         "where that is exact (one optimizer step per rollout batch and kl_penalty_coef = 0), else recompute.",
     )
     distill_coef: float = Field(0.0, ge=0, description="Weight of the on-policy distillation (reverse KL) term.")
+    opsm_delta: float | None = Field(
+        None, ge=0, description="Off-policy sequence masking (DeepSeek-V3.2): drop negative-advantage tokens of "
+        "sequences whose KL(rollout ‖ current policy) exceeds this; None disables.",
+    )
+    kl_importance_weighted: bool = Field(
+        False, description="Weight the KL-to-reference loss by π/π_old (DeepSeek-V3.2's unbiased KL estimate); "
+        "needs kl_loss_coef > 0.",
+    )
+    mismatch_fn: str | None = Field(
+        None, description="Import path of a custom mismatch correction (docs/plugins.md); replaces mismatch_correction.",
+    )
+    policy_loss_fn: str | None = Field(
+        None, description="Import path of a custom per-token policy loss (docs/plugins.md); replaces policy_loss.",
+    )
+    loss_reducer: str | None = Field(
+        None, description="Import path of a custom loss reducer (docs/plugins.md); replaces loss_aggregation's "
+        "reduction of every loss term (metrics keep it).",
+    )
 
     @property
     def needs_reference(self) -> bool:
@@ -153,6 +178,20 @@ class AlgorithmConfig(Section):
                 f"algorithm.mismatch_correction = {self.mismatch_correction!r} corrects rollout vs trainer "
                 "logprobs; it cannot be combined with algorithm.old_logprobs = 'rollout'"
             )
+        if self.mismatch_fn is not None:
+            if self.mismatch_correction != "none":
+                raise ValueError(
+                    f"algorithm.mismatch_fn = {self.mismatch_fn!r} replaces algorithm.mismatch_correction = "
+                    f"{self.mismatch_correction!r}; set one of them"
+                )
+            if self.old_logprobs == "rollout":
+                raise ValueError(
+                    f"algorithm.mismatch_fn = {self.mismatch_fn!r} corrects rollout vs trainer logprobs; it cannot "
+                    "be combined with algorithm.old_logprobs = 'rollout'"
+                )
+        if self.kl_importance_weighted and self.kl_loss_coef == 0:
+            raise ValueError("algorithm.kl_importance_weighted = true weights the KL loss, which is off: "
+                             "set algorithm.kl_loss_coef > 0")
         token_kl = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
         if self.kl_penalty_coef > 0 and self.advantage_estimator not in token_kl:
             raise ValueError(

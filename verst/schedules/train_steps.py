@@ -95,7 +95,7 @@ def train_on_groups(
     step's own forward: a batch that gets one step)."""
     import torch
 
-    from verst.algo import aggregation_normalizer, compute_advantages
+    from verst.algo import aggregation_normalizer, compute_advantages, ess_ratio_from_moments
     from verst.trainer import make_items
 
     algo = cfg.algorithm
@@ -125,6 +125,10 @@ def train_on_groups(
         items, functools.partial(rl_loss_fn, algo, from_forward), normalizer=normalizer,
         with_entropy=algo.entropy_coef > 0,
     )
+    if "train/mismatch_ratio_sq_mean" in metrics:  # the moments add up over micro-batches and ranks; ESS does not
+        metrics["train/ess_ratio"] = ess_ratio_from_moments(
+            metrics["train/mismatch_ratio_mean"], metrics["train/mismatch_ratio_sq_mean"]
+        )
     metrics["time/logprob_s"] = logprob_s
     metrics["time/train_s"] = time.perf_counter() - start
     metrics["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))

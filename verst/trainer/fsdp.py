@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from verst.trainer.batching import (
 )
 from verst.trainer.distributed import ensure_single_process_group, resolve_device
 from verst.trainer.items import TrainItem, as_items
-from verst.trainer.losses import LossFn, Normalizer, count_policy_tokens
+from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
 from verst.trainer.schedule import build_optimizer
 from verst.types import WeightBucket
 
@@ -186,7 +185,7 @@ class FSDP2Backend:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
-        metric_sums: dict[str, float] = defaultdict(float)
+        metric_sums: dict[str, float] = {}
         for indices in self._my_micro_batches(items):
             micro = self._micro_batch(items, indices)
             outputs = self._forward(self.model, micro, with_entropy)
@@ -199,7 +198,7 @@ class FSDP2Backend:
             loss_sum += loss.detach()
             weight = float(normalizer(micro.loss_mask)) / total
             for key, value in metrics.items():
-                metric_sums[key] += float(value) * weight
+                combine_metric(metric_sums, key, float(value), weight)
         grad_norm = self._clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -208,10 +207,10 @@ class FSDP2Backend:
         # The summed micro-batch losses are the global loss, whatever a loss fn reports as its own.
         local = {**_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
         parts = self._gather_objects((local, time.perf_counter() - start))
-        metrics: dict[str, float] = defaultdict(float)
+        metrics: dict[str, float] = {}
         for part, _ in parts:
             for key, value in part.items():
-                metrics[key] += value
+                combine_metric(metrics, key, value, 1.0)  # each rank's part is already weighted
         tokens_per_s = sum(it.length for it in items) / max(elapsed for _, elapsed in parts)
         return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr, "perf/train_tokens_per_s": tokens_per_s}
 

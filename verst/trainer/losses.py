@@ -22,7 +22,8 @@ class LossFn(Protocol):
     micro-batches, as computed by the step's `Normalizer`); dividing this micro-batch's loss sum by
     it makes the micro-batch losses add up to the global-batch loss. `metrics` are plain means over
     this micro-batch (floats or 0-d tensors); the backend averages them over the global batch,
-    weighting each micro-batch by its share of the normaliser. Must be picklable (a module-level
+    weighting each micro-batch by its share of the normaliser, except keys ending in `_max` or
+    `_min`, which combine by max or min (`combine_metric`). Must be picklable (a module-level
     function or a functools.partial of one) to cross into rank processes.
     """
 
@@ -35,6 +36,17 @@ class Normalizer(Protocol):
     """`normalizer(loss_mask [batch, resp_len]) -> count`: this batch's share of the global count."""
 
     def __call__(self, loss_mask: torch.Tensor) -> float: ...
+
+
+def combine_metric(totals: dict[str, float], key: str, value: float, weight: float) -> None:
+    """Fold one micro-batch's (or rank's) metric into `totals`: `*_max` by max, `*_min` by min, any
+    other key as `weight × value` added to the sum (a weighted mean over the global batch)."""
+    if key.endswith("_max"):
+        totals[key] = max(totals[key], value) if key in totals else value
+    elif key.endswith("_min"):
+        totals[key] = min(totals[key], value) if key in totals else value
+    else:
+        totals[key] = totals.get(key, 0.0) + value * weight
 
 
 # The two global counts, as `Normalizer`s (picklable partials of the algo package's definition).
