@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,12 +68,16 @@ def commit(tmp: Path, manifest: dict[str, Any], keep_last: int | None = None) ->
     return final
 
 
-def wait_trainer_writes(trainer_dir: Path, ranks: int, step: int, timeout_s: float = 1800.0) -> None:
+def wait_trainer_writes(trainer_dir: Path, ranks: int, step: int, timeout_s: float = 1800.0,
+                        abandoned: threading.Event | None = None) -> None:
     """Wait until every rank's background write of `trainer_dir` has ended, then write its COMPLETE
-    marker; a rank's failure is raised with its error. Nothing to wait for after a synchronous save."""
+    marker; a rank's failure is raised with its error, and so is `abandoned` being set (the run failed).
+    Nothing to wait for after a synchronous save."""
     marker = trainer_dir / TRAINER_COMPLETE
     deadline = time.monotonic() + timeout_s
     while not marker.exists():
+        if abandoned is not None and abandoned.is_set():
+            raise CheckpointError(f"{trainer_dir}: not committed, the run stopped before the trainer's write ended")
         failed = sorted(trainer_dir.glob(f"{FAILED_PREFIX}*"))
         if failed:
             raise CheckpointError(f"{trainer_dir}: the trainer's write failed on "

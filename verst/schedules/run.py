@@ -65,6 +65,7 @@ class RLRun:
     started_at: float = dataclasses.field(default_factory=time.time)  # the same moment, wall clock
     watchdog: Watchdog | None = None  # bounds each phase by its `fault.*_timeout_s` (None: unbounded)
     supervisor: EngineSupervisor | None = None  # restarts failed engines (fault.tolerate_engines)
+    trainer_restarts: int = 0  # times this run restarted from a checkpoint after a trainer rank died
     _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
 
     # -- named steps ---------------------------------------------------------------------------
@@ -254,6 +255,8 @@ class RLRun:
             metrics["perf/engine_idle_fraction"] = idle
         if self.supervisor is not None:
             metrics.update(self.supervisor.metrics())
+        if self.trainer_restarts:
+            metrics["fault/trainer_restarts"] = float(self.trainer_restarts)
         self.logger.log(metrics, step=self.version)
         self.progress.step(self.version, metrics)
 
@@ -277,10 +280,11 @@ class RLRun:
 
 
 @contextlib.asynccontextmanager
-async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
+async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRun]:
     """Start every part of an RL run; stop all on exit. The engines, the rollout manager's process and the
     trainer ranks start at the same time, and the run begins (first rollouts, step-0 evaluation) once the
-    engines serve: the trainer, usually the slowest to start, is first needed by the first train step."""
+    engines serve: the trainer, usually the slowest to start, is first needed by the first train step.
+    `restarts`: the times this run has restarted after a trainer rank died (`fault/trainer_restarts`)."""
     started, started_at = time.perf_counter(), time.time()  # the summary's time/total_s includes start-up
     cfg = absolute_paths(cfg)
     resume = checkpointing.prepare_resume(cfg)  # refused before anything starts
@@ -322,7 +326,7 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started, started_at=started_at,
                         checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout),
-                        watchdog=watchdog, supervisor=supervisor)
+                        watchdog=watchdog, supervisor=supervisor, trainer_restarts=restarts)
             if resume is not None:
                 await checkpointing.restore(run, resume)  # before any rollout: the engines serve its weights
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
@@ -335,6 +339,7 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
                         yield run
                     await checkpointing.finish(run)  # final checkpoint and Hugging Face export
             except Exception as error:
+                run.checkpointer.abandon()  # a commit waiting for a dead rank's write must not hold the exit
                 await run.drop_evaluation()
                 await syncer.close_within(10.0)  # a dead or stuck part must not hold the report back
                 report = None if isinstance(error, RunFailure) else \
