@@ -56,8 +56,11 @@ def commit(tmp: Path, manifest: dict[str, Any], keep_last: int | None = None) ->
     (and `latest`) as they were, or the new one complete."""
     final = tmp.parent / tmp.name.removeprefix(TMP_PREFIX)
     manifest = {"format": FORMAT, "saved_at": time.time(), **manifest}
-    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    _fsync_tree(tmp)
+    try:
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _fsync_tree(tmp)  # a full disk often shows only here, when the delayed writes reach it
+    except OSError as error:
+        raise not_saved(final, tmp, error) from error
     if final.exists():  # a step saved again (e.g. the final save of a run resumed at its last step)
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -66,6 +69,15 @@ def commit(tmp: Path, manifest: dict[str, Any], keep_last: int | None = None) ->
     if keep_last:
         prune(final.parent, keep_last)
     return final
+
+
+def not_saved(final: Path, tmp: Path, error: BaseException) -> CheckpointError:
+    """The error of a save that failed before its rename: it names the checkpoint, the cause and the
+    checkpoint `latest` still names; the temporary directory is removed (a full disk gets its space back)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    latest = read_latest(final.parent.parent)
+    kept = f"{latest} is still the latest checkpoint" if latest is not None else "the run has no earlier checkpoint"
+    return CheckpointError(f"checkpoint {final} not saved: {type(error).__name__}: {error}; {kept}")
 
 
 def wait_trainer_writes(trainer_dir: Path, ranks: int, step: int, timeout_s: float = 1800.0,

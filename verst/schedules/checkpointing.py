@@ -93,8 +93,14 @@ class RunCheckpointer:
 
     def _commit(self, tmp: Path, manifest: dict[str, Any]) -> None:
         """In the background: once the ranks' writes have ended, the atomic commit."""
-        layout.wait_trainer_writes(tmp / layout.TRAINER_DIR, self.cfg.cluster.trainer_ranks, manifest["step"],
-                                   abandoned=self._abandoned)
+        try:
+            layout.wait_trainer_writes(tmp / layout.TRAINER_DIR, self.cfg.cluster.trainer_ranks, manifest["step"],
+                                       abandoned=self._abandoned)
+        except layout.CheckpointError as error:
+            if self._abandoned.is_set():  # a dead rank may still hold files there; the next run removes it
+                raise
+            raise layout.not_saved(self.run_dir / layout.CHECKPOINTS_DIR / layout.step_dir_name(manifest["step"]),
+                                   tmp, error) from error
         layout.commit(tmp, manifest, self.cfg.checkpoint.keep_last)
 
     async def wait(self) -> None:
