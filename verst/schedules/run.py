@@ -26,7 +26,7 @@ from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import EngineMemory, Orchestration, RolloutBatch, RolloutSource, RouterSpec, WeightPush
-from verst.orchestration.health import EngineSupervisor, disk_restart_weights
+from verst.orchestration.health import EngineSupervisor, restart_weights
 from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules import checkpointing
@@ -149,7 +149,9 @@ class RLRun:
             await self.supervisor.check_now()  # a dead engine is restarted before the push reaches it
             async with self.supervisor.lock:  # no push while an engine is being replaced
                 try:
-                    return await self.syncer.sync(self.version)
+                    metrics = await self.syncer.sync(self.version)
+                    await self.supervisor.admit_synced(self.version)  # engines restarted ahead of the others
+                    return metrics
                 except WeightSyncError as error:
                     if retry or not self.supervisor.restarts_engines:
                         raise
@@ -322,7 +324,9 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                                        source_model=cfg.model.path, control_timeout_s=cfg.fault.engine_call_timeout_s)
             watchdog = Watchdog(run_dir, processes)
             supervisor = EngineSupervisor(cfg.fault, engines, rollout, urls, processes, watchdog,
-                                          functools.partial(disk_restart_weights, cfg, syncer, run_dir))
+                                          functools.partial(restart_weights, cfg, syncer, trainer, run_dir),
+                                          served_version=lambda: syncer.version or 0,
+                                          on_restart=syncer.engine_replaced)
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started, started_at=started_at,
                         checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout),
