@@ -1,5 +1,6 @@
-"""Engines killed or stopped during an RL run (tiny model, two engines behind the router): the run never
-hangs silently, and the error names the engine, how it ended, and its log."""
+"""Engines killed or stopped during an RL run (tiny model, two engines behind the router): restarted in place
+with each weight transport, or, without restarts, the run never hangs silently and the error names the
+engine, how it ended, and its log."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from tests.metrics_doc import undocumented
 from verst.monitor import read_metrics
 from verst.orchestration.watchdog import RunFailure, StuckError
 
+PLACEMENT = {"disk": "disaggregated", "distributed": "disaggregated", "tensor": "colocated"}
 
-def two_engine_config(tmp_path, model_dir, data_dir, *overrides):
-    return rl_config(tmp_path, model_dir, data_dir, "--schedule", "sync", "--cluster.placement", "disaggregated",
-                     "--cluster.num-engines", "2", "--sync.transport", "disk", "--rollout.num-rollouts", "6",
+
+def two_engine_config(tmp_path, model_dir, data_dir, *overrides, transport="disk", schedule="sync"):
+    return rl_config(tmp_path, model_dir, data_dir, "--schedule", schedule, "--cluster.placement", PLACEMENT[transport],
+                     "--cluster.num-engines", "2", "--sync.transport", transport, "--rollout.num-rollouts", "6",
                      *overrides)
 
 
@@ -59,8 +62,16 @@ def test_a_stopped_engine_ends_the_run_with_the_stuck_phase_and_a_stack_dump(ray
     assert ranks and "File" in ranks[0].read_text()  # a rank's stacks, printed by its armed handler
 
 
-def test_a_killed_engine_is_restarted_and_the_run_finishes(ray_session, tiny_model_dir, addition_data_dir, tmp_path):
-    cfg = two_engine_config(tmp_path, tiny_model_dir, addition_data_dir, "--fault.health-interval-s", "0.5")
+@pytest.mark.parametrize("transport, schedule", [
+    ("disk", "sync"),
+    pytest.param("distributed", "sync", marks=pytest.mark.slow),
+    pytest.param("distributed", "one_step_off", marks=pytest.mark.slow),  # the trainer is often a step ahead
+    pytest.param("tensor", "sync", marks=pytest.mark.slow),
+])
+def test_a_killed_engine_is_restarted_and_the_run_finishes(ray_session, tiny_model_dir, addition_data_dir, tmp_path,
+                                                           transport, schedule):
+    cfg = two_engine_config(tmp_path, tiny_model_dir, addition_data_dir, "--fault.health-interval-s", "0.5",
+                            transport=transport, schedule=schedule)
     run = BackgroundRun(cfg)
     run.wait_for_step(1)
     signal_quietly(run.pid_of("engine 1 "), signal.SIGKILL)  # during the next rollout step

@@ -102,10 +102,12 @@ def test_resume_refuses_a_changed_field_then_continues(ray_session, tiny_model_d
 
 
 # ---- a driver killed with SIGKILL, then `verst train --resume` -------------------------------------
-def verst(args: list[str], tag: str, ray_tmp: str, env: dict | None = None) -> subprocess.Popen:
-    """`verst ARGS` in its own session; every process it starts inherits `tag` (to find them after a kill)."""
+def verst(args: list[str], tag: str, ray_tmp: str, env: dict | None = None,
+          module: str = "verst.cli.main") -> subprocess.Popen:
+    """`verst ARGS` (`python -m module ARGS`) in its own session; every process it starts inherits `tag` (to
+    find them after a kill)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp, "VERST_TEST_TAG": tag, **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "verst.cli.main", *args], env=env, start_new_session=True,
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

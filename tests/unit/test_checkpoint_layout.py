@@ -3,7 +3,9 @@ accepts, the resume rules for a changed config, and metrics kept up to the check
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import pytest
 
@@ -35,6 +37,23 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert layout.resolve(tmp_path).name == "step_1"
     layout.remove_tmp_dirs(tmp_path)
     assert not tmp.exists()
+
+
+def test_a_full_disk_names_the_checkpoint_and_the_error_and_keeps_the_previous_one(tmp_path, monkeypatch):
+    fake_step(tmp_path, 1)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(layout.os, "fsync", full)
+    with pytest.raises(layout.CheckpointError) as caught:
+        fake_step(tmp_path, 2)
+    monkeypatch.undo()
+    step_1, step_2 = (layout.checkpoints_dir(tmp_path) / f"step_{step}" for step in (1, 2))
+    assert str(caught.value) == (f"checkpoint {step_2} not saved: OSError: [Errno 28] No space left on device; "
+                                 f"{step_1} is still the latest checkpoint")
+    assert not step_2.exists() and list(layout.checkpoints_dir(tmp_path).glob(f"{layout.TMP_PREFIX}*")) == []
+    assert layout.resolve(tmp_path) == step_1 and layout.read_manifest(step_1)["step"] == 1
 
 
 def test_load_refuses_what_is_not_a_complete_checkpoint(tmp_path):

@@ -83,6 +83,8 @@ def test_bad_config_names_field_and_value(overrides, message):
         (["--rollout.max-in-flight", "4"], "rollout.max_in_flight = 4 cannot hold one group"),
         (["--rollout.max-context-tokens", "16"], "max_context_tokens = 16 leaves no room"),
         (["--schedule", "fully_async", "--cluster.placement", "colocated"], "'fully_async' with cluster.placement = 'colocated' is refused"),
+        (["--fault.max-restarts", "1"], "fault.max_restarts = 1 restarts a run from its latest checkpoint, but "
+                                        "checkpoint.interval = 0 saves none before the end"),
         (["--reward.type", "custom"], "reward.type = 'custom' needs reward.path"),
         (["--reward.type", "remote"], "reward.type = 'remote' needs reward.url"),
         (["--algorithm.mismatch-correction", "tis", "--algorithm.old-logprobs", "rollout"], "cannot be combined with algorithm.old_logprobs = 'rollout'"),

@@ -19,7 +19,7 @@ class Trainer:
     def open_weight_sync(self, sync, urls, **options):
         self.calls.append(("open", sync.check_weights, sync.transport, urls, options))
 
-    def sync_weights(self, version, bucket_bytes):
+    def sync_weights(self, version, bucket_bytes, reconnect=False):
         self.calls.append(("sync", version, bucket_bytes))
         return {"sync/version": float(version)}
 

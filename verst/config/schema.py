@@ -306,6 +306,9 @@ class FaultConfig(Section):
     health_failures: int = Field(3, ge=1, description="Failed /health polls in a row after which an engine is restarted.")
     generate_retries: int = Field(
         5, ge=0, description="With tolerate_engines: times a generation whose engine went away is sent again.")
+    max_restarts: int = Field(
+        0, ge=0, description="Times a run whose trainer rank died restarts from its latest checkpoint, in the same "
+        "process (needs checkpoint.interval > 0); 0 stops the run naming the rank and the last checkpoint.")
 
 
 Schedule = Literal["sync", "one_step_off", "fully_async"]
@@ -330,7 +333,7 @@ class VerstConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
-    fault: FaultConfig = Field(default_factory=FaultConfig, description="Hang limits and engine fault tolerance.")
+    fault: FaultConfig = Field(default_factory=FaultConfig, description="Hang limits; engine and trainer restarts.")
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> VerstConfig:
@@ -351,6 +354,10 @@ class VerstConfig(Section):
             raise ValueError(
                 f"algorithm.distill_coef = {self.algorithm.distill_coef} needs a teacher model's logprobs, which a "
                 "verst run does not produce yet; set algorithm.distill_coef = 0")
+        if self.fault.max_restarts and not self.checkpoint.interval:
+            raise ValueError(
+                f"fault.max_restarts = {self.fault.max_restarts} restarts a run from its latest checkpoint, but "
+                "checkpoint.interval = 0 saves none before the end; set checkpoint.interval > 0")
         if self.reward.type == "custom" and not self.reward.path:
             raise ValueError("reward.type = 'custom' needs reward.path (an import path)")
         if self.reward.type == "remote" and not self.reward.url:

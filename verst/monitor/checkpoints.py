@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,11 @@ def commit(tmp: Path, manifest: dict[str, Any], keep_last: int | None = None) ->
     (and `latest`) as they were, or the new one complete."""
     final = tmp.parent / tmp.name.removeprefix(TMP_PREFIX)
     manifest = {"format": FORMAT, "saved_at": time.time(), **manifest}
-    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    _fsync_tree(tmp)
+    try:
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _fsync_tree(tmp)  # a full disk often shows only here, when the delayed writes reach it
+    except OSError as error:
+        raise not_saved(final, tmp, error) from error
     if final.exists():  # a step saved again (e.g. the final save of a run resumed at its last step)
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -67,12 +71,25 @@ def commit(tmp: Path, manifest: dict[str, Any], keep_last: int | None = None) ->
     return final
 
 
-def wait_trainer_writes(trainer_dir: Path, ranks: int, step: int, timeout_s: float = 1800.0) -> None:
+def not_saved(final: Path, tmp: Path, error: BaseException) -> CheckpointError:
+    """The error of a save that failed before its rename: it names the checkpoint, the cause and the
+    checkpoint `latest` still names; the temporary directory is removed (a full disk gets its space back)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    latest = read_latest(final.parent.parent)
+    kept = f"{latest} is still the latest checkpoint" if latest is not None else "the run has no earlier checkpoint"
+    return CheckpointError(f"checkpoint {final} not saved: {type(error).__name__}: {error}; {kept}")
+
+
+def wait_trainer_writes(trainer_dir: Path, ranks: int, step: int, timeout_s: float = 1800.0,
+                        abandoned: threading.Event | None = None) -> None:
     """Wait until every rank's background write of `trainer_dir` has ended, then write its COMPLETE
-    marker; a rank's failure is raised with its error. Nothing to wait for after a synchronous save."""
+    marker; a rank's failure is raised with its error, and so is `abandoned` being set (the run failed).
+    Nothing to wait for after a synchronous save."""
     marker = trainer_dir / TRAINER_COMPLETE
     deadline = time.monotonic() + timeout_s
     while not marker.exists():
+        if abandoned is not None and abandoned.is_set():
+            raise CheckpointError(f"{trainer_dir}: not committed, the run stopped before the trainer's write ended")
         failed = sorted(trainer_dir.glob(f"{FAILED_PREFIX}*"))
         if failed:
             raise CheckpointError(f"{trainer_dir}: the trainer's write failed on "

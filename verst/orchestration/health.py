@@ -8,8 +8,10 @@ the watchdog, with the one-screen report of what died or the stacks of what hang
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,18 @@ import ray
 from verst.config.schema import FaultConfig, VerstConfig
 from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
 from verst.sync.disk import snapshot_path
+from verst.trainer.backend import export_at_step
 
-RestartWeights = Callable[[], tuple[str, int] | None]
-"""() -> (model directory, weight version) a restarted engine serves, or None when engines cannot restart."""
+
+@dataclasses.dataclass(frozen=True)
+class RestartWeights:
+    """What a restarted engine loads: a model directory, served as weight `version`."""
+
+    model: str
+    version: int
+
+
+RestartSource = Callable[[], Awaitable[RestartWeights]]
 
 
 class EngineSupervisor:
@@ -29,15 +40,20 @@ class EngineSupervisor:
     Weight syncs take `lock`, which a restart holds: no push reaches an engine that is being replaced."""
 
     def __init__(self, fault: FaultConfig, engines: Any, rollout: Any, urls: list[str], processes: RunProcesses,
-                 watchdog: Watchdog, restart_weights: RestartWeights):
+                 watchdog: Watchdog, restart_weights: RestartSource, served_version: Callable[[], int],
+                 on_restart: Callable[[], None] = lambda: None):
+        """`restart_weights()`: what a restarted engine loads; `served_version()`: the version the other
+        engines serve; `on_restart()`: told once an engine was replaced (the weight push reconnects)."""
         self.fault, self.engines, self.rollout, self.urls = fault, engines, rollout, list(urls)
         self.processes, self.watchdog, self.restart_weights = processes, watchdog, restart_weights
+        self.served_version, self.on_restart = served_version, on_restart
+        self._waiting: dict[int, tuple[int, float]] = {}  # engine -> (version it serves, restart start)
         self.lock = asyncio.Lock()
         self.restarts = 0
         self._recovery_s: float | None = None
         self._task: asyncio.Task | None = None
         self._failures = [0] * len(urls)
-        self._busy: set[int] = set()  # engines being recovered (the poller and check_now may both find one)
+        self._recovering: dict[int, asyncio.Future] = {}  # the poller and check_now may both find an engine
 
     async def __aenter__(self) -> EngineSupervisor:
         self._task = asyncio.create_task(self._poll(), name="verst-engine-supervisor")
@@ -61,7 +77,19 @@ class EngineSupervisor:
     @property
     def restarts_engines(self) -> bool:
         """Whether a failed engine is restarted (rather than stopping the run)."""
-        return self.fault.tolerate_engines and self.restart_weights() is not None
+        return self.fault.tolerate_engines
+
+    async def admit_synced(self, version: int) -> None:
+        """After a push of `version` to every engine (under `lock`): restarted engines that waited for it
+        (they were restarted at a newer version than the others served) join the router again."""
+        for index, (restarted_at, started) in sorted(self._waiting.items()):
+            if version >= restarted_at:
+                await _check_version(self.urls[index], version)
+                await _ray(self.rollout.actor.add_engine.remote(self.urls[index]))
+                del self._waiting[index]
+                self._recovery_s = time.perf_counter() - started
+                print(f"[fault] engine {index} ({self.urls[index]}) serves version {version} with the others "
+                      f"again after {self._recovery_s:.1f} s", flush=True)
 
     async def check_now(self) -> None:
         """Probe every engine once and restart those found dead (before a weight sync reaches them)."""
@@ -104,47 +132,52 @@ class EngineSupervisor:
 
     # ---- recovery ---------------------------------------------------------------------------------
     async def _recover(self, index: int, why: str) -> bool:
-        """Restart engine `index`, or stop the run; whether the run goes on."""
-        if index in self._busy:
-            return True
-        self._busy.add(index)
-        try:
-            return await self._restart_or_fail(index, why)
-        finally:
-            self._busy.discard(index)
+        """Restart engine `index`, or stop the run; whether the run goes on. A second caller waits for the
+        recovery in progress (a push must not start before the engine is back)."""
+        recovery = self._recovering.get(index)
+        if recovery is None:
+            recovery = self._recovering[index] = asyncio.ensure_future(self._restart_or_fail(index, why))
+            recovery.add_done_callback(lambda _: self._recovering.pop(index, None))
+        return await asyncio.shield(recovery)
 
     async def _restart_or_fail(self, index: int, why: str) -> bool:
-        weights = self.restart_weights() if self.fault.tolerate_engines else None
-        if weights is None:
+        if not self.fault.tolerate_engines:
             self.watchdog.fail(await self._failure(index, why))
             return False
         url, started = self.urls[index], time.perf_counter()
-        model, version = weights
-        print(f"[fault] engine {index} ({url}) failed: {why}; restarting it at weight version {version}", flush=True)
+        print(f"[fault] engine {index} ({url}) failed: {why}; restarting it", flush=True)
         try:
             # Out of the router and killed first, without the lock: a push waiting on a hung engine fails
             # now instead of at its own timeout, and is made again after the restart.
             await _ray(self.rollout.actor.remove_engine.remote(url))
             await asyncio.to_thread(self.engines.halt, index)
             async with self.lock:
-                await asyncio.to_thread(self.engines.restart, index, model, version)
-                await _check_version(url, version)
-                await _ray(self.rollout.actor.add_engine.remote(url))
+                weights = await self.restart_weights()
+                await asyncio.to_thread(self.engines.restart, index, weights.model, weights.version)
+                self.on_restart()
+                await _check_version(url, weights.version)
+                served = self.served_version()
+                if weights.version == served:
+                    await _ray(self.rollout.actor.add_engine.remote(url))
+                else:  # newer weights than the others serve: it joins them with the next push
+                    self._waiting[index] = (weights.version, started)
         except Exception as error:
             self.watchdog.fail(RunFailure(f"run stopped: engine {index} ({url}) failed ({why}) and could not be "
                                           f"restarted: {type(error).__name__}: {str(error)[:500]}"))
             return False
         self.restarts += 1
-        self._recovery_s = time.perf_counter() - started
-        print(f"[fault] engine {index} ({url}) serves version {version} again after {self._recovery_s:.1f} s",
-              flush=True)
+        if index not in self._waiting:
+            self._recovery_s = time.perf_counter() - started
+            print(f"[fault] engine {index} ({url}) serves version {weights.version} again after "
+                  f"{self._recovery_s:.1f} s", flush=True)
+        else:
+            print(f"[fault] engine {index} ({url}) restarted at version {weights.version}; it rejoins the router "
+                  f"with the next weight push (the others serve {served})", flush=True)
         return True
 
     async def _failure(self, index: int, why: str) -> RunFailure:
         url = self.urls[index]
-        note = " (restarting an engine needs sync.transport = 'disk', whose snapshots hold the current weights)" \
-            if self.fault.tolerate_engines else " (fault.tolerate_engines = false)"
-        cause = RuntimeError(f"engine {index} ({url}) failed: {why}{note}")
+        cause = RuntimeError(f"engine {index} ({url}) failed: {why} (fault.tolerate_engines = false)")
         report = await asyncio.to_thread(failure_report, self.processes, cause)
         if report is not None:
             return report
@@ -153,13 +186,20 @@ class EngineSupervisor:
                                          "fault.health_interval_s x fault.health_failures")
 
 
-def disk_restart_weights(cfg: VerstConfig, syncer: Any, run_dir: Path) -> tuple[str, int] | None:
-    """What a restarted engine loads: the disk transport's snapshot of the engines' version (the source
-    model before the first sync). Other transports keep no copy of the weights: engines do not restart."""
-    if cfg.sync.transport != "disk":
-        return None
+async def restart_weights(cfg: VerstConfig, syncer: Any, trainer: Any, run_dir: Path) -> RestartWeights:
+    """What a restarted engine loads. Before the first push: the source model, version 0. The disk
+    transport: its snapshot of the version the engines serve. The other transports keep no copy, so the
+    trainer exports its current weights on demand into `RUN/weights/restart` (an HF checkpoint), with the
+    number of steps they have taken as their version, which may be ahead of the engines' until the next push."""
     version = syncer.version or 0
-    return (str(snapshot_path(run_dir / "weights", version)) if version else cfg.model.path), version
+    if not version:
+        return RestartWeights(cfg.model.path, 0)
+    if cfg.sync.transport == "disk":
+        return RestartWeights(str(snapshot_path(run_dir / "weights", version)), version)
+    directory = run_dir / "weights" / "restart"
+    shutil.rmtree(directory, ignore_errors=True)
+    steps = await asyncio.to_thread(trainer.apply, export_at_step, str(directory))
+    return RestartWeights(str(directory), int(steps[0]))
 
 
 async def _ray(ref: ray.ObjectRef, timeout_s: float = 60.0) -> Any:

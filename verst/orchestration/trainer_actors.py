@@ -107,7 +107,7 @@ class TrainerRank:
         options = {"master_address": ray.util.get_node_ip_address(), **transport_options}
         self.weight_sync = _SyncerLoop(sync, engine_urls, options)
 
-    def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
+    def sync_weights(self, version: int, bucket_bytes: int, reconnect: bool = False) -> dict[str, float]:
         """Rank 0: push the backend's weights as `version` and return the `sync/` metrics; the other ranks
         only take part in the gathers. A push that stops early still finishes them (`_DrainOnClose`)."""
         if self.rank:
@@ -117,6 +117,8 @@ class TrainerRank:
             raise RuntimeError("sync_weights before open_weight_sync")
         buckets = _DrainOnClose(self.backend.named_weights(bucket_bytes))
         try:
+            if reconnect:
+                self.weight_sync.run(self.weight_sync.syncer.reconnect())
             return self.weight_sync.sync(buckets, version)
         except WeightSyncError as error:  # an engine failed: this rank, and the trainer group, live on
             return SyncFailure(str(error))
@@ -157,6 +159,9 @@ class TrainerActorGroup(CollectiveCalls):
         self._closed = False
         self._infos: list[dict[str, Any]] | None = None
         self._ready_lock = threading.Lock()
+        # Collective calls may come from several driver threads (a train step, an engine restart's export):
+        # each is submitted to every rank under this lock, so all ranks run them in the same order.
+        self._submit_lock = threading.Lock()
         self._actors = [
             _RemoteTrainerRank.options(**placement.actor_options("trainer", rank)).remote(rank, self.world_size, device)
             for rank in range(self.world_size)
@@ -203,7 +208,8 @@ class TrainerActorGroup(CollectiveCalls):
         """Run `backend.<method>(*args, **kwargs)` on every rank (or read the attribute); results by rank."""
         self._check_open(method)
         payload = ray.put((args, kwargs))  # one copy in the object store, however many ranks read it
-        refs = {actor.call.remote(method, payload): rank for rank, actor in enumerate(self._actors)}
+        with self._submit_lock:
+            refs = {actor.call.remote(method, payload): rank for rank, actor in enumerate(self._actors)}
         return self._gather(refs, self.timeout_s, method)
 
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -212,7 +218,8 @@ class TrainerActorGroup(CollectiveCalls):
         Results by rank."""
         self._check_open(getattr(fn, "__name__", "apply"))
         payload = ray.put((args, kwargs))
-        refs = {actor.apply.remote(fn, payload): rank for rank, actor in enumerate(self._actors)}
+        with self._submit_lock:
+            refs = {actor.apply.remote(fn, payload): rank for rank, actor in enumerate(self._actors)}
         return self._gather(refs, self.timeout_s, getattr(fn, "__name__", "apply"))
 
     def open_weight_sync(self, sync: SyncConfig, engine_urls: list[str], **transport_options: Any) -> None:
@@ -221,10 +228,13 @@ class TrainerActorGroup(CollectiveCalls):
         ref = self._actors[0].open_weight_sync.remote(sync, list(engine_urls), transport_options)
         self._gather({ref: 0}, self.timeout_s, "open_weight_sync")
 
-    def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
-        """Push the weights to the engines as `version` (from rank 0; every rank gathers); `sync/` metrics."""
+    def sync_weights(self, version: int, bucket_bytes: int, reconnect: bool = False) -> dict[str, float]:
+        """Push the weights to the engines as `version` (from rank 0; every rank gathers); `sync/` metrics.
+        `reconnect`: an engine was replaced since the last push (see `WeightSyncer.reconnect`)."""
         self._check_open("sync_weights")
-        refs = {actor.sync_weights.remote(version, bucket_bytes): rank for rank, actor in enumerate(self._actors)}
+        with self._submit_lock:
+            refs = {actor.sync_weights.remote(version, bucket_bytes, reconnect): rank
+                    for rank, actor in enumerate(self._actors)}
         return self._gather(refs, self.timeout_s, "sync_weights")[0]
 
     def close_weight_sync(self) -> None:
@@ -235,10 +245,12 @@ class TrainerActorGroup(CollectiveCalls):
         """Rank 0's buckets, streamed through the object store at most `STREAM_AHEAD_BUCKETS` ahead of
         the consumer; stopping early drains the rest so the ranks stay in step."""
         self._check_open("named_weights")
-        stream = self._actors[0].stream_weights.options(
-            num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD_BUCKETS
-        ).remote(bucket_bytes)
-        others = {actor.drain_weights.remote(bucket_bytes): rank for rank, actor in enumerate(self._actors) if rank}
+        with self._submit_lock:
+            stream = self._actors[0].stream_weights.options(
+                num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD_BUCKETS
+            ).remote(bucket_bytes)
+            others = {actor.drain_weights.remote(bucket_bytes): rank
+                      for rank, actor in enumerate(self._actors) if rank}
         refs = self._stream(stream, others)
         finished = False
         try:

@@ -26,7 +26,16 @@ TAIL_LINES = 20
 
 
 class RunFailure(RuntimeError):
-    """A run stopped by a dead or stuck process; the message says which, how, and where its log is."""
+    """A run stopped by a dead or stuck process; the message says which, how, and where its log is.
+    `dead` holds the roles of the processes that died ("trainer-0", "engine-1", "rollout-manager")."""
+
+    def __init__(self, message: str, dead: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.dead = dead
+
+    @property
+    def trainer_died(self) -> bool:
+        return any(role.startswith("trainer-") for role in self.dead)
 
 
 class StuckError(RunFailure, TimeoutError):
@@ -209,7 +218,7 @@ def failure_report(processes: RunProcesses, error: BaseException, phase: str | N
     latest = processes.run_dir / "checkpoints" / "latest"
     if latest.exists():
         lines.append(f"  last checkpoint: {latest}")
-    return RunFailure("\n".join(lines))
+    return RunFailure("\n".join(lines), dead=tuple(status.role for status in dead))
 
 
 def _write_json(path: Path, value: Any) -> None:

@@ -30,6 +30,7 @@ class TrainerWeightSync:
         self._version: int | None = None
         self._opening = (cfg.model_copy(update={"check_weights": False}), list(engine_urls), transport_options)
         self._opened = False
+        self._reconnect = False  # an engine was replaced: the next push sets its transport up again
         self.closed = False
 
     @property
@@ -47,14 +48,19 @@ class TrainerWeightSync:
             sync, urls, options = self._opening
             await asyncio.to_thread(self.trainer.open_weight_sync, sync, urls, **options)
             self._opened = True
-        metrics = await asyncio.to_thread(self.trainer.sync_weights, version, self.bucket_bytes)
+        metrics = await asyncio.to_thread(self.trainer.sync_weights, version, self.bucket_bytes, self._reconnect)
         if isinstance(metrics, SyncFailure):  # the engines failed; the trainer is intact
             raise WeightSyncError(metrics.message)
+        self._reconnect = False
         self._version = version
         if self.checker is not None:
             checker, self.checker = self.checker, None  # once
             metrics.update(await checker.check(self.fleet, version))
         return metrics
+
+    def engine_replaced(self) -> None:
+        """An engine was restarted at its URL: the next push reconnects the transport to every engine."""
+        self._reconnect = True
 
     async def close_within(self, seconds: float) -> None:
         """After a failure: close if it can be done quickly (rank 0 may be dead or stuck; the orchestration's

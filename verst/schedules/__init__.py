@@ -1,6 +1,7 @@
 """Layer 4: the readable loops — sync, one-step-off and fully async RL, SFT — and the demo job.
 
-`SCHEDULES` maps `schedule` to its loop; each imports its heavy parts only when run.
+`SCHEDULES` maps `schedule` to its loop, restarted after a trainer rank's death as `fault.max_restarts`
+allows (`restarts`); each imports its heavy parts only when run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ def _lazy(module: str, name: str) -> Callable[..., Awaitable[Any]]:
     def run(cfg):
         import importlib
 
-        return getattr(importlib.import_module(module), name)(cfg)
+        from verst.schedules.restarts import run_restarting
+
+        return run_restarting(getattr(importlib.import_module(module), name), cfg)
 
     return run
 

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,7 @@ class RunCheckpointer:
         self.cfg, self.run_dir, self.steps_per_rollout = cfg, Path(run_dir), steps_per_rollout
         self.last_step: int | None = None
         self._committing: concurrent.futures.Future | None = None
+        self._abandoned = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verst-checkpoint")
         layout.remove_tmp_dirs(self.run_dir)
 
@@ -91,7 +93,14 @@ class RunCheckpointer:
 
     def _commit(self, tmp: Path, manifest: dict[str, Any]) -> None:
         """In the background: once the ranks' writes have ended, the atomic commit."""
-        layout.wait_trainer_writes(tmp / layout.TRAINER_DIR, self.cfg.cluster.trainer_ranks, manifest["step"])
+        try:
+            layout.wait_trainer_writes(tmp / layout.TRAINER_DIR, self.cfg.cluster.trainer_ranks, manifest["step"],
+                                       abandoned=self._abandoned)
+        except layout.CheckpointError as error:
+            if self._abandoned.is_set():  # a dead rank may still hold files there; the next run removes it
+                raise
+            raise layout.not_saved(self.run_dir / layout.CHECKPOINTS_DIR / layout.step_dir_name(manifest["step"]),
+                                   tmp, error) from error
         layout.commit(tmp, manifest, self.cfg.checkpoint.keep_last)
 
     async def wait(self) -> None:
@@ -99,6 +108,11 @@ class RunCheckpointer:
         committing, self._committing = self._committing, None
         if committing is not None:
             await asyncio.wrap_future(committing)
+
+    def abandon(self) -> None:
+        """The run failed: a commit still waiting for the ranks' writes gives up (its temporary directory
+        stays until the next run in this directory removes it; `latest` keeps the previous checkpoint)."""
+        self._abandoned.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

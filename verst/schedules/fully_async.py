@@ -13,8 +13,8 @@ from verst.config import VerstConfig
 from verst.schedules.run import open_rl_run
 
 
-async def run_fully_async(cfg: VerstConfig) -> dict[str, Any]:
-    async with open_rl_run(cfg) as run:
+async def run_fully_async(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
+    async with open_rl_run(cfg, restarts) as run:
         await run.begin()  # the step-0 evaluation, while the first rollouts generate
         await asyncio.to_thread(run.rollout.start_async)
         try:

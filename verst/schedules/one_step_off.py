@@ -14,8 +14,8 @@ from verst.config import VerstConfig
 from verst.schedules.run import open_rl_run
 
 
-async def run_one_step_off(cfg: VerstConfig) -> dict[str, Any]:
-    async with open_rl_run(cfg) as run:
+async def run_one_step_off(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
+    async with open_rl_run(cfg, restarts) as run:
         await run.begin()  # the step-0 evaluation, while the first rollouts generate
         if run.first_rollout < cfg.rollout.num_rollouts:  # a run resumed at its end has none to make
             next_batch = asyncio.create_task(run.generate(run.first_rollout))

@@ -26,7 +26,7 @@ from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.orchestration import EngineMemory, Orchestration, RolloutBatch, RolloutSource, RouterSpec, WeightPush
-from verst.orchestration.health import EngineSupervisor, disk_restart_weights
+from verst.orchestration.health import EngineSupervisor, restart_weights
 from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules import checkpointing
@@ -65,6 +65,7 @@ class RLRun:
     started_at: float = dataclasses.field(default_factory=time.time)  # the same moment, wall clock
     watchdog: Watchdog | None = None  # bounds each phase by its `fault.*_timeout_s` (None: unbounded)
     supervisor: EngineSupervisor | None = None  # restarts failed engines (fault.tolerate_engines)
+    trainer_restarts: int = 0  # times this run restarted from a checkpoint after a trainer rank died
     _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
 
     # -- named steps ---------------------------------------------------------------------------
@@ -148,7 +149,9 @@ class RLRun:
             await self.supervisor.check_now()  # a dead engine is restarted before the push reaches it
             async with self.supervisor.lock:  # no push while an engine is being replaced
                 try:
-                    return await self.syncer.sync(self.version)
+                    metrics = await self.syncer.sync(self.version)
+                    await self.supervisor.admit_synced(self.version)  # engines restarted ahead of the others
+                    return metrics
                 except WeightSyncError as error:
                     if retry or not self.supervisor.restarts_engines:
                         raise
@@ -254,6 +257,8 @@ class RLRun:
             metrics["perf/engine_idle_fraction"] = idle
         if self.supervisor is not None:
             metrics.update(self.supervisor.metrics())
+        if self.trainer_restarts:
+            metrics["fault/trainer_restarts"] = float(self.trainer_restarts)
         self.logger.log(metrics, step=self.version)
         self.progress.step(self.version, metrics)
 
@@ -277,10 +282,11 @@ class RLRun:
 
 
 @contextlib.asynccontextmanager
-async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
+async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRun]:
     """Start every part of an RL run; stop all on exit. The engines, the rollout manager's process and the
     trainer ranks start at the same time, and the run begins (first rollouts, step-0 evaluation) once the
-    engines serve: the trainer, usually the slowest to start, is first needed by the first train step."""
+    engines serve: the trainer, usually the slowest to start, is first needed by the first train step.
+    `restarts`: the times this run has restarted after a trainer rank died (`fault/trainer_restarts`)."""
     started, started_at = time.perf_counter(), time.time()  # the summary's time/total_s includes start-up
     cfg = absolute_paths(cfg)
     resume = checkpointing.prepare_resume(cfg)  # refused before anything starts
@@ -318,11 +324,13 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
                                        source_model=cfg.model.path, control_timeout_s=cfg.fault.engine_call_timeout_s)
             watchdog = Watchdog(run_dir, processes)
             supervisor = EngineSupervisor(cfg.fault, engines, rollout, urls, processes, watchdog,
-                                          functools.partial(disk_restart_weights, cfg, syncer, run_dir))
+                                          functools.partial(restart_weights, cfg, syncer, trainer, run_dir),
+                                          served_version=lambda: syncer.version or 0,
+                                          on_restart=syncer.engine_replaced)
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started, started_at=started_at,
                         checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout),
-                        watchdog=watchdog, supervisor=supervisor)
+                        watchdog=watchdog, supervisor=supervisor, trainer_restarts=restarts)
             if resume is not None:
                 await checkpointing.restore(run, resume)  # before any rollout: the engines serve its weights
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
@@ -335,6 +343,7 @@ async def open_rl_run(cfg: VerstConfig) -> AsyncIterator[RLRun]:
                         yield run
                     await checkpointing.finish(run)  # final checkpoint and Hugging Face export
             except Exception as error:
+                run.checkpointer.abandon()  # a commit waiting for a dead rank's write must not hold the exit
                 await run.drop_evaluation()
                 await syncer.close_within(10.0)  # a dead or stuck part must not hold the report back
                 report = None if isinstance(error, RunFailure) else \

@@ -144,6 +144,11 @@ class WeightSyncer:
                 f"{failed}. Every engine was continued; they still report version {previous} but may hold some "
                 f"tensors of version {version}: sync again before trusting their weights.") from exc
 
+    async def reconnect(self) -> None:
+        """An engine was replaced by a new server at the same URL: drop what the transport holds (a
+        distributed group with the old server in it); the next push sets it up again with every engine."""
+        await self.transport.close()
+
     async def close(self) -> None:
         await self.transport.close()
 

@@ -28,7 +28,8 @@ class WeightTransport(Protocol):
         ...
 
     async def close(self) -> None:
-        """Release what the transport holds (process group, files); safe to call twice."""
+        """Release what the transport holds (process group, files); safe to call twice. A later push
+        sets up what it needs again."""
         ...
 
 

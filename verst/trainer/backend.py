@@ -155,3 +155,9 @@ def load_backend(backend: TrainBackend, directory: str) -> int:
 
 def export_backend(backend: TrainBackend, directory: str) -> None:
     backend.export_hf(directory)
+
+
+def export_at_step(backend: TrainBackend, directory: str) -> int:
+    """`backend.export_hf`, returning the number of optimizer steps the exported weights have taken."""
+    backend.export_hf(directory)
+    return backend.step

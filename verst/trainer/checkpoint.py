@@ -4,6 +4,7 @@ step, per-rank RNG) and Hugging Face exports gathered on rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,15 +41,33 @@ def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield (f"{module_name}.{name}" if module_name else name), buffer
 
 
+@dataclasses.dataclass(frozen=True)
+class BackgroundSave:
+    """A save running in threads: `staged` once the shards are copied (the model and optimizer may change
+    again), `written` once they are on disk (and `done_rank<R>` or `failed_rank<R>` is recorded)."""
+
+    staged: Future
+    written: Future
+
+
+def background_stager() -> DefaultStager:
+    """The copy of the shards in a thread of its own (plain CPU memory: no pinned or shared buffers, which
+    need an accelerator or /dev/shm room); `close()` it when done."""
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=False))
+
+
 def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, step: int, *,
-         background_group: dist.ProcessGroup | None = None) -> Future | None:
+         background_group: dist.ProcessGroup | None = None,
+         stager: DefaultStager | None = None) -> BackgroundSave | None:
     """Collective. `directory/COMPLETE` is written last, so a half-written checkpoint is never loaded.
 
-    With `background_group` (a process group used for nothing else) the shards are copied now and
-    written by a background thread (`torch.distributed.checkpoint.async_save`): the call returns once
-    the copy is made, and each rank writes `done_rank<R>` (or `failed_rank<R>` with the error) when its
-    write has ended; whoever waits for those writes COMPLETE (`mark_complete`). Returns that write."""
+    With `background_group` (a process group used for nothing else) and `stager` (`background_stager()`)
+    the shards are copied and written by background threads (`torch.distributed.checkpoint.async_save`):
+    the call returns at once; the model and optimizer must not change before `staged` is done. Each rank
+    writes `done_rank<R>` (or `failed_rank<R>` with the error) when its write has ended; whoever waits for
+    those writes COMPLETE (`mark_complete`)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -57,9 +77,10 @@ def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         torch.save(state, directory / STATE_FILE)
     shards = {"model": model_state, "optimizer": optim_state}
     if background_group is not None:
-        writing = dcp.async_save(shards, checkpoint_id=directory / SHARDS_DIR, process_group=background_group)
-        writing.add_done_callback(functools.partial(_record_write, directory, rank))
-        return writing
+        response = dcp.async_save(shards, checkpoint_id=directory / SHARDS_DIR, process_group=background_group,
+                                  async_stager=stager or background_stager())
+        response.upload_completion.add_done_callback(functools.partial(_record_write, directory, rank))
+        return BackgroundSave(response.staging_completion, response.upload_completion)
     dcp.save(shards, checkpoint_id=directory / SHARDS_DIR)
     dist.barrier()
     if rank == 0:

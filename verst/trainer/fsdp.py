@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import torch
@@ -70,8 +71,9 @@ class FSDP2Backend:
             torch.set_num_threads(1)  # one thread per rank process; see PLATFORM.md
         torch.manual_seed(trainer.seed + self.rank)
         self._step = 0
-        self._writing = None  # a background save's write (checkpoint.save)
+        self._writing: checkpoint.BackgroundSave | None = None  # a background save in progress
         self._checkpoint_group = None  # its own process group: the write's collectives run in a thread
+        self._stager = None  # its copy of the shards, in a thread: the model waits for it before it changes
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Python objects (metrics, logprob dicts) travel over gloo even when tensors use NCCL.
         self._object_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
@@ -178,6 +180,7 @@ class FSDP2Backend:
         with_entropy: bool = False,
     ) -> dict[str, float]:
         start = time.perf_counter()
+        self._wait_staged()  # a background save's copy of the weights and optimizer state is made first
         items = as_items(batch)
         total = float(normalizer(pad_right([it.loss_mask for it in items])))
         if not total > 0:
@@ -247,15 +250,21 @@ class FSDP2Backend:
         if background:
             if self._checkpoint_group is None:  # collective: every rank saves at the same time
                 self._checkpoint_group = dist.new_group(backend="gloo")
+                self._stager = checkpoint.background_stager()
             group = self._checkpoint_group
         self._writing = checkpoint.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
-                                        background_group=group)
+                                        background_group=group, stager=self._stager)
 
     def wait_saves(self) -> None:
         """Wait for a background save's write (its error is raised here)."""
         writing, self._writing = self._writing, None
         if writing is not None:
-            writing.result()
+            writing.written.result()
+
+    def _wait_staged(self) -> None:
+        """Wait until a background save has copied what it writes (a failed copy shows in its write)."""
+        if self._writing is not None:
+            futures.wait([self._writing.staged])
 
     def load(self, directory: str | Path) -> None:
         self.wait_saves()
