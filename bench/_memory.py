@@ -3,15 +3,18 @@ engine servers below it, each named by its role (trainer rank, engine, rollout m
 
 from __future__ import annotations
 
-import os
 import resource
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
 # Substrings of a process's command line (Ray sets an actor's to "ray::<Class>.<method>") -> its role.
-ROLES = (("verst.engine.server", "engine server"), ("serve engine", "engine server"),
+ROLES = (("--side trl", "TRL process"), ("--side fully_async", "verst driver (fully async)"),
+         ("--side sync", "verst driver (sync)"),
+         ("verst.engine.server", "engine server"), ("serve engine", "engine server"),
          ("ray::TrainerRank", "trainer rank"), ("ray::EngineServer", "engine actor"),
          ("ray::_RolloutManagerActor", "rollout manager"), ("ray::RolloutManager", "rollout manager"),
          ("gcs_server", "ray gcs"), ("raylet", "ray raylet"))
@@ -81,5 +84,14 @@ class PeakMemory:
         return "peak RSS: " + ", ".join(f"{role} {mib:.0f} MiB" for role, mib in self.by_role().items())
 
 
-def describe_self(label: str) -> str:
-    return f"peak RSS: {label} {peak_rss_mib():.0f} MiB (pid {os.getpid()})"
+T = TypeVar("T")
+
+
+def report_peaks(main: Callable[[], T]) -> T:
+    """Run a bench's `main` while watching its processes; print each role's peak RSS when it ends."""
+    with PeakMemory() as memory:
+        try:
+            return main()
+        finally:
+            memory.poll()
+            print(memory.table(), flush=True)
