@@ -316,7 +316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, help="held-out greedy accuracy to reach (default: SFT + 0.15)")
     parser.add_argument("--eval-interval", type=int, default=5, help="evaluate every N optimizer steps")
     parser.add_argument("--max-steps", type=int, default=100, help="step cap of each side")
-    parser.add_argument("--time-cap", type=float, default=900.0, help="wall-time cap of each side in seconds")
+    parser.add_argument("--time-cap", type=float, help="wall-time cap of each side in seconds (default 900; "
+                        "with --model 3600)")
     parser.add_argument("--sides", help="comma-separated subset of " + ",".join(SIDES) + " (default: all; with "
                         "--model: trl,fully_async)")
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
@@ -337,6 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.work_dir = args.work_dir or str(ROOT / "runs" / "vs-trl" / (Path(args.model).name if args.model else args.task))
     args.sides = args.sides or ("trl,fully_async" if args.model else ",".join(SIDES))
+    if args.time_cap is None:
+        args.time_cap = 3600.0 if args.model else 900.0
     unknown = set(args.sides.split(",")) - set(SIDES)
     if unknown:
         parser.error(f"--sides: unknown {sorted(unknown)}; choose from {list(SIDES)}")
