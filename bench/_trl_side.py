@@ -93,10 +93,22 @@ def accuracy_callback(cfg: VerstConfig, model: Any, tokenizer: Any, *, interval:
     return HeldOutAccuracy()
 
 
+def step_times_callback(record: dict[str, Any]):
+    """A TrainerCallback appending each optimizer step's end time to `record["step_times"]`."""
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            record["step_times"].append(time.time())
+
+    return StepTimes()
+
+
 def run_trl(cfg: VerstConfig, *, target: float, max_steps: int, time_cap_s: float, eval_interval: int,
             threads: int, out_dir: str) -> dict[str, Any]:
-    """Train with TRL until the target accuracy, `max_steps` or `time_cap_s`; returns the start time and
-    the timestamped evaluations (the clock starts after the imports, before the model is loaded)."""
+    """Train with TRL until the target accuracy, `max_steps` or `time_cap_s`; returns the start time, each
+    step's end time and the timestamped evaluations (the clock starts after the imports, before the model
+    is loaded). `eval_interval` 0: no held-out evaluations, only `max_steps`."""
     import datasets
     import torch
     from transformers import PrinterCallback
@@ -128,11 +140,13 @@ def run_trl(cfg: VerstConfig, *, target: float, max_steps: int, time_cap_s: floa
     )
     # verst's own AdamW and warm-up schedule, so the two sides step with identical learning rates.
     optimizer, scheduler = build_optimizer(model, t, total_steps=max_steps)
-    record: dict[str, Any] = {"evals": [], "stopped_by": "step cap"}
-    callback = accuracy_callback(cfg, model, tokenizer, interval=eval_interval, target=target, started=started,
-                                 time_cap_s=time_cap_s, record=record)
+    record: dict[str, Any] = {"evals": [], "stopped_by": "step cap", "step_times": []}
+    callbacks = [step_times_callback(record)]
+    if eval_interval:
+        callbacks.append(accuracy_callback(cfg, model, tokenizer, interval=eval_interval, target=target,
+                                           started=started, time_cap_s=time_cap_s, record=record))
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn(cfg), args=args, train_dataset=train,
-                          processing_class=tokenizer, callbacks=[callback], optimizers=(optimizer, scheduler))
+                          processing_class=tokenizer, callbacks=callbacks, optimizers=(optimizer, scheduler))
     trainer.remove_callback(PrinterCallback)  # the accuracy callback prints; TRL's log lines are noise here
     if trainer.eos_token_ids != [tokenizer.eos_token_id]:
         raise ValueError(f"TRL stops generation at {trainer.eos_token_ids}, verst at [{tokenizer.eos_token_id}]")

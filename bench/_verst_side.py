@@ -72,6 +72,8 @@ def run_verst(cfg: VerstConfig, *, target: float, time_cap_s: float) -> dict[str
     reason = asyncio.run(_run_until(cfg, target, started + time_cap_s))
     finished = time.time()
     records = read_metrics(Path(cfg.run_dir))
-    steps = max((r["step"] for r in records if "train/loss" in r), default=0)
+    trained = [r for r in records if "train/loss" in r]
+    steps = max((r["step"] for r in trained), default=0)
     return {"started": started, "finished": finished, "evals": evals_of(records), "steps": steps,
+            "step_times": [r["time"] for r in sorted(trained, key=lambda r: r["step"])],
             "stopped_by": reason, "threads": 1}

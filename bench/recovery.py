@@ -147,4 +147,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _memory import report_peaks  # this script's folder is first on sys.path
+
+    sys.exit(report_peaks(main))

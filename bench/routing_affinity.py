@@ -319,4 +319,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _memory import report_peaks  # this script's folder is first on sys.path
+
+    report_peaks(main)

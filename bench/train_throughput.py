@@ -1,7 +1,11 @@
 """Train-step throughput: verst's FSDP2 backend (1 rank, then 2 ranks) against a plain transformers +
-AdamW loop on the same model and batch, measured in one run. Target: verst overhead <= 15%.
+AdamW loop on the same model and batch, measured in one run, and verst with activation checkpointing
+(`trainer.gradient_checkpointing`). Target: verst overhead <= 15% on the tiny models, <= 5% on a real one
+(`--model smollm2`: SmolLM2-135M-Instruct; or `--model PATH`, any HF checkpoint directory). Prints the peak
+RSS of this process (the plain loop and the 1-rank backends) and of the 2-rank actors.
 
-    .venv/bin/python bench/train_throughput.py [--arch qwen3] [--size small] [--steps 6]
+    .venv/bin/python bench/train_throughput.py [--arch qwen3] [--size small] [--steps 4] [--ranks 1,2]
+    .venv/bin/python bench/train_throughput.py --model smollm2 --batch 16 --steps 3 --ranks 1
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
+from _memory import PeakMemory, peak_rss_mib  # noqa: E402
+from _models import resolve_model  # noqa: E402
 
 from verst.config.schema import ClusterConfig, ModelConfig, TrainerConfig  # noqa: E402
 from verst.models.factory import init_model  # noqa: E402
@@ -90,57 +96,91 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+def one_rank(path: Path, args, items: list[TrainItem]) -> dict[str, tuple[float, float]]:
+    """The plain loop, verst's backend and verst's backend with activation checkpointing, interleaved."""
+    from transformers import AutoModelForCausalLM
+
+    policy_tokens = sum(it.response_length for it in items)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    micro = plain_micro_batches(items, args.max_tokens)
+    model_cfg = ModelConfig(path=str(path))
+    backend = FSDP2Backend(model_cfg, trainer_config(args), device="cpu")
+    fns = {"plain": lambda: plain_step(model, optimizer, micro, policy_tokens, 1.0),
+           "verst": lambda: backend.train_step(items, sft_loss_fn)}
+    if args.checkpointing:
+        recompute = FSDP2Backend(model_cfg, trainer_config(args, gradient_checkpointing=True), device="cpu")
+        fns["verst_ckpt"] = lambda: recompute.train_step(items, sft_loss_fn)
+    return interleaved(fns, args.steps)
+
+
+def two_ranks(path: Path, args, items: list[TrainItem]) -> tuple[tuple[float, float], dict[str, float]]:
+    """Two rank actors on a local Ray, as `verst sft` starts them with cluster.trainer_ranks = 2."""
+    factory = functools.partial(FSDP2Backend, ModelConfig(path=str(path)), trainer_config(args), device="cpu")
+    with PeakMemory() as memory, Orchestration(ClusterConfig(trainer_ranks=2, device="cpu"), engines=False) as orch:
+        group = orch.start_trainer(factory)
+        timing = interleaved({"verst2": lambda: group.train_step(items, sft_loss_fn)}, args.steps)["verst2"]
+        memory.poll()
+    return timing, memory.by_role()
+
+
+def trainer_config(args, **extra) -> TrainerConfig:
+    return TrainerConfig(lr=1e-4, max_tokens_per_micro_batch=args.max_tokens, **extra)
+
+
+def report(name: str, args, tokens: int, one: dict, two: tuple | None) -> None:
+    target = 0.05 if args.model else 0.15
+    (plain_s, plain_cpu), (verst_s, verst_cpu) = one["plain"], one["verst"]
+    overhead = verst_s / plain_s - 1.0
+    print(f"model {name}, batch {args.batch} sequences, {tokens} tokens, budget {args.max_tokens}")
+    print(f"plain transformers + AdamW : {tokens / plain_s:9.1f} tokens/s  ({plain_s * 1e3:.0f} ms/step)")
+    print(f"verst FSDP2, 1 rank        : {tokens / verst_s:9.1f} tokens/s  ({verst_s * 1e3:.0f} ms/step)")
+    print(f"verst overhead             : {overhead * 100:+.1f}% wall, {(verst_cpu / plain_cpu - 1) * 100:+.1f}% CPU time "
+          f"(target <= {target:.0%}): {'ok' if overhead <= target else 'OVER TARGET'}")
+    if "verst_ckpt" in one:
+        ckpt_s = one["verst_ckpt"][0]
+        print(f"  with activation ckpt     : {tokens / ckpt_s:9.1f} tokens/s  ({ckpt_s * 1e3:.0f} ms/step, "
+              f"{ckpt_s / verst_s:.2f}x the step without)")
+    print(f"peak RSS, this process (plain loop + 1-rank backends): {peak_rss_mib():.0f} MiB")
+    if two is not None:
+        (two_s, _), memory = two
+        print(f"verst FSDP2, 2 ranks       : {tokens / two_s:9.1f} tokens/s  ({two_s * 1e3:.0f} ms/step, "
+              f"{os.cpu_count()} CPU cores)")
+        print("  peak RSS: " + ", ".join(f"{role} {mib:.0f} MiB" for role, mib in memory.items() if role != "driver"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen3")
     parser.add_argument("--size", default="small")
+    parser.add_argument("--model", help="instead of --arch/--size: smollm2 (SmolLM2-135M-Instruct) or a checkpoint dir")
     parser.add_argument("--batch", type=int, default=64, help="sequences per step")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant")
     parser.add_argument("--max-tokens", type=int, default=2048, help="max_tokens_per_micro_batch")
+    parser.add_argument("--ranks", default="1,2", help="1: the in-process variants; 2: two rank actors on Ray")
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
+                        help="skip the variant with activation checkpointing")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+    ranks = {r.strip() for r in args.ranks.split(",")}
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = init_model(args.arch, args.size, Path(tmp) / "model")
-        model_cfg = ModelConfig(path=str(path))
-        trainer_cfg = TrainerConfig(lr=1e-4, max_tokens_per_micro_batch=args.max_tokens)
-        vocab = AutoConfig.from_pretrained(path).vocab_size
-        items = make_batch(args.batch, seed=0, vocab=vocab)
-        tokens = sum(it.length for it in items)
-        policy_tokens = sum(it.response_length for it in items)
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        micro = plain_micro_batches(items, args.max_tokens)
-        backend = FSDP2Backend(model_cfg, trainer_cfg, device="cpu")
-        one_rank = interleaved(
-            {
-                "plain": lambda: plain_step(model, optimizer, micro, policy_tokens, 1.0),
-                "verst": lambda: backend.train_step(items, sft_loss_fn),
-            },
-            args.steps,
-        )
-        model = optimizer = backend = None  # free the 1-rank copies before starting two ranks
-        factory = functools.partial(FSDP2Backend, model_cfg, trainer_cfg, device="cpu")
-        # Two rank actors on a local Ray, as `verst sft` starts them with cluster.trainer_ranks = 2.
-        with Orchestration(ClusterConfig(trainer_ranks=2, device="cpu"), engines=False) as orch:
-            group = orch.start_trainer(factory)
-            two_rank = interleaved({"verst2": lambda: group.train_step(items, sft_loss_fn)}, args.steps)["verst2"]
-
-    (plain_s, plain_cpu), (verst_s, verst_cpu) = one_rank["plain"], one_rank["verst"]
-    overhead = verst_s / plain_s - 1.0
-    print(f"model {args.arch}/{args.size}, batch {args.batch} sequences, {tokens} tokens, budget {args.max_tokens}")
-    print(f"plain transformers + AdamW : {tokens / plain_s:9.0f} tokens/s  ({plain_s * 1e3:.0f} ms/step)")
-    print(f"verst FSDP2, 1 rank        : {tokens / verst_s:9.0f} tokens/s  ({verst_s * 1e3:.0f} ms/step)")
-    print(f"verst overhead             : {overhead * 100:+.1f}% wall, {(verst_cpu / plain_cpu - 1) * 100:+.1f}% CPU time "
-          f"(target <= 15%): {'ok' if overhead <= 0.15 else 'OVER TARGET'}")
-    print(f"verst FSDP2, 2 ranks       : {tokens / two_rank[0]:9.0f} tokens/s  ({two_rank[0] * 1e3:.0f} ms/step, "
-          f"{os.cpu_count()} CPU cores)")
+        path = resolve_model(args.model) if args.model else init_model(args.arch, args.size, Path(tmp) / "model")
+        items = make_batch(args.batch, seed=0, vocab=AutoConfig.from_pretrained(path).vocab_size)
+        one = one_rank(path, args, items) if "1" in ranks else None
+        two = two_ranks(path, args, items) if "2" in ranks else None
+    name = args.model or f"{args.arch}/{args.size}"
+    tokens = sum(it.length for it in items)
+    if one is not None:
+        report(name, args, tokens, one, two)
+    elif two is not None:
+        print(f"model {name}: verst FSDP2, 2 ranks: {tokens / two[0][0]:.1f} tokens/s; {two[1]}")
 
 
 if __name__ == "__main__":

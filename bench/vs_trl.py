@@ -25,6 +25,14 @@ recipe's run, runs/sft-addition/hf for addition, else the task's SFT stages trai
 
     .venv/bin/python bench/vs_trl.py [--task chain_addition|addition] [--sft-checkpoint DIR] [--target 0.62]
         [--eval-interval 5] [--max-steps 100] [--time-cap 900] [--sides trl,sync,fully_async] [--out r.json]
+
+`--model smollm2` (SmolLM2-135M-Instruct; or `--model PATH`, any HF checkpoint directory) compares instead
+the seconds per optimizer step on a real model (bench/_step_time.py: single-digit sums through its chat
+template, 4 prompts x 8 samples, 8 new tokens), verst fully async against TRL by default, over --steps
+steps after --warmup, with the peak memory of every process (driver, trainer rank, engine, rollout manager):
+
+    .venv/bin/python bench/vs_trl.py --model smollm2 [--warmup 2] [--steps 5] [--prompts 4] [--samples 8]
+        [--max-new-tokens 8] [--sides trl,fully_async] [--out r.json]
 """
 
 from __future__ import annotations
@@ -247,6 +255,9 @@ def run_side(side: str, checkpoint: Path, target: float, args: argparse.Namespac
            "--target", str(target), "--eval-interval", str(args.eval_interval), "--max-steps", str(args.max_steps),
            "--time-cap", str(args.time_cap), "--trl-threads", str(args.trl_threads), "--work-dir", args.work_dir,
            "--task", args.task]
+    if args.model:  # the real-model mode: the resolved checkpoint and the step counts and batch shape
+        cmd += ["--model", str(checkpoint), "--warmup", str(args.warmup), "--steps", str(args.steps), "--prompts",
+                str(args.prompts), "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens)]
     load = os.getloadavg()[0]
     log = out.with_suffix(".log")
     print(f"[vs_trl] == {side} (load average {load:.2f}; log {log})", flush=True)
@@ -274,6 +285,11 @@ def run_side(side: str, checkpoint: Path, target: float, args: argparse.Namespac
 def side_main(args: argparse.Namespace) -> int:
     """Child process: run `args.side` and write its result JSON."""
     checkpoint = Path(args.sft_checkpoint)
+    if args.model:
+        from _step_time import side_main as step_time_side
+
+        Path(args.side_out).write_text(json.dumps(step_time_side(args, args.side, checkpoint), indent=1) + "\n")
+        return 0
     cfg = side_config(args.side, checkpoint, args)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # metrics.jsonl appends: start from an empty run directory
     if args.side == "trl":
@@ -300,8 +316,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, help="held-out greedy accuracy to reach (default: SFT + 0.15)")
     parser.add_argument("--eval-interval", type=int, default=5, help="evaluate every N optimizer steps")
     parser.add_argument("--max-steps", type=int, default=100, help="step cap of each side")
-    parser.add_argument("--time-cap", type=float, default=900.0, help="wall-time cap of each side in seconds")
-    parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ",".join(SIDES))
+    parser.add_argument("--time-cap", type=float, help="wall-time cap of each side in seconds (default 900; "
+                        "with --model 3600)")
+    parser.add_argument("--sides", help="comma-separated subset of " + ",".join(SIDES) + " (default: all; with "
+                        "--model: trl,fully_async)")
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
     parser.add_argument("--trl-spec", default="trl", help="pip requirement installed when trl is missing")
     parser.add_argument("--task", choices=sorted(TASKS), default="chain_addition",
@@ -309,13 +327,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "addition: make demo's task (2-4 answer tokens)")
     parser.add_argument("--work-dir", help="run directories of the sides (default: runs/vs-trl/TASK)")
     parser.add_argument("--out", help="write the measurements as JSON here")
+    parser.add_argument("--model", help="seconds per step on a real model instead: smollm2 or a checkpoint dir")
+    parser.add_argument("--warmup", type=int, default=2, help="--model: untimed steps first")
+    parser.add_argument("--steps", type=int, default=5, help="--model: timed steps")
+    parser.add_argument("--prompts", type=int, default=4, help="--model: prompts per step")
+    parser.add_argument("--samples", type=int, default=8, help="--model: samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="--model: response limit")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # child-process mode
     parser.add_argument("--side-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.work_dir = args.work_dir or str(ROOT / "runs" / "vs-trl" / args.task)
+    args.work_dir = args.work_dir or str(ROOT / "runs" / "vs-trl" / (Path(args.model).name if args.model else args.task))
+    args.sides = args.sides or ("trl,fully_async" if args.model else ",".join(SIDES))
+    if args.time_cap is None:
+        args.time_cap = 3600.0 if args.model else 900.0
     unknown = set(args.sides.split(",")) - set(SIDES)
     if unknown:
         parser.error(f"--sides: unknown {sorted(unknown)}; choose from {list(SIDES)}")
+    if args.model and (args.warmup < 1 or args.steps < 1):
+        parser.error(f"--warmup ({args.warmup}) and --steps ({args.steps}) must be >= 1")
     if args.eval_interval < 1 or args.max_steps < 1:
         parser.error(f"--eval-interval ({args.eval_interval}) and --max-steps ({args.max_steps}) must be >= 1")
     return args
@@ -326,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)  # the recipes' data and model paths are relative to the repository root
     if args.side:
         return side_main(args)
+    if args.model:
+        return model_main(args)
     started = time.time()
     sides = args.sides.split(",")
     trl_version = ensure_trl(args.trl_spec) if "trl" in sides else None
@@ -359,5 +390,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def model_main(args: argparse.Namespace) -> int:
+    """`--model`: seconds per step of each side on the same GRPO batches of a real model."""
+    from _models import resolve_model
+    from _step_time import report
+
+    started = time.time()
+    sides = args.sides.split(",")
+    trl_version = ensure_trl(args.trl_spec) if "trl" in sides else None
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model(args.model).resolve()
+    raw = {side: run_side(side, model_path, float("inf"), args) for side in sides}
+    summary = report(raw, args, model_path)
+    print(f"[vs_trl] {trl_version and 'trl ' + trl_version}; {os.cpu_count()} cores; load average per side: "
+          + ", ".join(f"{s} {raw[s]['load_before']:.2f}->{raw[s]['load_after']:.2f}" for s in sides)
+          + f"; finished in {time.time() - started:.0f} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"sides": summary, "raw": raw, "trl_version": trl_version}, indent=1) + "\n")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from _memory import report_peaks  # this script's folder is first on sys.path
+
+    sys.exit(report_peaks(main))

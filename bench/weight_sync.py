@@ -156,4 +156,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _memory import report_peaks  # this script's folder is first on sys.path
+
+    sys.exit(report_peaks(main))

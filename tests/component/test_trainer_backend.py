@@ -173,6 +173,23 @@ def test_micro_batching_packing_and_checkpointing_do_not_change_the_step(model_p
         torch.testing.assert_close(weights(many)[name], tensor, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
+def test_activation_checkpointing_is_on_for_both_model_classes_and_keeps_the_step(model_path, impl):
+    """trainer.gradient_checkpointing recomputes activations in backward on verst's native model and on
+    transformers' alike; the step stays the same."""
+    plain = make_backend(model_path, impl)
+    recomputed = make_backend(model_path, impl, gradient_checkpointing=True)
+    inner = recomputed.model
+    assert (inner.checkpointing is not None) if impl == "auto" else inner.is_activation_checkpointing
+    assert (plain.model.checkpointing is None) if impl == "auto" else not plain.model.is_activation_checkpointing
+    items = make_items(LENGTHS, seed=3)
+    a, b = plain.train_step(items, sft_loss_fn), recomputed.train_step(items, sft_loss_fn)
+    assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6)
+    assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    for name, tensor in weights(plain).items():
+        torch.testing.assert_close(weights(recomputed)[name], tensor, atol=1e-6, rtol=0)
+
+
 def test_non_finite_gradients_and_empty_batches_are_refused(model_path):
     backend = make_backend(model_path)
     with pytest.raises(FloatingPointError, match="gradient norm is nan at train step 0"):

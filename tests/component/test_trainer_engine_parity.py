@@ -2,16 +2,14 @@
 1e-4), before and after a train step whose weights reach the engine through `named_weights`."""
 
 import pytest
-import torch
 import torch.distributed as dist
 
+from tests.parity import as_items, assert_parity, rollout
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.engine.core import EngineConfig, EngineCore
-from verst.engine.request import Request
-from verst.inference_client.protocol import SamplingParams
 from verst.models.factory import init_model
 from verst.models.loader import load_model, load_tokenizer
-from verst.trainer import FSDP2Backend, TrainItem, sft_loss_fn
+from verst.trainer import FSDP2Backend, sft_loss_fn
 
 TEMPERATURE = 0.8
 PROMPTS = [[72, 105, 33], [49, 50, 43, 51, 52, 61], list(range(65, 85)), [263]]
@@ -29,46 +27,19 @@ def single_process_group():
         dist.destroy_process_group()
 
 
-def rollout(engine: EngineCore, version: str) -> list[Request]:
-    requests = [
-        Request(f"{version}-{i}", prompt, SamplingParams(temperature=TEMPERATURE, max_new_tokens=10,
-                                                         ignore_eos=True, sampling_seed=i), return_logprob=True)
-        for i, prompt in enumerate(PROMPTS)
-    ]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_work():
-        engine.step()
-    return requests
-
-
-def as_items(requests: list[Request]) -> list[TrainItem]:
-    return [
-        TrainItem(r.prompt_ids + r.output_ids, len(r.output_ids), torch.ones(len(r.output_ids)),
-                  {"rollout_logprobs": r.output_logprobs}, i)
-        for i, r in enumerate(requests)
-    ]
-
-
-def assert_parity(backend: FSDP2Backend, requests: list[Request]) -> None:
-    items = as_items(requests)
-    for got, item in zip(backend.logprobs(items), items):
-        torch.testing.assert_close(got, item.extras["rollout_logprobs"], atol=1e-4, rtol=0)
-
-
 def test_engine_and_trainer_logprobs_agree_before_and_after_a_weight_sync(model_path):
     engine = EngineCore(load_model(model_path), load_tokenizer(model_path), EngineConfig(seed=0))
     backend = FSDP2Backend(
         ModelConfig(path=str(model_path)), TrainerConfig(lr=1e-2, max_tokens_per_micro_batch=40),
         temperature=TEMPERATURE, device="cpu",
     )
-    first = rollout(engine, "0")
+    first = rollout(engine, "0", PROMPTS, TEMPERATURE)
     assert_parity(backend, first)
     backend.train_step(as_items(first), sft_loss_fn)
     for bucket in backend.named_weights(bucket_bytes=1 << 18):
         engine.load_weights(bucket, version=None, flush=False)
     engine.load_weights([], version="1")
-    second = rollout(engine, "1")
+    second = rollout(engine, "1", PROMPTS, TEMPERATURE)
     assert [r.weight_version for r in second] == ["1"] * len(PROMPTS)
     assert_parity(backend, second)
     stale = as_items(first)

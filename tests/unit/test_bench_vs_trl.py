@@ -1,6 +1,7 @@
 """The pure parts of bench/vs_trl.py and its side helpers: time to the target accuracy (with and without
 start-up), the TRL/verst ratios and verdict, the table, reading a metrics.jsonl mid-write, the TRL reward
-fn and the refusal of recipe settings the TRL side cannot reproduce."""
+fn and the refusal of recipe settings the TRL side cannot reproduce; the real-model mode's seconds per
+step, its config and data, and the naming of a bench's processes by role."""
 
 import importlib.util
 import json
@@ -25,6 +26,8 @@ def _load(name: str):
 bench = _load("vs_trl")
 verst_side = _load("_verst_side")
 trl_side = _load("_trl_side")
+step_time = _load("_step_time")
+memory = _load("_memory")
 
 
 def _result(started, evals, steps):
@@ -132,3 +135,31 @@ def test_the_task_option_names_the_work_dir_and_refuses_unknown_tasks():
     assert bench.parse_args([]).task == "chain_addition"  # the long-tailed workload, by default
     with pytest.raises(SystemExit):
         bench.parse_args(["--task", "division"])
+
+
+def test_seconds_per_step_skips_the_warm_up():
+    got = step_time.seconds_per_step([10.0, 12.0, 15.0, 16.0, 18.0], warmup=2)
+    assert got == {"s_per_step": pytest.approx(2.0), "steps_timed": 3, "each_s": [3.0, 1.0, 2.0]}
+    for times, warmup in (([1.0, 2.0], 2), ([1.0, 2.0], 0)):
+        with pytest.raises(ValueError, match="need at least one warm-up step"):
+            step_time.seconds_per_step(times, warmup)
+
+
+def test_the_real_model_config_is_one_grpo_batch_the_trl_side_reproduces(tmp_path):
+    args = type("Args", (), {"work_dir": str(tmp_path), "prompts": 4, "samples": 8, "warmup": 2, "steps": 5,
+                             "max_new_tokens": 8})()
+    cfg = step_time.model_config("fully_async", tmp_path / "model", args)
+    trl_side.check_supported(cfg)
+    assert (cfg.schedule, cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.num_rollouts,
+            cfg.rollout.max_response_tokens) == ("fully_async", 4, 8, 7, 8)
+    rows = [json.loads(line) for line in Path(cfg.data.train_path).read_text().splitlines()]
+    test = [json.loads(line) for line in Path(cfg.data.test_path).read_text().splitlines()]
+    assert len(rows) == 92 and len(test) == 8 and not {r["label"] for r in rows} - {str(n) for n in range(19)}
+    assert not {r["prompt"][0]["content"] for r in rows} & {r["prompt"][0]["content"] for r in test}
+
+
+def test_processes_are_named_by_role():
+    assert memory.role_of("ray::TrainerRank.train_step") == "trainer rank"
+    assert memory.role_of("/venv/bin/python -m verst.engine.server --model m --port 0") == "engine server"
+    assert memory.role_of("ray::_RolloutManagerActor.run") == "rollout manager"
+    assert memory.role_of("ray::IDLE").startswith("other")

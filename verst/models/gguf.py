@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -122,3 +123,17 @@ def get_known_model(name: str, out: str | Path, cache_dir: str | Path | None = N
         return import_gguf(fetch_known_gguf(name, cache_dir), out)
     with tempfile.TemporaryDirectory(prefix="verst-gguf-") as tmp:
         return import_gguf(fetch_known_gguf(name, tmp), out)
+
+
+def cached_known_model(name: str, cache_dir: str | Path) -> Path:
+    """The converted checkpoint of known model `name` in `cache_dir` (`<name>-hf`), converted on first use.
+    The conversion writes a sibling directory and renames it, so an interrupted one leaves no half
+    checkpoint to be taken for a whole one."""
+    path = Path(cache_dir) / f"{name}-hf"
+    if (path / "config.json").exists():
+        return path
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    get_known_model(name, partial, cache_dir)
+    partial.rename(path)
+    return path
