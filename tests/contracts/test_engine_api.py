@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.lora_adapters import make_adapter
 from verst.engine.core import EngineConfig, EngineCore
 from verst.engine.process import BackgroundServer
 from verst.models.factory import init_model
@@ -22,11 +23,15 @@ CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = init_model("qwen3-moe", "tiny", tmp_path_factory.mktemp("contract") / "moe", seed=0)
-    model, tokenizer = load_model_and_tokenizer(path)
+def moe_dir(tmp_path_factory):
+    return init_model("qwen3-moe", "tiny", tmp_path_factory.mktemp("contract") / "moe", seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(moe_dir):
+    model, tokenizer = load_model_and_tokenizer(moe_dir)
     core = EngineCore(model, tokenizer, EngineConfig(max_running_requests=8, context_length=CONTEXT))
-    with BackgroundServer(core, served_model_name="tiny-moe", model_path=str(path)) as srv:
+    with BackgroundServer(core, served_model_name="tiny-moe", model_path=str(moe_dir)) as srv:
         yield srv
 
 
@@ -101,6 +106,26 @@ def test_openai_compatible_routes_carry_logprobs_and_token_ids(http):
     assert all(len(item["top_logprobs"]) == 2 for item in choice["logprobs"]["content"])
 
 
+def test_lora_adapter_endpoints_answer_in_sglang_shapes(http, moe_dir, tmp_path):
+    """The MoE model runs transformers' forward: the adapter's deltas join it through module hooks."""
+    make_adapter(moe_dir, tmp_path / "adapter", seed=1, target_modules=["q_proj", "v_proj"])
+    loaded = http.post("/load_lora_adapter", json={"lora_name": "t", "lora_path": str(tmp_path / "adapter")}).json()
+    assert loaded == {"success": True, "error_message": None, "loaded_adapters": {"t": str(tmp_path / "adapter")}}
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    with_adapter = http.post("/generate", json={**body, "lora_path": "t"}).json()
+    batch = http.post("/generate", json={**body, "input_ids": [body["input_ids"]] * 2, "lora_path": ["t", None]}).json()
+    assert batch[0]["output_ids"] == with_adapter["output_ids"]
+    assert batch[1]["output_ids"] == http.post("/generate", json=body).json()["output_ids"]
+    listed = http.get("/get_server_info").json()["loaded_loras"]
+    assert [(a["lora_name"], a["lora_path"]) for a in listed] == [("t", str(tmp_path / "adapter"))]
+    unloaded = http.post("/unload_lora_adapter", json={"lora_name": "t"}).json()
+    assert unloaded == {"success": True, "error_message": None, "loaded_adapters": {}}
+    refused = http.post("/generate", json={**body, "lora_path": "t"})
+    assert refused.status_code == 400 and refused.json()["error"]["field"] == "lora_path"
+    failed = http.post("/unload_lora_adapter", json={"lora_name": "t"}).json()
+    assert failed["success"] is False and "'t'" in failed["error_message"]
+
+
 BAD_INPUTS = [
     ("/generate", b'{"input_ids": [1, 2', 422, "body"),
     ("/generate", {"input_ids": "abc"}, 422, "input_ids"),
@@ -133,7 +158,17 @@ BAD_INPUTS = [
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["not json"], "load_format": "shm"}, 400,
      "serialized_named_tensors"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}, 400, "group_name"),
+    ("/generate", {"input_ids": [1], "lora_path": "nope"}, 400, "lora_path"),
+    ("/generate", {"input_ids": [1], "lora_path": ""}, 422, "lora_path"),
+    ("/generate", {"input_ids": [[1], [2]], "lora_path": [None, "nope"]}, 400, "lora_path"),
+    ("/generate", {"input_ids": [[1], [2]], "lora_path": [None]}, 422, "body"),
+    ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent/adapter"}, 400, "lora_path"),
+    ("/load_lora_adapter", {"lora_path": "/nonexistent/adapter"}, 422, "lora_name"),
+    ("/unload_lora_adapter", {"lora_name": "nope"}, 400, "lora_name"),
     ("/v1/completions", {"prompt": "hi", "n": 3}, 422, "body"),
+    ("/v1/completions", {"prompt": "hi", "lora_path": "nope"}, 400, "lora_path"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "tiny-moe:nope"}, 400,
+     "lora_path"),
     ("/v1/chat/completions", {"messages": []}, 422, "messages"),
 ]
 

@@ -75,6 +75,20 @@ def test_batches_are_capped_and_split_by_headers_and_flags():
     assert [h for b, h in engine.bodies if h] == [{"X-SMG-Routing-Key": "s1"}]
 
 
+def test_calls_naming_different_lora_adapters_share_one_request_with_one_name_per_prompt():
+    engine = FakeEngine()
+
+    async def main():
+        batcher = RequestBatcher(engine.send, max_batch=8)
+        await asyncio.gather(*(batcher.submit(body([i], f"r{i}", lora_path=name))
+                               for i, name in enumerate(["a", "b", "a"], start=1)))
+
+    asyncio.run(main())
+    sent, _ = engine.bodies[0]
+    assert len(engine.bodies) == 1 and sent["lora_path"] == ["a", "b", "a"]
+    assert [one.lora_path for one in BatchGenerateRequest.model_validate(sent).prompts()] == ["a", "b", "a"]
+
+
 def test_a_refused_prompt_fails_only_its_caller():
     engine = FakeEngine()
 

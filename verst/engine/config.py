@@ -28,11 +28,13 @@ class EngineConfig:
     # A waiting request of a higher priority than running ones takes their slots: they go back to the
     # queue (their KV offered to the prefix cache) and continue later, as SGLang's priority preemption.
     priority_preemption: bool = True
+    # LoRA adapters resident at once (SGLang's max_loaded_loras); the base model is always served besides.
+    max_loaded_loras: int = 8
 
     def __post_init__(self) -> None:
         if self.min_prefill_batch is None:
             self.min_prefill_batch = max(1, self.max_running_requests // 8)
-        for name in ("max_running_requests", "max_prefill_tokens", "min_prefill_batch"):
+        for name in ("max_running_requests", "max_prefill_tokens", "min_prefill_batch", "max_loaded_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.model_impl not in IMPLS:

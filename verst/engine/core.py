@@ -2,7 +2,7 @@
 
 Requests join between decode steps and leave as soon as they finish; a prefix cache lets a prompt that
 extends an earlier sequence reuse its KV. Also abort, pause (abort / retract / in place), weight loading
-with a version string, and cache flushing. Single-threaded and socket-free: `runner.py` drives it.
+with a version string, LoRA adapters loaded by name and applied per request, and cache flushing. Single-threaded and socket-free: `runner.py` drives it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from verst.engine.config import EngineConfig
+from verst.engine.lora import LoraAdapter, LoraRegistry, read_adapter
 from verst.engine.model_runner import ModelRunner
 from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, Phase, Request
@@ -45,6 +46,7 @@ class EngineCore:
             raise ValueError("the model config has no max_position_embeddings; set EngineConfig.context_length")
         self.eos_ids = _eos_ids(model, tokenizer)
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens)
+        self.loras = LoraRegistry(self.config.max_loaded_loras)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # running[i].slot == i
         self.requests: dict[str, Request] = {}
@@ -79,6 +81,8 @@ class EngineCore:
         self.validate(req)
         if req.rid in self.requests:
             raise InvalidRequest("rid", req.rid, "a request with this rid is still in flight")
+        if req.lora is None:  # the HTTP layer resolves the name already; direct callers may give it alone
+            req.lora = self.loras.get(req.lora_path)
         if req.sampling.max_new_tokens == 0:
             req.cached_tokens = 0
             self._finish(req, FinishReason("length", length=0))
@@ -190,6 +194,23 @@ class EngineCore:
         self.counters["weight_updates"] += 1
         return len(items)
 
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter directory without registering it (any thread: the model is only read)."""
+        self.loras.check_room(name)
+        return read_adapter(path, name, self.model, self.loras.next_version())
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Make `adapter` the one its name serves. Requests in flight keep the adapter they were taken with
+        and finish on it; the prefix cache forgets the KV of the adapter it replaces."""
+        old = self.loras.add(adapter)
+        if old is not None:
+            self.prefix_cache.drop(old.cache_key)
+        self.counters["lora_loads"] += 1
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name`; requests in flight that name it finish on it."""
+        self.prefix_cache.drop(self.loras.remove(name).cache_key)
+
     def probe(self) -> bool:
         with torch.no_grad():
             return self.runner.probe()
@@ -213,6 +234,7 @@ class EngineCore:
             "prefix_cache_sequences": len(self.prefix_cache),
             "kv_cache_bytes": self.runner.cache.nbytes(),
             "model_impl": self.runner.impl,
+            "loaded_loras": [adapter.describe() for adapter in self.loras.adapters.values()],
             **{f"total_{k}": v for k, v in self.counters.items()},
         }
 
@@ -230,19 +252,19 @@ class EngineCore:
         urgent = self.waiting and self.running and self.waiting[0].priority > min(r.priority for r in self.running)
         if self.running and not urgent and free < min(len(self.waiting), self.config.min_prefill_batch):
             return fed, followers
-        leaders: dict[tuple[int, ...], Request] = {}
+        leaders: dict[tuple[tuple[int, ...], Any], Request] = {}
         hits: list[tuple[Any, int]] = []
         longest = 0
         while self.waiting and len(self.running) + len(fed) + len(followers) < self.config.max_running_requests:
             req = self.waiting[0]
             tokens = req.tokens()
-            key = tuple(tokens)
+            key = (tuple(tokens), req.lora)  # a follower shares its leader's KV: the same adapter too
             leader = leaders.get(key)
             if leader is not None:
                 self.waiting.popleft()
                 followers.append((req, leader))
                 continue
-            entry, hit = self.prefix_cache.match(tokens)
+            entry, hit = self.prefix_cache.match(tokens, _namespace(req))
             hit = min(hit, len(tokens) - 1)  # the last token is always fed: its logits pick the next one
             pending = tokens[hit:]
             longest_if_added = max(longest, len(pending))
@@ -284,7 +306,7 @@ class EngineCore:
         # forward ends them with the rest
         self.running.extend(reqs + [req for req, _ in followers])
         pending = [p for _, p in fed]
-        logits, experts = self.runner.forward(first, pending, [r.kv_len for r in reqs])
+        logits, experts = self.runner.forward(first, pending, [r.kv_len for r in reqs], _adapters(reqs))
         for i, req in enumerate(reqs):
             req.kv_len += len(pending[i])
             if experts is not None:
@@ -303,7 +325,8 @@ class EngineCore:
 
     def _decode(self) -> int:
         rows = self.running
-        logits, experts = self.runner.forward(0, [[r.output_ids[-1]] for r in rows], [r.kv_len for r in rows])
+        logits, experts = self.runner.forward(0, [[r.output_ids[-1]] for r in rows], [r.kv_len for r in rows],
+                                              _adapters(rows))
         for i, req in enumerate(rows):
             req.kv_len += 1
             if experts is not None:
@@ -457,8 +480,20 @@ class EngineCore:
             return
         slot, length = req.slot, req.kv_len
         self.prefix_cache.insert(
-            req.tokens()[:length], lambda: self.runner.cache.read_row(slot, length), req.experts_array()
+            req.tokens()[:length], lambda: self.runner.cache.read_row(slot, length), req.experts_array(),
+            _namespace(req),
         )
+
+
+def _namespace(req: Request) -> str | None:
+    """The prefix-cache namespace of a request's KV: its adapter's name and version, or None (the base)."""
+    return None if req.lora is None else req.lora.cache_key
+
+
+def _adapters(reqs: list[Request]) -> list[LoraAdapter | None] | None:
+    """Each row's adapter, or None when no row names one (the plain base forward)."""
+    adapters = [r.lora for r in reqs]
+    return adapters if any(a is not None for a in adapters) else None
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

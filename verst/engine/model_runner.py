@@ -2,7 +2,8 @@
 
 Builds the inputs (ids, per-row positions, a 4-D additive mask) so that each row attends only to its own
 history in the slot cache, and returns the last position's logits per row, plus the routed experts of
-every fed token for MoE models (top-k of the router logits, as the model itself picks them).
+every fed token for MoE models (top-k of the router logits, as the model itself picks them). Rows may
+name LoRA adapters: their deltas join the one forward (the native forward's own, or hooks on the modules).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from verst.engine.config import IMPLS
 from verst.engine.kv_cache import SlotKVCache, transformers_slot_cache
+from verst.engine.lora import LoraAdapter, LoraBatch
 from verst.engine.native import CHECK_TOLERANCE, NativeForward, unsupported_reason
 from verst.models.native import NativeCausalLM
 
@@ -43,6 +45,8 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._keep_last = "logits_to_keep" in params
         self._router_outputs: list[torch.Tensor] = []
+        self._lora: LoraBatch | None = None  # the current forward's adapter deltas, read by the module hooks
+        self._lora_hooked: set[int] = set()
         self.moe_layers = _hook_routers(model, self._router_outputs)
         self.moe_top_k: int | None = None
         if self.moe_layers:
@@ -77,9 +81,11 @@ class ModelRunner:
         return native
 
     def forward(
-        self, first_slot: int, pending: list[list[int]], starts: list[int]
+        self, first_slot: int, pending: list[list[int]], starts: list[int],
+        adapters: list[LoraAdapter | None] | None = None,
     ) -> tuple[torch.Tensor, list[np.ndarray] | None]:
-        """Feed `pending[i]` to slot `first_slot + i`, whose first `starts[i]` positions already hold KV.
+        """Feed `pending[i]` to slot `first_slot + i`, whose first `starts[i]` positions already hold KV,
+        under LoRA adapter `adapters[i]` (None: the base model).
 
         Returns logits of each row's last fed token [batch, vocab] (float32) and, for MoE models, each
         row's routed experts `[len(pending[i]), moe_layers, top_k]` (int32).
@@ -94,16 +100,35 @@ class ModelRunner:
             kwargs["logits_to_keep"] = 1
         self._router_outputs.clear()
         ids, mask, positions = ids.to(self.device), self._mask(positions, width_kv), positions.clamp(min=0).to(self.device)
+        lora = LoraBatch.of(adapters, self.device) if adapters else None
         if self.native is not None:
-            last = self.native.forward(ids, positions, mask, self.cache)
+            last = self.native.forward(ids, positions, mask, self.cache, lora)
         else:
-            last = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs).logits[:, -1, :]
+            self._hook_lora(lora)
+            try:
+                last = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs).logits[:, -1, :]
+            finally:
+                self._lora = None
         logits = last.float().cpu()  # sampling runs on the CPU with CPU generators
         experts = None
         if self.moe_top_k:
             experts = self._routed_experts(self._router_outputs, batch, width_q, [len(p) for p in pending])
             self._router_outputs.clear()
         return logits, experts
+
+    def _hook_lora(self, lora: LoraBatch | None) -> None:
+        """transformers' forward: the adapters' targeted modules add their deltas through forward hooks,
+        registered once per module and idle while no forward names an adapter."""
+        self._lora = lora
+        if lora is None:
+            return
+        for module in lora.modules():
+            if id(module) not in self._lora_hooked:
+                module.register_forward_hook(self._add_lora_deltas)
+                self._lora_hooked.add(id(module))
+
+    def _add_lora_deltas(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+        return None if self._lora is None else self._lora.add_deltas(inputs[0], output, module)
 
     def probe(self) -> bool:
         """A one-token forward on a scratch cache: does the model still produce finite logits?"""

@@ -6,7 +6,7 @@ cache bookkeeping); this one runs the same arithmetic with the model's own weigh
 tensor ops: RMSNorm, the q/k/v projections (with Qwen3's per-head q/k norms), the model's rotary
 embedding, grouped-query attention under the runner's additive mask, the SiLU-gated MLP, and the final
 norm and head on each row's last column only. Weights are read from the modules at every call, so
-in-place weight loads apply at once. `ModelRunner` compares it with transformers on a ragged batch
+in-place weight loads apply at once; LoRA adapters add their per-row deltas to every linear they target. `ModelRunner` compares it with transformers on a ragged batch
 and refuses to use it when they differ.
 """
 
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from verst.engine.kv_cache import SlotKVCache
-from verst.models.native import linear as _linear
+from verst.engine.lora import LoraBatch
+from verst.models.native import linear as _base_linear
 from verst.models.native import rms_norm as _rms_norm
 from verst.models.native import rope as _rope
 
@@ -65,9 +66,12 @@ class NativeForward:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
         self.scaling = float(getattr(self.inner.layers[0].self_attn, "scaling", self.head_dim**-0.5))
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotKVCache) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotKVCache,
+                lora: LoraBatch | None = None) -> torch.Tensor:
         """ids, positions [batch, seq] (padding at position 0 with a fully blocking mask row), mask
-        [batch, 1, seq, width] additive; returns [batch, vocab] logits of the last column."""
+        [batch, 1, seq, width] additive; returns [batch, vocab] logits of the last column. `lora`: the
+        adapter deltas of the rows that name an adapter."""
+        _linear = _base_linear if lora is None else lora.linear
         batch, seq = ids.shape
         h = self.inner.embed_tokens.weight[ids]
         cos, sin = self.inner.rotary_emb(h, positions)  # [batch, seq, head_dim]

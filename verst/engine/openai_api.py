@@ -2,6 +2,7 @@
 
 Non-streaming. Logprobs come in OpenAI's shapes; `return_token_ids: true` (vLLM's extension) adds the
 prompt and completion token ids to each choice, and `metadata.weight_version` names the weights used.
+A LoRA adapter is named as SGLang takes it: `model = "<base>:<adapter>"`, or the `lora_path` field.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pydantic import Field, model_validator
 
 from verst.engine.request import Request as EngineRequest
 from verst.engine.service import ServerState, build_request, run_to_completion
-from verst.inference_client.protocol import SamplingOptions, SamplingParams, check_default_only
+from verst.inference_client.protocol import InvalidRequest, SamplingOptions, SamplingParams, check_default_only
 
 # OpenAI fields accepted only at their "off" value; anything else is refused by name.
 _OFF_VALUES = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "stream": (False, None),
@@ -32,11 +33,27 @@ class _OpenAIBase(SamplingOptions):
     min_tokens: int = Field(0, ge=0)
     return_token_ids: bool = False
     user: str | None = None
+    lora_path: str | None = Field(None, min_length=1)
 
     @model_validator(mode="before")
     @classmethod
     def _off_only(cls, data: Any) -> Any:
         return check_default_only(data, _OFF_VALUES, "")
+
+    def adapter(self, state: ServerState) -> str | None:
+        """The LoRA adapter named by `model` ("<base>:<adapter>") or by `lora_path`; None: the base.
+
+        `model` is otherwise not checked, so a model name that merely contains a colon still means the
+        base: the part after the last colon names an adapter when one of that name is loaded or when
+        the part before it is the served model's name (an unknown adapter is then refused by name)."""
+        named = None
+        if self.model and ":" in self.model:
+            base, suffix = self.model.rsplit(":", 1)
+            if suffix in state.core.loras.adapters or base == state.served_model_name:
+                named = suffix
+        if named and self.lora_path and named != self.lora_path:
+            raise InvalidRequest("lora_path", self.lora_path, f"differs from the adapter {named!r} named by model")
+        return named or self.lora_path
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """The engine's sampling params; the fields are validated already, so none is checked again."""
@@ -75,7 +92,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         ids = body.prompt if isinstance(body.prompt, list) else state.encode(body.prompt, "prompt")
         want = body.logprobs is not None
         req = build_request(state, ids, body.sampling(body.max_tokens), return_logprob=want,
-                            top_logprobs_num=body.logprobs or 0)
+                            top_logprobs_num=body.logprobs or 0, lora_path=body.adapter(state))
         done = await run_to_completion(state, req, request.is_disconnected)
         if done is None:
             return Response(status_code=499)
@@ -99,7 +116,8 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                                            "field": "messages", "code": 400}}, status_code=400)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         req = build_request(state, ids, body.sampling(max_tokens), return_logprob=body.logprobs,
-                            top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0)
+                            top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0,
+                            lora_path=body.adapter(state))
         done = await run_to_completion(state, req, request.is_disconnected)
         if done is None:
             return Response(status_code=499)

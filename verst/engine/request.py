@@ -58,6 +58,8 @@ class Request:
     top_logprobs_num: int = 0
     return_routed_experts: bool = False
     priority: int = 0  # admission order among waiting requests: higher first, then arrival
+    lora_path: str | None = None  # the name of the LoRA adapter to generate with (SGLang's field); None: base
+    lora: Any = None  # that adapter (`verst.engine.lora.LoraAdapter`), resolved when the engine takes the request
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)

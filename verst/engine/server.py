@@ -39,7 +39,9 @@ from verst.inference_client.protocol import (
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     InvalidRequest,
+    LoadLoraAdapterRequest,
     PauseRequest,
+    UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -70,6 +72,7 @@ def create_app(state: ServerState) -> FastAPI:
     _add_info_routes(app, state)
     _add_control_routes(app, state)
     _add_weight_routes(app, state)
+    _add_lora_routes(app, state)
     from verst.engine.openai_api import add_openai_routes
 
     add_openai_routes(app, state)
@@ -119,7 +122,7 @@ def _engine_request(state: ServerState, body: GenerateRequest):
     return build_request(
         state, ids, body.sampling_params, rid=body.rid,
         return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num or 0,
-        return_routed_experts=body.return_routed_experts, priority=body.priority or 0,
+        return_routed_experts=body.return_routed_experts, priority=body.priority or 0, lora_path=body.lora_path,
     )
 
 
@@ -169,7 +172,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "max_prefill_tokens": config.max_prefill_tokens, "prefix_cache_tokens": config.prefix_cache_tokens,
             "return_routed_experts": config.return_routed_experts, "dp_size": 1, "tp_size": 1,
             "weight_version": stats["weight_version"], "step_errors": state.runner.step_errors,
-            "busy_seconds": state.runner.busy_seconds,
+            "busy_seconds": state.runner.busy_seconds, "max_loaded_loras": config.max_loaded_loras,
+            "loaded_loras": stats["loaded_loras"],
             "uptime_seconds": time.monotonic() - state.runner.started_at,
             "internal_states": [stats],
         }
@@ -277,6 +281,32 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         return {"success": True, "message": f"Left {name!r}."}
 
 
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """SGLang's dynamic LoRA loading. Loading under a loaded name replaces that adapter: new requests get
+    the new weights, requests in flight finish on the ones they started with."""
+
+    async def update(load: Any) -> Response:
+        """SGLang's LoRAUpdateOutput: success, error_message and the loaded adapters (name: path)."""
+        try:
+            await load()
+        except InvalidRequest as exc:
+            return error_response(400, str(exc), exc.field, exc.value, error_message=str(exc),
+                                  loaded_adapters=state.core.loras.paths())
+        return JSONResponse({"success": True, "error_message": None, "loaded_adapters": state.core.loras.paths()})
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        async def load() -> None:
+            adapter = await asyncio.to_thread(state.core.read_lora, body.lora_name, body.lora_path)
+            await state.runner.acall(lambda core: core.add_lora(adapter))
+
+        return await update(load)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        return await update(lambda: state.runner.acall(lambda core: core.unload_lora(body.lora_name)))
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """422 naming the first offending field and its value, plus pydantic's full error list."""
     errors = exc.errors()
@@ -324,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-native", action="store_true",
                    help="with the native model (built without transformers), compare its logits with transformers' "
                    "model of the same checkpoint at start-up and refuse to serve when they differ (adds seconds to start-up)")
+    p.add_argument("--max-loaded-loras", type=int, default=8,
+                   help="LoRA adapters resident at once (loaded with /load_lora_adapter or --lora-paths)")
+    p.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapter directories to serve from the start, each under NAME")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
@@ -369,9 +403,17 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
         context_length=args.context_length, prefix_cache_tokens=args.prefix_cache_tokens,
         return_routed_experts=args.return_routed_experts, seed=args.seed, model_impl=args.model_impl,
-        priority_preemption=not args.disable_priority_preemption,
+        priority_preemption=not args.disable_priority_preemption, max_loaded_loras=args.max_loaded_loras,
     )
     core = EngineCore(model, tokenizer, config, weight_version=args.weight_version)
+    for spec in args.lora_paths:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"--lora-paths {spec!r}: give NAME=PATH")
+        try:
+            core.add_lora(core.read_lora(name, path))
+        except InvalidRequest as exc:
+            raise SystemExit(f"--lora-paths {spec!r}: {exc}") from None
     if args.return_routed_experts and not core.runner.moe_layers:
         raise SystemExit(f"--return-routed-experts: the model at {args.model} has no MoE router")
     sock = listening_socket(args.host, args.port)

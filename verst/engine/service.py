@@ -50,9 +50,10 @@ class ServerState:
 def build_request(
     state: ServerState, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
     return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
-    priority: int = 0,
+    priority: int = 0, lora_path: str | None = None,
 ) -> Request:
-    """An engine request from wire values, validated against the model (vocabulary, context, MoE)."""
+    """An engine request from wire values, validated against the model (vocabulary, context, MoE) and
+    the loaded LoRA adapters (an unknown name is refused here, before a stream's headers go out)."""
     core = state.core
     if return_routed_experts and not core.runner.moe_layers:
         raise InvalidRequest("return_routed_experts", True, "the served model has no MoE router")
@@ -60,7 +61,7 @@ def build_request(
     req = Request(
         rid=rid or uuid.uuid4().hex, prompt_ids=input_ids, sampling=sampling, return_logprob=return_logprob,
         top_logprobs_num=top_logprobs_num, return_routed_experts=return_routed_experts or always_experts,
-        priority=priority,
+        priority=priority, lora_path=lora_path, lora=core.loras.get(lora_path),
     )
     core.validate(req)
     return req

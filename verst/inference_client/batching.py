@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 # The body fields that differ per prompt; every other field (flags) must be equal to share a request.
-PER_PROMPT = ("input_ids", "text", "sampling_params", "rid")
+PER_PROMPT = ("input_ids", "text", "sampling_params", "rid", "lora_path")
 Send = Callable[[dict[str, Any], dict[str, str] | None], Awaitable[Any]]
 
 

@@ -153,10 +153,11 @@ class EngineClient:
         self, input_ids: list[int] | None = None, sampling_params: dict[str, Any] | None = None, *,
         text: str | None = None, rid: str | None = None, return_logprob: bool = True,
         routing_key: str | None = None, needs_affinity: bool | None = None, return_routed_experts: bool = False,
-        top_logprobs_num: int = 0, priority: int | None = None,
+        top_logprobs_num: int = 0, priority: int | None = None, lora_path: str | None = None,
     ) -> GenerateResult:
         """One generation. Aborted requests return normally with `finish_reason == "abort"`. `priority`:
-        SGLang's scheduling priority (higher first; SGLang needs --enable-priority-scheduling)."""
+        SGLang's scheduling priority (higher first; SGLang needs --enable-priority-scheduling).
+        `lora_path`: the name of a loaded LoRA adapter to generate with (None: the base model)."""
         if (needs_affinity if needs_affinity is not None else self.affinity) and not routing_key:
             raise RoutingKeyError(
                 "this generate needs session affinity (the router pins a session to the engine holding its "
@@ -176,6 +177,8 @@ class EngineClient:
             body["top_logprobs_num"] = top_logprobs_num
         if priority is not None:
             body["priority"] = priority  # shared by a batch: calls of other priorities batch apart
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         if self._batcher is not None:
             return GenerateResult.from_reply(await self._batcher.submit(body, headers))
@@ -234,6 +237,14 @@ class EngineClient:
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "flush_cache": flush_cache, "weight_version": weight_version}
         return await self._post("/update_weights_from_distributed", body, self.timeouts.weights)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Serve the PEFT adapter directory `lora_path` under `lora_name` (replacing one of that name)."""
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        return await self._post("/load_lora_adapter", body, self.timeouts.weights)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return await self._post("/unload_lora_adapter", {"lora_name": lora_name}, self.timeouts.weights)
 
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
         body = {"new_version": new_version, "abort_all_requests": abort_all_requests}

@@ -23,7 +23,6 @@ _GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "return_entropy": (False, None),
     "token_ids_logprob": (None,),
     "session_params": (None,),
-    "lora_path": (None,),
     "lora_id": (None,),
     "custom_logit_processor": (None,),
     "input_embeds": (None,),
@@ -166,6 +165,7 @@ class GenerateRequest(_GenerateOptions):
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     rid: str | None = Field(None, min_length=1, max_length=256)
+    lora_path: str | None = Field(None, min_length=1, description="The name of a loaded LoRA adapter; None: base.")
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -183,6 +183,8 @@ class BatchGenerateRequest(_GenerateOptions):
     input_ids: list[list[int]] | None = None
     sampling_params: list[SamplingParams] | None = None
     rid: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = None
+    # one adapter name for every prompt, or one per prompt (None: the base model), as SGLang takes it
+    lora_path: str | list[Annotated[str, Field(min_length=1)] | None] | None = Field(None, min_length=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -200,8 +202,10 @@ class BatchGenerateRequest(_GenerateOptions):
         n = len(self.text if self.text is not None else self.input_ids)
         if n == 0:
             raise ValueError("a batch needs at least one prompt (text or input_ids is an empty list)")
-        for name in ("sampling_params", "rid"):
+        for name in ("sampling_params", "rid", "lora_path"):
             value = getattr(self, name)
+            if isinstance(value, str):
+                continue
             if value is not None and len(value) != n:
                 raise ValueError(f"{name} is a list of {len(value)} for a batch of {n} prompts; give one per prompt")
         if self.stream:
@@ -213,8 +217,9 @@ class BatchGenerateRequest(_GenerateOptions):
         options = self.model_dump(include=set(_GenerateOptions.model_fields))
         inputs = self.text if self.text is not None else self.input_ids
         key = "text" if self.text is not None else "input_ids"
+        loras = self.lora_path if isinstance(self.lora_path, list) else [self.lora_path] * len(inputs)
         return [GenerateRequest.model_validate({
-            **options, key: inputs[i], "rid": self.rid[i] if self.rid else None,
+            **options, key: inputs[i], "rid": self.rid[i] if self.rid else None, "lora_path": loras[i],
             **({"sampling_params": self.sampling_params[i]} if self.sampling_params else {}),
         }) for i in range(len(inputs))]
 
@@ -291,6 +296,19 @@ class UpdateWeightsFromDistributedRequest(WireModel):
                 f"{len(self.dtypes)}, {len(self.shapes)}"
             )
         return self
+
+
+class LoadLoraAdapterRequest(WireModel):
+    """SGLang `POST /load_lora_adapter`: a PEFT adapter directory served under `lora_name` (replacing an
+    adapter loaded under that name)."""
+
+    lora_name: str = Field(..., min_length=1)
+    lora_path: str = Field(..., min_length=1)
+    pinned: bool = False  # SGLang's GPU-slot pinning; every loaded adapter stays resident here
+
+
+class UnloadLoraAdapterRequest(WireModel):
+    lora_name: str = Field(..., min_length=1)
 
 
 class UpdateWeightVersionRequest(WireModel):
