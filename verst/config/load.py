@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,8 @@ def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("None" if a is type(None) else _type_name(a) for a in typing.get_args(annotation))
     if isinstance(annotation, type) and origin is None:
         return annotation.__name__
     return str(annotation).replace("typing.", "")

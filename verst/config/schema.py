@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from verst.types.sampling import SamplingKnobs
 
@@ -222,6 +222,37 @@ class TrainerConfig(Section):
     seed: int = Field(1234, ge=0, description="Seed of the trainer's RNGs.")
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (PEFT's LoRA) on the trainer's model: only the adapters train; the engines get the
+    merged weights (W + B·A · alpha / rank) under the base's names."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of every weight (RL and SFT).")
+    rank: int = Field(8, ge=1, description="Rank r of each adapter (A: [r, in], B: [out, r]).")
+    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update B·A is multiplied by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Linear layers that get an adapter: names (a module's name or its last part, "
+        "e.g. q_proj) or all-linear (every linear layer but the output head).",
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_name(cls, value: object) -> object:
+        """A single name (`--lora.target_modules q_proj`) is a list of one."""
+        return [value] if isinstance(value, str) and value != "all-linear" else value
+
+    @model_validator(mode="after")
+    def _names(self) -> LoraConfig:
+        if isinstance(self.target_modules, list):
+            if not self.target_modules:
+                raise ValueError("lora.target_modules = [] names no module; name some (e.g. ['q_proj', 'v_proj']) "
+                                 "or use 'all-linear'")
+            blank = [name for name in self.target_modules if not name.strip()]
+            if blank:
+                raise ValueError(f"lora.target_modules holds an empty name: {self.target_modules}")
+        return self
+
+
 class SFTConfig(Section):
     """SFT imitates each prompt's label (data.label_key) as the assistant reply."""
 
@@ -280,7 +311,10 @@ class CheckpointConfig(Section):
                              "directory (its latest checkpoint).")
     save: bool = Field(True, description="Save a resumable checkpoint at the end.")
     keep_last: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0: keep all).")
-    export_hf: bool = Field(True, description="Export the final model as a Hugging Face checkpoint.")
+    export_hf: bool = Field(True, description="Export the final model as a Hugging Face checkpoint (with LoRA: "
+                            "the PEFT adapter directory).")
+    merge_lora: bool = Field(False, description="With LoRA and export_hf: also export the merged model (base + "
+                             "adapter) as a full Hugging Face checkpoint, in hf/merged.")
 
 
 class LoggingConfig(Section):
@@ -326,6 +360,7 @@ class VerstConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages and losses.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimizer and batching.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (off: full fine-tuning).")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight synchronisation.")
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Data buffer.")

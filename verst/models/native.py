@@ -106,11 +106,13 @@ def _unloaded(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
 
 
-class Linear(nn.Module):
-    """`weight` [out, in] and `bias` (or None), as nn.Linear holds them; `linear()` does the math."""
+class Linear(nn.Linear):
+    """An `nn.Linear` whose `weight` [out, in] and `bias` (or None) come from the checkpoint: being one, it
+    takes PEFT's LoRA layers (`verst.trainer.lora`). The trainer calls it; the engine's forward reads its
+    weight through `linear()`."""
 
     def __init__(self, inputs: int, outputs: int, bias: bool):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: no storage to allocate and initialise
         self.in_features, self.out_features = inputs, outputs
         self.weight = _unloaded(outputs, inputs)
         self.bias = _unloaded(outputs) if bias else None
@@ -167,9 +169,9 @@ class Attention(nn.Module):
         """Causal self-attention over whole sequences, x [batch, seq, hidden] (transformers' sdpa path); `mask`
         [batch, 1, seq, seq] bool for rows holding several sequences (`sequence_mask`), None: causal."""
         batch, seq, _ = x.shape
-        q = linear(x, self.q_proj).view(batch, seq, self.num_heads, self.head_dim)
-        k = linear(x, self.k_proj).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         if getattr(self, "q_norm", None) is not None:
             q, k = rms_norm(q, self.q_norm), rms_norm(k, self.k_norm)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, dim]
@@ -180,7 +182,7 @@ class Attention(nn.Module):
             v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, self.num_heads, seq, self.head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
                                              scale=self.scaling)
-        return linear(out.transpose(1, 2).reshape(batch, seq, -1), self.o_proj)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
@@ -192,7 +194,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -270,7 +272,7 @@ class NativeCausalLM(nn.Module):
         h = rms_norm(h, inner.norm)
         if logits_to_keep is not None:
             h = h[logits_to_keep]  # [kept, hidden]
-        return types.SimpleNamespace(logits=linear(h, self.lm_head))
+        return types.SimpleNamespace(logits=self.lm_head(h))
 
 
 def load_native_model(path: str | Path, dtype: str = "float32", device: str = "cpu",

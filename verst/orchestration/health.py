@@ -21,7 +21,7 @@ import ray
 from verst.config.schema import FaultConfig, VerstConfig
 from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
 from verst.sync.disk import snapshot_path
-from verst.trainer.backend import export_at_step
+from verst.trainer.backend import MERGED_LORA_DIR, export_at_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +190,8 @@ async def restart_weights(cfg: VerstConfig, syncer: Any, trainer: Any, run_dir: 
     """What a restarted engine loads. Before the first push: the source model, version 0. The disk
     transport: its snapshot of the version the engines serve. The other transports keep no copy, so the
     trainer exports its current weights on demand into `RUN/weights/restart` (an HF checkpoint), with the
-    number of steps they have taken as their version, which may be ahead of the engines' until the next push."""
+    number of steps they have taken as their version, which may be ahead of the engines' until the next push
+    (with LoRA: the merged model of that export)."""
     version = syncer.version or 0
     if not version:
         return RestartWeights(cfg.model.path, 0)
@@ -198,6 +199,9 @@ async def restart_weights(cfg: VerstConfig, syncer: Any, trainer: Any, run_dir: 
         return RestartWeights(str(snapshot_path(run_dir / "weights", version)), version)
     directory = run_dir / "weights" / "restart"
     shutil.rmtree(directory, ignore_errors=True)
+    if cfg.lora.enabled:  # a LoRA export is an adapter: the engine loads the merged model beside it
+        steps = await asyncio.to_thread(trainer.apply, export_at_step, str(directory), True)
+        return RestartWeights(str(directory / MERGED_LORA_DIR), int(steps[0]))
     steps = await asyncio.to_thread(trainer.apply, export_at_step, str(directory))
     return RestartWeights(str(directory), int(steps[0]))
 

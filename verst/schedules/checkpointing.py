@@ -21,7 +21,7 @@ from verst.config import VerstConfig
 from verst.models.loader import drop_chat_template
 from verst.monitor import checkpoints as layout
 from verst.monitor.run_dir import resumes_here, run_dir_of
-from verst.trainer.backend import export_backend, load_backend, save_backend
+from verst.trainer.backend import MERGED_LORA_DIR, export_backend, load_backend, save_backend
 
 if TYPE_CHECKING:
     from verst.schedules.run import RLRun
@@ -146,16 +146,16 @@ async def restore(run: RLRun, point: ResumePoint) -> dict[str, float]:
 
 async def finish(run: RLRun) -> None:
     """At the end of a run: the final checkpoint (`checkpoint.save`) and the final policy as a Hugging Face
-    checkpoint in `RUN/hf` (`checkpoint.export_hf`)."""
+    checkpoint in `RUN/hf` (`checkpoint.export_hf`; with LoRA the adapter, and the merged model in
+    `RUN/hf/merged` with `checkpoint.merge_lora`)."""
     cfg = run.cfg
     if cfg.checkpoint.save and run.checkpointer.last_step != run.version:
         await save_checkpoint(run)
     await run.checkpointer.wait()
     if cfg.checkpoint.export_hf:
         hf = run.run_dir / "hf"
-        await asyncio.to_thread(run.trainer.apply, export_backend, str(hf))
-        if not cfg.data.apply_chat_template:  # trained on raw prompts: chat requests to it are refused
-            drop_chat_template(hf)
+        await asyncio.to_thread(run.trainer.apply, export_backend, str(hf), cfg.checkpoint.merge_lora)
+        _drop_untrained_template(cfg, hf)
 
 
 # ---- SFT: one process (or rank actors driven from it), saved synchronously --------------------------
@@ -180,9 +180,16 @@ def finish_sft(trainer: Any, source: Any, cfg: VerstConfig, run_dir: Path, histo
     if cfg.checkpoint.save:
         save_sft(trainer, source, cfg, run_dir, cfg.sft.num_steps, history)
     if cfg.checkpoint.export_hf:
-        trainer.export_hf(run_dir / "hf")
-        if not cfg.data.apply_chat_template:  # trained on raw prompts: chat requests to it are refused
-            drop_chat_template(run_dir / "hf")
+        trainer.export_hf(run_dir / "hf", merge_lora=cfg.checkpoint.merge_lora)
+        _drop_untrained_template(cfg, run_dir / "hf")
+
+
+def _drop_untrained_template(cfg: VerstConfig, hf: Path) -> None:
+    """Trained on raw prompts: the export's chat template goes, so chat requests to it are refused."""
+    if not cfg.data.apply_chat_template:
+        drop_chat_template(hf)
+        if (hf / MERGED_LORA_DIR).is_dir():
+            drop_chat_template(hf / MERGED_LORA_DIR)
 
 
 def restore_sft(trainer: Any, source: Any, point: ResumePoint) -> list[tuple[int, float]]:

@@ -305,7 +305,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
         trainer = orch.start_trainer(functools.partial(
             fsdp2_backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
             temperature=temperature, device=orch.device,
-            ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None,
+            ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None, lora=cfg.lora,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
         engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0", "--model-impl", cfg.model.impl],
                                      wait=False)

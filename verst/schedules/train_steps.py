@@ -37,13 +37,15 @@ OldLogprobs = Sequence["torch.Tensor"] | None
 def old_logprob_source(cfg: VerstConfig) -> str:
     """`algorithm.old_logprobs` resolved: "recompute", "rollout" or "forward" (the train step's own
     detached forward). `auto` is "forward" only where it is exact: every rollout batch gets one
-    optimizer step (so the old policy is the current one) and no KL penalty needs the old logprobs
-    before the step; else "recompute"."""
+    optimizer step (so the old policy is the current one), no KL penalty needs the old logprobs
+    before the step, and no LoRA dropout makes the training forward differ from the policy's; else
+    "recompute"."""
     algo = cfg.algorithm
     if algo.old_logprobs != "auto":
         return algo.old_logprobs
     one_step = batch_plan(cfg).train_steps_per_rollout == 1 or cfg.schedule == "fully_async"
-    return "forward" if one_step and algo.kl_penalty_coef == 0 else "recompute"
+    exact = one_step and algo.kl_penalty_coef == 0 and not (cfg.lora.enabled and cfg.lora.dropout > 0)
+    return "forward" if exact else "recompute"
 
 
 def old_logprobs(trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig) -> OldLogprobs:

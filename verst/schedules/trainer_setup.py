@@ -22,7 +22,7 @@ def open_trainer(cfg: VerstConfig, total_steps: int, temperature: float = 1.0,
     `temperature` must be the sampling temperature in RL, so recomputed logprobs match the engine's.
     """
     factory = functools.partial(fsdp2_backend, cfg.model, cfg.trainer, total_steps=total_steps,
-                                temperature=temperature, ref_model_path=ref_model_path)
+                                temperature=temperature, ref_model_path=ref_model_path, lora=cfg.lora)
     if cfg.cluster.trainer_ranks == 1:
         yield factory(device=cfg.cluster.device)
         return

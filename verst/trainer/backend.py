@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # this module is imported by torch-free driver code (handles,
     from verst.trainer.losses import LossFn, Normalizer
 
 Batch = Sequence["TrainItem | Sample"]
+MERGED_LORA_DIR = "merged"  # a LoRA export's merged model, inside the adapter directory
 
 
 class RankError(RuntimeError):
@@ -66,8 +67,9 @@ class TrainBackend(Protocol):
 
     def load(self, directory: str | Path) -> None: ...
 
-    def export_hf(self, directory: str | Path) -> None:
-        """A checkpoint `transformers` loads, with the source model's tokenizer files copied."""
+    def export_hf(self, directory: str | Path, *, merge_lora: bool = False) -> None:
+        """A checkpoint `transformers` loads, with the source model's tokenizer files copied. With LoRA: the
+        PEFT adapter directory, and with `merge_lora` also the merged model in its `MERGED_LORA_DIR`."""
         ...
 
 
@@ -126,8 +128,8 @@ class CollectiveCalls:
     def load(self, directory: str | Path) -> None:
         self.call("load", str(directory))
 
-    def export_hf(self, directory: str | Path) -> None:
-        self.call("export_hf", str(directory))
+    def export_hf(self, directory: str | Path, *, merge_lora: bool = False) -> None:
+        self.call("export_hf", str(directory), merge_lora=merge_lora)
 
 
 def fsdp2_backend(*args: Any, **kwargs: Any) -> TrainBackend:
@@ -153,11 +155,11 @@ def load_backend(backend: TrainBackend, directory: str) -> int:
     return backend.step
 
 
-def export_backend(backend: TrainBackend, directory: str) -> None:
-    backend.export_hf(directory)
+def export_backend(backend: TrainBackend, directory: str, merge_lora: bool = False) -> None:
+    backend.export_hf(directory, merge_lora=merge_lora)
 
 
-def export_at_step(backend: TrainBackend, directory: str) -> int:
+def export_at_step(backend: TrainBackend, directory: str, merge_lora: bool = False) -> int:
     """`backend.export_hf`, returning the number of optimizer steps the exported weights have taken."""
-    backend.export_hf(directory)
+    backend.export_hf(directory, merge_lora=merge_lora)
     return backend.step

@@ -70,7 +70,7 @@ def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     those writes COMPLETE (`mark_complete`)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory.mkdir(parents=True, exist_ok=True)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _trained_state(model, optimizer)
     torch.save(_rng_state(), directory / f"rng_rank{rank}.pt")
     if rank == 0:
         state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size}
@@ -86,6 +86,14 @@ def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if rank == 0:
         mark_complete(directory, step)
     return None
+
+
+def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts without the frozen parameters (a LoRA model's base, under each
+    of its names: a tied head too), which are the source checkpoint's, read at start-up."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_state.items() if k not in frozen}, optim_state
 
 
 def mark_complete(directory: Path, step: int) -> None:
@@ -112,10 +120,13 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             f"checkpoint {directory} was saved by {state['world_size']} ranks, this trainer has {world_size}; "
             "per-rank RNG state cannot be restored exactly"
         )
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _trained_state(model, optimizer)
     shards = {"model": model_state, "optimizer": optim_state}
     dcp.load(shards, checkpoint_id=directory / SHARDS_DIR)
-    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+    # Not strict about the frozen parameters `_trained_state` leaves out; dcp.load has checked the rest.
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"],
+                   options=StateDictOptions(strict=not frozen))
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(torch.load(directory / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     dist.barrier()
@@ -125,16 +136,22 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
 def export_hf(directory: Path, model: torch.nn.Module, source_path: str, dtype: str) -> None:
     """Collective. Rank 0 writes `save_pretrained` output in `dtype` plus the source's other files (a
     native model: its safetensors in the same layout, with the source's config.json)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    write_hf(directory, model, full, source_path, dtype)
+
+
+def write_hf(directory: Path, model: torch.nn.Module, full: dict[str, torch.Tensor], source_path: str,
+             dtype: str) -> None:
+    """Collective (a barrier). Rank 0 writes `full`, the gathered state of `model`'s class, as `export_hf` does."""
     from verst.models.native import NativeCausalLM
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         if isinstance(model, NativeCausalLM):
             _save_native(directory, model, full, Path(source_path), dtype)
         else:
             _save_transformers(directory, model, full, dtype)
-        _copy_side_files(Path(source_path), directory)
+        copy_side_files(Path(source_path), directory)
     dist.barrier()
 
 
@@ -146,6 +163,8 @@ def _save_transformers(directory: Path, model: torch.nn.Module, full: dict[str, 
     with torch.device("meta"):
         clean = AutoModelForCausalLM.from_config(model.config)
     clean.load_state_dict(full, assign=True, strict=False)
+    if "lm_head.weight" not in full:  # a tied head (merged LoRA weights name each tensor once): the embedding's
+        clean.tie_weights()
     missing = [n for n, p in clean.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"export_hf: parameters missing from the gathered state: {missing[:5]}")
@@ -169,7 +188,7 @@ def _save_native(directory: Path, model: torch.nn.Module, full: dict[str, torch.
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _copy_side_files(source: Path, target: Path) -> None:
+def copy_side_files(source: Path, target: Path) -> None:
     for path in sorted(source.iterdir()):
         if path.is_file() and path.name != "config.json" and not path.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(path, target / path.name)

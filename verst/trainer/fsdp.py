@@ -1,10 +1,11 @@
 """The FSDP2 train backend: a causal LM (verst's native one for dense Llama-family checkpoints on CPU,
-else transformers') sharded with `fully_shard` over all ranks of the default process group; dynamic
-micro-batches, AdamW, clipping, an optional frozen reference.
+else transformers'), optionally with LoRA adapters, sharded with `fully_shard` over all ranks of the
+default process group; dynamic micro-batches, AdamW, clipping, an optional frozen reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -17,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from verst.config.schema import ModelConfig, TrainerConfig
+from verst.config.schema import LoraConfig, ModelConfig, TrainerConfig
 from verst.models.native import load_causal_lm
-from verst.trainer import checkpoint
+from verst.trainer import checkpoint, lora
 from verst.trainer.backend import Batch
 from verst.trainer.batching import (
     ForwardOutputs,
@@ -48,6 +49,10 @@ class FSDP2Backend:
     log-softmax, so recomputed logprobs match what the engine sampled from. `packing` puts a whole
     micro-batch in one row (see `batching`); by default only under flash-attention, whose cost does
     not grow with the square of the row.
+
+    With `lora` enabled, PEFT's adapters sit on the model and only they train (gradients, optimizer state,
+    checkpoints); `named_weights` gives the merged weights under the base's names, and a reference at the
+    model's own path is the same model with its adapters disabled (no second copy of the weights).
     """
 
     def __init__(
@@ -60,10 +65,12 @@ class FSDP2Backend:
         temperature: float = 1.0,
         packing: bool | None = None,
         device: str = "auto",
+        lora: LoraConfig | None = None,
     ):
         if temperature <= 0:
             raise ValueError(f"logprob temperature must be positive, got {temperature}")
         self.model_config, self.config, self.temperature = model, trainer, temperature
+        self.lora = lora if lora is not None and lora.enabled else None
         self.device = resolve_device(device)
         ensure_single_process_group(self.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -78,7 +85,11 @@ class FSDP2Backend:
         # Python objects (metrics, logprob dicts) travel over gloo even when tensors use NCCL.
         self._object_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
         self.model = self._build(model.path, trainable=True)
-        self.ref_model = self._build(ref_model_path, trainable=False) if ref_model_path else None
+        # With LoRA, the reference at the model's own path is the base: the adapters disabled (`_reference`).
+        self.ref_model = None
+        if ref_model_path and not (self.lora and _same_path(ref_model_path, model.path)):
+            self.ref_model = self._build(ref_model_path, trainable=False)
+        self._base_is_reference = bool(ref_model_path) and self.ref_model is None
         self.optimizer, self.scheduler = build_optimizer(self.model, trainer, total_steps)
         if packing is None:
             packing = self.model.config._attn_implementation.startswith("flash_attention")
@@ -96,6 +107,8 @@ class FSDP2Backend:
                                trust_remote_code=self.model_config.trust_remote_code, trainable=trainable)
         if trainable and self.config.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if trainable and self.lora:
+            model = lora.add_adapters(model, self.lora)  # the base frozen; FSDP2 shards the adapted model
         compute = _DTYPES[self.model_config.dtype]
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -151,10 +164,15 @@ class FSDP2Backend:
     def logprobs(
         self, batch: Batch, *, reference: bool = False, with_entropy: bool = False
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
-        if reference and self.ref_model is None:
+        if reference and self.ref_model is None and not self._base_is_reference:
             raise ValueError("logprobs(reference=True) but the backend was built without ref_model_path")
-        model = self.ref_model if reference else self.model
-        items = as_items(batch)
+        model = self.ref_model if reference and self.ref_model is not None else self.model
+        with self.model.disable_adapter() if reference and self._base_is_reference else contextlib.nullcontext():
+            return self._logprobs(model, as_items(batch), with_entropy)
+
+    def _logprobs(
+        self, model: torch.nn.Module, items: list[TrainItem], with_entropy: bool
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         model.eval()
         mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for indices in self._my_micro_batches(items):
@@ -218,7 +236,8 @@ class FSDP2Backend:
         return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr, "perf/train_tokens_per_s": tokens_per_s}
 
     def _clip_gradients(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(trained, self.config.grad_clip)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         value = float(norm.item())
@@ -228,10 +247,12 @@ class FSDP2Backend:
 
     # ---- weights and checkpoints -----------------------------------------------------------
     def named_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """Collective: every rank gathers every tensor in the same order (tied weights appear once)."""
+        """Collective: every rank gathers every tensor in the same order (tied weights appear once). With
+        LoRA: the merged weights, under the base's names (the model itself is not changed)."""
         bucket: WeightBucket = []
         size = 0
-        for name, tensor in checkpoint.named_tensors(self.model):
+        tensors = lora.merged_tensors(self.model) if self.lora else checkpoint.named_tensors(self.model)
+        for name, tensor in tensors:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             nbytes = full.numel() * full.element_size()
             if bucket and size + nbytes > bucket_bytes:
@@ -270,8 +291,13 @@ class FSDP2Backend:
         self.wait_saves()
         self._step = checkpoint.load(Path(directory), self.model, self.optimizer, self.scheduler)
 
-    def export_hf(self, directory: str | Path) -> None:
-        checkpoint.export_hf(Path(directory), self.model, self.model_config.path, self.model_config.dtype)
+    def export_hf(self, directory: str | Path, *, merge_lora: bool = False) -> None:
+        """A Hugging Face checkpoint; with LoRA, the PEFT adapter directory, and with `merge_lora` the merged
+        model in its `merged/` (`lora.export`)."""
+        if self.lora:
+            lora.export(Path(directory), self.model, self.model_config.path, self.model_config.dtype, merge_lora)
+        else:
+            checkpoint.export_hf(Path(directory), self.model, self.model_config.path, self.model_config.dtype)
 
     # ---- cross-rank exchange of Python objects ------------------------------------------------
     def _gather_objects(self, value: object) -> list:
@@ -281,6 +307,10 @@ class FSDP2Backend:
         parts: list = [None] * self.world_size
         dist.all_gather_object(parts, value, group=self._object_group)
         return parts
+
+
+def _same_path(a: str, b: str) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
 
 
 def _namespaced(metrics: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,119 @@
+"""LoRA on the trainer's model with PEFT: which linear layers get adapters (checked by name), the merged
+weights (W + B·A · scale, under the base's names) the engines get, and the exports (adapter, merged model).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from verst.config.schema import LoraConfig
+from verst.trainer import checkpoint
+from verst.trainer.backend import MERGED_LORA_DIR
+
+ADAPTER = "default"  # PEFT's adapter name; one adapter per model
+_ADAPTER_PART = re.compile(r"(^|\.)lora_")  # lora_A, lora_B, lora_dropout, ...: adapter modules, not base ones
+
+
+def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    """`model` (native or transformers) as a PEFT model with fresh adapters (B = 0: the base's outputs),
+    every base parameter frozen. A target that names no linear layer of the model is refused by name."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = target_modules(model, cfg.target_modules)
+    config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                            bias="none")
+    return get_peft_model(model, config)
+
+
+def target_modules(model: torch.nn.Module, wanted: list[str] | str) -> list[str]:
+    """The names PEFT gets: each wanted name (a module's full name or its last part) checked against the
+    model's linear layers; `all-linear`: the last parts of every linear layer but the output head. A tied
+    output head is refused: its weight is the embedding's, which the engines would see merged twice."""
+    linear = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
+    head_name = next((name for name, module in linear.items() if module is head), None)
+    if wanted == "all-linear":
+        names = sorted({name.rpartition(".")[2] for name in linear if name != head_name})
+        if not names:
+            raise ValueError(f"lora.target_modules = 'all-linear': the model ({type(model).__name__}) has no "
+                             "linear layer besides its output head")
+        return names
+    for name in wanted:
+        matches = [m for m in linear if m == name or m.endswith("." + name)]
+        if not matches:
+            leaves = sorted({m.rpartition(".")[2] for m in linear})
+            raise ValueError(f"lora.target_modules: {name!r} names no linear layer of the model "
+                             f"({type(model).__name__}); its linear layers end in {leaves}")
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        if head_name in matches and tied:
+            raise ValueError(f"lora.target_modules: {name!r} names the output head {head_name!r}, whose weight is "
+                             "tied to the input embedding; leave it out")
+    return list(wanted)
+
+
+def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective. The base's tensors under its own names (as `checkpoint.named_tensors` names them without
+    PEFT), each adapted weight as W + B·A · scale; the adapters are not among them and the model is not
+    changed. Full tensors (gathered from the shards), on the parameters' device."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    for name, tensor in checkpoint.named_tensors(base):
+        if _ADAPTER_PART.search(name):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        full = _full(tensor)
+        if owner.endswith(".base_layer"):
+            owner = owner.removesuffix(".base_layer")
+            if leaf == "weight":
+                full = full + delta_weight(layers[owner], _full)
+        yield (f"{owner}.{leaf}" if owner else leaf), full
+
+
+def delta_weight(layer: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """B·A · scale of one LoRA layer ([out, in]), in float32 whatever the parameters' dtype."""
+    a = full(layer.lora_A[ADAPTER].weight).float()  # [rank, in]
+    b = full(layer.lora_B[ADAPTER].weight).float()  # [out, rank]
+    return (b @ a) * layer.scaling[ADAPTER]
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def export(directory: Path, model: torch.nn.Module, source_path: str, dtype: str, merge: bool) -> None:
+    """Collective. Rank 0 writes the PEFT adapter directory (`adapter_config.json`,
+    `adapter_model.safetensors`, the source's tokenizer files), which `peft.PeftModel.from_pretrained` loads
+    on the base; with `merge`, also the merged model as a full checkpoint in `directory/merged`."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    adapters = get_model_state_dict(model, options=options)
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        # No embedding layer is ever a target (linear layers only), so none is saved, and PEFT's check for a
+        # resized vocabulary (which reads the base's config, from the Hub if not local) is not needed.
+        weights = get_peft_model_state_dict(model, state_dict=adapters, adapter_name=ADAPTER,
+                                            save_embedding_layers=False)
+        save_file({name: t.to(getattr(torch, dtype)).contiguous() for name, t in weights.items()},
+                  str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = model.peft_config[ADAPTER]
+        config.base_model_name_or_path = str(source_path)
+        config.save_pretrained(str(directory))
+        checkpoint.copy_side_files(Path(source_path), directory)
+    if merge:
+        merged = {name: tensor.cpu() for name, tensor in merged_tensors(model)}
+        checkpoint.write_hf(directory / MERGED_LORA_DIR, model.get_base_model(), merged, source_path, dtype)
+    else:
+        dist.barrier()
