@@ -175,7 +175,7 @@ class EngineClient:
         lora_path: str | None = None,
     ) -> AsyncIterator[GenerateResult]:
         """One generation streamed (`"stream": true`): a result covering every output id so far after each
-        update, the last one with the finish reason. Both of SGLang's stream forms are read: cumulative
+        update; finish_reason is "" until the last. Both of SGLang's stream forms are read: cumulative
         output ids (the default) and incremental ones (`--incremental-streaming-output`). Never retried."""
         body, headers = self._generate_body(input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
                                             routing_key=routing_key, needs_affinity=needs_affinity, lora_path=lora_path)
@@ -192,19 +192,29 @@ class EngineClient:
                 async for line in response.aiter_lines():
                     if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                         continue
-                    reply = json.loads(line[5:])
-                    if "error" in reply:
-                        raise EngineError(url, response.status_code, str(reply["error"].get("message", reply)))
-                    meta = reply["meta_info"]
-                    if len(reply["output_ids"]) < int(meta.get("completion_tokens", 0)):  # incremental form
-                        ids += reply["output_ids"]
-                        logprobs += meta.get("output_token_logprobs") or []
-                    else:
-                        ids, logprobs = list(reply["output_ids"]), list(meta.get("output_token_logprobs") or [])
+                    try:
+                        reply = json.loads(line[5:])
+                        error = reply.get("error")
+                        if error is None:
+                            meta = reply["meta_info"]
+                            if len(reply["output_ids"]) < int(meta.get("completion_tokens", 0)):  # incremental form
+                                ids += reply["output_ids"]
+                                logprobs += meta.get("output_token_logprobs") or []
+                            else:
+                                ids, logprobs = list(reply["output_ids"]), list(meta.get("output_token_logprobs") or [])
+                    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                        raise EngineError(url, response.status_code, f"unreadable stream event {line[:200]!r} "
+                                                                     f"({type(exc).__name__}: {exc})") from None
+                    if error is not None:
+                        message = error.get("message", error) if isinstance(error, dict) else error
+                        raise EngineError(url, response.status_code, str(message))
                     whole = {**reply, "output_ids": ids, "meta_info": {**meta, "output_token_logprobs": logprobs}}
                     if not return_logprob:
                         whole["meta_info"].pop("output_token_logprobs")
-                    yield GenerateResult.from_reply(whole)
+                    result = GenerateResult.from_reply(whole)
+                    if not meta.get("finish_reason"):
+                        result.finish_reason = ""  # not finished yet (from_reply reads a missing reason as abort)
+                    yield result
         except httpx.TimeoutException as exc:
             raise EngineError(url, None, f"timed out after {self.timeouts.generate:g}s ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:
