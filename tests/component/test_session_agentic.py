@@ -16,6 +16,7 @@ from verst.engine.core import EngineConfig, EngineCore
 from verst.engine.process import BackgroundServer
 from verst.inference_client.client import EngineClient
 from verst.models.loader import load_model_and_tokenizer
+from verst.models.prompts import prompt_messages
 from verst.models.tokenizer import VOCAB_SIZE
 from verst.rollout.agentic import SERVER_KEY, session_metrics, tito_metrics
 from verst.rollout.agentic import generate as agentic_generate
@@ -28,6 +29,15 @@ from verst.types import Sample, Status
 
 torch.set_num_threads(1)
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+USER = {"role": "user", "content": "What is 1+2?"}
+
+
+def asked(n_calls):
+    """The model's earlier turn, calling `add` n times (ids call_0, ...): the episode's tool results answer
+    these calls, since a random tiny model never writes one itself."""
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+             for i in range(n_calls)]
+    return {"role": "assistant", "content": "Adding.", "tool_calls": calls}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +49,7 @@ def served(tiny_model_dir):
 
 async def tool_agent(base_url, prompt, request_kwargs, metadata):
     """`metadata['n_turns']` turns; after each reply but the last, a tool result (the turn number)."""
-    messages = [{"role": "user", "content": prompt}]
+    messages = prompt_messages(prompt)
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as oai:
         for turn in range(metadata["n_turns"]):
             reply = await oai.chat.completions.create(model="policy", messages=messages, tools=metadata["tools"],
@@ -54,7 +64,7 @@ async def tool_agent(base_url, prompt, request_kwargs, metadata):
 
 async def tool_env(messages, metadata):
     """The same episode as `tool_agent`, as an environment step for the direct multi-turn generate fn."""
-    turn = sum(m["role"] == "assistant" for m in messages) - 1
+    turn = sum(m["role"] == "tool" for m in messages)  # the replies so far, less one
     if turn >= metadata["n_turns"] - 1:
         return None
     return [{"role": "tool", "tool_call_id": f"call_{turn}", "content": str(turn)}]
@@ -72,7 +82,7 @@ async def one_reward(sample):
 
 
 def prompt(n_turns=3, **meta):
-    return Sample(prompt="What is 1+2?", metadata={"tools": [ADD], "n_turns": n_turns, **meta})
+    return Sample(prompt=[USER, asked(n_turns - 1)], metadata={"tools": [ADD], "n_turns": n_turns, **meta})
 
 
 def test_a_rollout_step_of_agent_episodes(served):
@@ -148,4 +158,5 @@ def test_the_session_path_and_the_direct_path_record_the_same_trajectory(served)
     assert sum(via_ids.loss_mask) == 4 and via_session.status == via_ids.status == Status.COMPLETED
     # the same ids; logprobs agree up to the prefix cache's numerics
     assert via_session.rollout_logprobs == pytest.approx(via_ids.rollout_logprobs, abs=1e-4)
-    assert [m["role"] for m in via_ids.metadata["messages"]] == ["user"] + ["assistant", "tool"] * 3 + ["assistant"]
+    assert [m["role"] for m in via_ids.metadata["messages"]] == ["user", "assistant"] + ["assistant", "tool"] * 3 + [
+        "assistant"]

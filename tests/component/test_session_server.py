@@ -25,6 +25,10 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two i
                                                                                         "b": {"type": "integer"}}}}}
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 USER = {"role": "user", "content": "What is 1+2?"}
+# a conversation resumed after the model asked for two additions: the tool results below answer these calls
+ASKED = {"role": "assistant", "content": "Adding twice.", "tool_calls": [
+    {"id": f"call_{i}", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    for i in range(2)]}
 
 
 def tool_turn(result: str) -> str:
@@ -74,7 +78,7 @@ def test_real_engine_multi_turn_tokens_are_the_sampled_ids_plus_the_tool_ids(ser
             async with httpx.AsyncClient(base_url=server.url) as http:
                 sid = (await http.post("/sessions", json={"metadata": {"task": "add"}})).json()["session_id"]
             oai = agent_client(server, sid)
-            messages, replies = [USER], []
+            messages, replies = [USER, ASKED], []
             for turn, result in enumerate(["3", "7", None]):
                 reply = await oai.chat.completions.create(model="tiny", messages=messages, tools=[ADD], max_tokens=6,
                                                           temperature=1.0, seed=turn, logprobs=True)
@@ -86,7 +90,7 @@ def test_real_engine_multi_turn_tokens_are_the_sampled_ids_plus_the_tool_ids(ser
 
     sid, replies, calls, sample = asyncio.run(main())
     assert [key for _, key, _ in calls] == [sid] * 3  # every engine request carries the session as routing key
-    assert calls[0][0] == chat_prompt_ids(tok, [USER], tools=[ADD])
+    assert calls[0][0] == chat_prompt_ids(tok, [USER, ASKED], tools=[ADD])
     expected_mask, expected_logprobs = [], []
     for (sent, _, result), (next_sent, _, _), tool in zip(calls, calls[1:], ["3", "7"]):
         ended = result.output_ids[-1] == tok.eos_token_id
@@ -157,7 +161,7 @@ def test_tool_calls_round_trip_through_the_openai_client(served):
     assert sample.response == "The sum is 3."
 
 
-def test_stream_true_is_answered_as_one_chunk(served):
+def test_stream_true_is_answered_token_by_token(served):
     _, tok = served
     engine, client, server = scripted_server(tok, [CALL, "The sum is 3."])
 
@@ -167,9 +171,12 @@ def test_stream_true_is_answered_as_one_chunk(served):
             return await tool_agent(server, sid, stream_last=True)
 
     _, chunks = asyncio.run(main())
-    content, usage = chunks
-    assert content.choices[0].delta.content == "The sum is 3." and content.choices[0].finish_reason == "stop"
-    assert [c.logprob for c in content.choices[0].logprobs.content] == engine.calls[1].logprobs
+    *content, usage = chunks
+    assert len(content) == len(engine.calls[1].output_ids) + 1  # one chunk per output id, then the finish
+    assert "".join(c.choices[0].delta.content or "" for c in content) == "The sum is 3."
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["stop"]
+    logprobs = [e.logprob for c in content if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert logprobs == engine.calls[1].logprobs
     assert usage.choices == [] and usage.usage.completion_tokens == len(engine.calls[1].output_ids)
 
 

@@ -158,3 +158,53 @@ def test_without_retries_a_lost_engine_fails_the_generation():
 
     asyncio.run(main())
     assert len(calls) == 1
+
+
+def sse(*events):
+    text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+
+def event(ids, n, finish=None):
+    """One streamed event carrying `ids` (all so far, or only the new ones) with n completion tokens."""
+    return {"text": "", "output_ids": ids, "meta_info": {
+        "id": "r1", "finish_reason": finish, "prompt_tokens": 3, "completion_tokens": n, "weight_version": "4",
+        "output_token_logprobs": [[-float(t), t, None] for t in ids]}}
+
+
+@pytest.mark.parametrize("events", [
+    [event([5], 1), event([5, 6], 2), event([5, 6, 7], 3, {"type": "stop", "matched": 7})],  # cumulative
+    [event([5], 1), event([6], 2), event([7], 3, {"type": "stop", "matched": 7})],  # incremental
+])
+def test_a_streamed_generation_yields_every_id_so_far_in_either_form(events):
+    transport, calls = fake(lambda req, n: sse(*events))
+
+    async def main():
+        async with EngineClient("http://engine", transport=transport) as client:
+            return [r async for r in client.generate_stream([1, 2, 3], {"max_new_tokens": 3}, rid="r1",
+                                                             routing_key="s1")]
+
+    results = asyncio.run(main())
+    body = json.loads(calls[0].content)
+    assert body["stream"] is True and body["input_ids"] == [1, 2, 3] and calls[0].headers[ROUTING_KEY_HEADER] == "s1"
+    assert [r.output_ids for r in results] == [[5], [5, 6], [5, 6, 7]]
+    assert results[-1].logprobs == [-5.0, -6.0, -7.0] and results[-1].weight_version == "4"
+    assert [r.finish_reason for r in results] == ["", "", "stop"]
+
+
+@pytest.mark.parametrize("reply, words", [
+    (lambda: sse(event([5], 1), {"error": {"message": "engine is shutting down"}}), "engine is shutting down"),
+    (lambda: httpx.Response(422, json={"error": {"message": "sampling_params.top_k = 0: bad", "field":
+                                                  "sampling_params.top_k"}}), "top_k = 0"),
+    (lambda: httpx.Response(200, content=b"data: {not json\n\n"), "unreadable stream event"),
+])
+def test_a_streamed_generation_that_fails_raises_engine_error(reply, words):
+    transport, _ = fake(lambda req, n: reply())
+
+    async def main():
+        async with EngineClient("http://engine", transport=transport) as client:
+            return [r async for r in client.generate_stream([1], {})]
+
+    with pytest.raises(EngineError, match=words) as err:
+        asyncio.run(main())
+    assert err.value.field in (None, "sampling_params.top_k")

@@ -7,8 +7,15 @@ import json
 import pytest
 
 from verst.session.errors import SessionError
-from verst.session.messages import first_difference, normalize_messages, parse_reply, same_message
-from verst.session.openai_wire import completion, parse_request, stream_events
+from verst.session.messages import (
+    check_tool_results,
+    first_difference,
+    normalize_messages,
+    parse_reply,
+    same_message,
+)
+from verst.session.openai_wire import completion, parse_request
+from verst.session.streaming import ChunkStream
 
 
 @pytest.mark.parametrize("raw, field, words", [
@@ -109,13 +116,13 @@ def test_bad_request_fields_are_400_naming_the_field(body, field):
     assert err.value.status == 400 and err.value.field == field
 
 
-def test_a_completion_streams_as_one_chunk_then_done():
+def test_a_turn_that_streamed_no_tokens_finishes_as_one_chunk_then_done():
     message = parse_reply('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', True)
     reply = completion(completion_id="c1", model="m", message=message, finish_reason="tool_calls",
                        token_texts=["a", "b"], logprobs=[-0.5, -0.25], prompt_tokens=3, cached_tokens=1, metadata={})
     assert reply["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                               "prompt_tokens_details": {"cached_tokens": 1}}
-    events = stream_events(reply, include_usage=True)
+    events = ChunkStream(None, model="m", parse_tools=True, logprobs=True, include_usage=True).finish(reply)
     assert events[-1] == "data: [DONE]\n\n" and len(events) == 3
     chunk = json.loads(events[0][len("data: "):])
     assert chunk["object"] == "chat.completion.chunk"
@@ -123,3 +130,29 @@ def test_a_completion_streams_as_one_chunk_then_done():
     assert choice["finish_reason"] == "tool_calls" and choice["delta"]["tool_calls"][0]["index"] == 0
     assert [c["logprob"] for c in choice["logprobs"]["content"]] == [-0.5, -0.25]
     assert json.loads(events[1][len("data: "):])["usage"]["total_tokens"] == 5
+
+
+CALLED = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize("tool, words", [
+    ({"role": "tool", "content": "3"}, "messages[2].tool_call_id is missing; a tool message answers a tool call"),
+    ({"role": "tool", "content": "3", "tool_call_id": "c2"},
+     "messages[2].tool_call_id = 'c2' matches no tool call of an earlier assistant message (their ids: ['c1'])"),
+])
+def test_a_tool_message_must_answer_an_earlier_tool_call_by_its_id(tool, words):
+    messages = normalize_messages([{"role": "user", "content": "a"}, CALLED, tool])
+    with pytest.raises(SessionError) as err:
+        check_tool_results(messages)
+    assert (err.value.status, err.value.field) == (400, "messages[2].tool_call_id") and words in err.value.message
+    check_tool_results(normalize_messages([{"role": "user", "content": "a"}, CALLED, {**tool, "tool_call_id": "c1"}]))
+
+
+def test_tool_call_ids_of_stored_replies_count_when_the_client_drops_them():
+    resent = {**CALLED, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    messages = normalize_messages([{"role": "user", "content": "a"}, resent,
+                                   {"role": "tool", "content": "3", "tool_call_id": "c1"}])
+    with pytest.raises(SessionError):
+        check_tool_results(messages)
+    check_tool_results(messages, stored=normalize_messages([{"role": "user", "content": "a"}, CALLED]))

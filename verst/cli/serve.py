@@ -66,6 +66,8 @@ def _serve_session(argv: list[str]) -> int:
     p.add_argument("--port-file", default=None, help="write the bound port here once listening")
     p.add_argument("--max-context-tokens", type=int, default=None, help="cap on prompt + response of a session")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per-turn default when a request names none")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="the model's context, to refuse requests beyond it (default: as the engine reports it)")
     args = p.parse_args(argv)
     import asyncio
     import os
@@ -84,7 +86,7 @@ def _serve_session(argv: list[str]) -> int:
             loop.add_signal_handler(sig, stop.set)
         async with EngineClient(args.engine_url) as engine:
             manager = SessionManager(engine, tokenizer, max_context_tokens=args.max_context_tokens,
-                                     max_new_tokens=args.max_new_tokens,
+                                     max_new_tokens=args.max_new_tokens, context_length=args.context_length,
                                      model_name=os.path.basename(os.path.normpath(args.model)))
             async with SessionServer(manager, host=args.host, port=args.port) as server:
                 if args.port_file:

@@ -11,6 +11,8 @@ import asyncio
 import base64
 import dataclasses
 import itertools
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -27,11 +29,12 @@ CONNECTIONS_PER_POOL = 32
 
 
 class EngineError(RuntimeError):
-    """A non-2xx reply or a transport failure; carries the URL, status and the server's message."""
+    """A non-2xx reply or a transport failure; carries the URL, status, the server's message and field."""
 
-    def __init__(self, url: str, status: int | None, message: str):
+    def __init__(self, url: str, status: int | None, message: str, field: str | None = None):
         super().__init__(f"{url}: {status if status is not None else 'no reply'}: {message}")
         self.url, self.status, self.message = url, status, message
+        self.field = field  # the request field the server named as the offending one, if any
 
 
 class RoutingKeyError(ValueError):
@@ -158,6 +161,72 @@ class EngineClient:
         """One generation. Aborted requests return normally with `finish_reason == "abort"`. `priority`:
         SGLang's scheduling priority (higher first; SGLang needs --enable-priority-scheduling).
         `lora_path`: the name of a loaded LoRA adapter to generate with (None: the base model)."""
+        body, headers = self._generate_body(
+            input_ids, sampling_params, text=text, rid=rid, return_logprob=return_logprob, routing_key=routing_key,
+            needs_affinity=needs_affinity, return_routed_experts=return_routed_experts,
+            top_logprobs_num=top_logprobs_num, priority=priority, lora_path=lora_path)
+        if self._batcher is not None:
+            return GenerateResult.from_reply(await self._batcher.submit(body, headers))
+        return GenerateResult.from_reply(await self._send_generate(body, headers))
+
+    async def generate_stream(
+        self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *, rid: str | None = None,
+        return_logprob: bool = True, routing_key: str | None = None, needs_affinity: bool | None = None,
+        lora_path: str | None = None,
+    ) -> AsyncIterator[GenerateResult]:
+        """One generation streamed (`"stream": true`): a result covering every output id so far after each
+        update; finish_reason is "" until the last. Both of SGLang's stream forms are read: cumulative
+        output ids (the default) and incremental ones (`--incremental-streaming-output`). Never retried."""
+        body, headers = self._generate_body(input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
+                                            routing_key=routing_key, needs_affinity=needs_affinity, lora_path=lora_path)
+        body["stream"] = True
+        url = self.base_url + "/generate"
+        ids: list[int] = []
+        logprobs: list[list[Any]] = []
+        try:
+            async with self._pool(next(self._next_pool)).stream(
+                    "POST", "/generate", json=body, headers=headers, timeout=self.timeouts.generate) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise EngineError(url, response.status_code, _message(response), _field(response))
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    try:
+                        reply = json.loads(line[5:])
+                        error = reply.get("error")
+                        if error is None:
+                            meta = reply["meta_info"]
+                            if len(reply["output_ids"]) < int(meta.get("completion_tokens", 0)):  # incremental form
+                                ids += reply["output_ids"]
+                                logprobs += meta.get("output_token_logprobs") or []
+                            else:
+                                ids, logprobs = list(reply["output_ids"]), list(meta.get("output_token_logprobs") or [])
+                    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                        raise EngineError(url, response.status_code, f"unreadable stream event {line[:200]!r} "
+                                                                     f"({type(exc).__name__}: {exc})") from None
+                    if error is not None:
+                        message = error.get("message", error) if isinstance(error, dict) else error
+                        raise EngineError(url, response.status_code, str(message))
+                    whole = {**reply, "output_ids": ids, "meta_info": {**meta, "output_token_logprobs": logprobs}}
+                    if not return_logprob:
+                        whole["meta_info"].pop("output_token_logprobs")
+                    result = GenerateResult.from_reply(whole)
+                    if not meta.get("finish_reason"):
+                        result.finish_reason = ""  # not finished yet (from_reply reads a missing reason as abort)
+                    yield result
+        except httpx.TimeoutException as exc:
+            raise EngineError(url, None, f"timed out after {self.timeouts.generate:g}s ({type(exc).__name__})") from exc
+        except httpx.TransportError as exc:
+            raise EngineError(url, None, f"{type(exc).__name__}: {exc}") from exc
+
+    def _generate_body(
+        self, input_ids: list[int] | None, sampling_params: dict[str, Any] | None, *, text: str | None = None,
+        rid: str | None, return_logprob: bool, routing_key: str | None, needs_affinity: bool | None,
+        return_routed_experts: bool = False, top_logprobs_num: int = 0, priority: int | None = None,
+        lora_path: str | None = None,
+    ) -> tuple[dict[str, Any], dict[str, str] | None]:
+        """The /generate body and headers of one generation (RoutingKeyError when affinity lacks a key)."""
         if (needs_affinity if needs_affinity is not None else self.affinity) and not routing_key:
             raise RoutingKeyError(
                 "this generate needs session affinity (the router pins a session to the engine holding its "
@@ -179,10 +248,7 @@ class EngineClient:
             body["priority"] = priority  # shared by a batch: calls of other priorities batch apart
         if lora_path is not None:
             body["lora_path"] = lora_path
-        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
-        if self._batcher is not None:
-            return GenerateResult.from_reply(await self._batcher.submit(body, headers))
-        return GenerateResult.from_reply(await self._send_generate(body, headers))
+        return body, {ROUTING_KEY_HEADER: routing_key} if routing_key else None
 
     async def _send_generate(self, body: dict[str, Any], headers: dict[str, str] | None) -> Any:
         for attempt in range(self.generate_retries + 1):
@@ -332,9 +398,21 @@ def _message(response: httpx.Response) -> str:
     return str(body)[:500]
 
 
+def _field(response: httpx.Response) -> str | None:
+    """The offending field an error body names (verst engines: `error.field`; OpenAI style: `error.param`)."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(error, dict):
+        return None
+    field = error.get("field", error.get("param"))
+    return str(field) if field is not None else None
+
+
 def _json_or_raise(response: httpx.Response, url: str) -> Any:
     if response.status_code >= 400:
-        raise EngineError(url, response.status_code, _message(response))
+        raise EngineError(url, response.status_code, _message(response), _field(response))
     if not response.content:
         return {}
     try:

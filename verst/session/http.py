@@ -1,8 +1,9 @@
 """The session server's HTTP face: a thin FastAPI adapter over `SessionManager`, and `SessionServer`, which
 serves it with uvicorn as a task of the current event loop on a pre-bound loopback socket.
 
-Routes: POST /sessions, GET|DELETE /sessions/{id}, POST /sessions/{id}/v1/chat/completions (OpenAI),
-POST /sessions/{id}/samples, GET /health. Errors are OpenAI error bodies with the manager's status.
+Routes: POST /sessions, GET|DELETE /sessions/{id}, POST /sessions/{id}/v1/chat/completions and
+GET /sessions/{id}/v1/models[/{model}] (OpenAI), POST /sessions/{id}/samples, GET /health. Errors are
+OpenAI error bodies with the manager's status.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from verst.session.errors import SessionError
 from verst.session.manager import SessionManager
-from verst.session.openai_wire import stream_events
+from verst.session.openai_wire import model_card, parse_request
+from verst.session.streaming import ChunkStream
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +59,22 @@ def build_app(manager: SessionManager) -> FastAPI:
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat_completions(session_id: str, request: Request) -> Response:
         body = await _json(request)
-        reply = await manager.chat_completion(session_id, body)
-        if isinstance(body, dict) and body.get("stream"):
-            options = body.get("stream_options") or {}
-            events = stream_events(reply, bool(isinstance(options, dict) and options.get("include_usage")))
-            return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(reply)
+        if isinstance(body, dict) and body.get("stream") is True:
+            return await _streamed_turn(manager, session_id, body)
+        return JSONResponse(await manager.chat_completion(session_id, body))
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def models(session_id: str) -> dict[str, Any]:
+        manager.get(session_id)  # 404 for an unknown session, as every route under it
+        return {"object": "list", "data": [model_card(manager.model_name, manager.created)]}
+
+    @app.get("/sessions/{session_id}/v1/models/{model:path}")
+    async def model(session_id: str, model: str) -> dict[str, Any]:
+        manager.get(session_id)
+        if model != manager.model_name:
+            raise SessionError(404, f"model {model!r} is not served here; the session server serves "
+                                    f"{manager.model_name!r}", "model")
+        return model_card(manager.model_name, manager.created)
 
     @app.post("/sessions/{session_id}/samples")
     async def samples(session_id: str, request: Request) -> dict[str, Any]:
@@ -73,6 +85,38 @@ def build_app(manager: SessionManager) -> FastAPI:
         return {"samples": [s.to_dict() for s in manager.samples(session_id, max_tokens=max_tokens)]}
 
     return app
+
+
+async def _streamed_turn(manager: SessionManager, session_id: str, body: dict[str, Any]) -> Response:
+    """The turn runs as a task that streams from the engine; the reply is an event stream once the first
+    tokens come (a turn refused before any is answered with its error status, as unstreamed). A client
+    that goes away mid-stream does not stop the turn: it is recorded, and a resend rolls it back."""
+    req = parse_request(body)  # a malformed request is refused before the turn starts
+    stream = ChunkStream(manager.tokenizer, model=req.model or manager.model_name, parse_tools=req.parse_tools,
+                         logprobs=req.logprobs, include_usage=req.include_usage)
+    updates: asyncio.Queue = asyncio.Queue()
+    turn = asyncio.create_task(manager.chat_completion(session_id, body, on_tokens=updates.put_nowait))
+    turn.add_done_callback(lambda task: (updates.put_nowait(None), task.cancelled() or task.exception()))
+    first = await updates.get()
+    if first is None:
+        turn.result()  # raises what refused the turn
+
+    async def events():
+        partial = first
+        while partial is not None:
+            for event in stream.update(f"chatcmpl-{partial.rid or session_id}", partial.output_ids, partial.logprobs):
+                yield event
+            partial = await updates.get()
+        try:
+            reply = turn.result()
+        except SessionError as exc:
+            for event in stream.error(exc):
+                yield event
+            return
+        for event in stream.finish(reply):
+            yield event
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 async def _json(request: Request, optional: bool = False) -> Any:

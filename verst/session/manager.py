@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -18,13 +20,18 @@ from typing import Any
 from verst.inference_client.client import EngineClient, EngineError, GenerateResult
 from verst.session.assemble import ERROR_KEY, FINISH_STATUS, Trajectory, assemble
 from verst.session.errors import SessionError
-from verst.session.messages import first_difference, parse_reply
-from verst.session.openai_wire import ChatRequest, completion, parse_request
+from verst.session.messages import check_tool_results, first_difference, parse_reply
+from verst.session.openai_wire import OPENAI_NAMES, ChatRequest, completion, parse_request
 from verst.session.tito import METRIC_PREFIX, MISMATCH_TYPES, ChatTemplate, check_conversation
 from verst.types import Sample
 
 OnRequest = Callable[[str, bool], None]
 """`on_request(rid, started)`: called before (True) and after (False) each engine request of a session."""
+OnTokens = Callable[[GenerateResult], None]
+"""`on_tokens(partial)`: a streamed turn's output so far (every output id and logprob), after each update."""
+logger = logging.getLogger(__name__)
+_ENGINE_FIELD = re.compile(r"sampling_params\.\w+")
+_URL = re.compile(r"https?://[^\s'\")]+")  # an engine's or router's address inside an error message
 MISMATCH_KEY = "tito_mismatch"  # sample.metadata: the mismatches of the canonical re-render check
 
 
@@ -59,11 +66,13 @@ class SessionManager:
 
     `max_context_tokens` caps prompt + response of a trajectory (each turn's max_new_tokens is cut to the
     room left); `max_new_tokens` is the per-turn default when a request names none; `default_sampling`
-    holds SGLang sampling_params that requests override field by field.
+    holds SGLang sampling_params that requests override field by field. `context_length` is the model's
+    context (prompt + completion of one engine request); None: the engine's `/get_model_info` tells it.
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Any, *, max_context_tokens: int | None = None,
-                 max_new_tokens: int = 256, default_sampling: dict[str, Any] | None = None, model_name: str = "verst"):
+                 max_new_tokens: int = 256, default_sampling: dict[str, Any] | None = None, model_name: str = "verst",
+                 context_length: int | None = None):
         if max_context_tokens is not None and max_context_tokens < 2:
             raise ValueError(f"SessionManager: max_context_tokens = {max_context_tokens} must be >= 2")
         if max_new_tokens < 1:
@@ -72,7 +81,9 @@ class SessionManager:
         self.max_context_tokens, self.max_new_tokens = max_context_tokens, max_new_tokens
         self.default_sampling = dict(default_sampling or {})
         self.default_sampling.pop("max_new_tokens", None)
-        self.model_name = model_name
+        self.model_name, self.created = model_name, int(time.time())
+        self.context_length = context_length
+        self._context_asked = False  # the engine was asked for its context length (it may not report one)
         self._sessions: dict[str, Session] = {}
         self._rid_counter = itertools.count()
         self._checked = 0
@@ -112,11 +123,15 @@ class SessionManager:
         return session
 
     # ---- one turn ---------------------------------------------------------------------------------
-    async def chat_completion(self, session_id: str, request: dict[str, Any]) -> dict[str, Any]:
+    async def chat_completion(self, session_id: str, request: dict[str, Any],
+                              on_tokens: OnTokens | None = None) -> dict[str, Any]:
         """One OpenAI chat completion in a session: the request must extend the session's history (or
-        retry its last turn); the reply is recorded with the exact ids and logprobs the engine sent."""
+        retry its last turn); the reply is recorded with the exact ids and logprobs the engine sent.
+        `on_tokens` given: the engine streams the turn and sees each update (the recorded ids are the same)."""
         session = self._session(session_id)
         req = parse_request(request)
+        check_tool_results(req.messages, session.messages)
+        context_length = await self._context_length()
         async with session.lock:
             if session.ended:
                 raise SessionError(400, f"session {session_id}: {session.ended}; it takes no further turns", "messages")
@@ -124,11 +139,11 @@ class SessionManager:
             trajectory = session.trajectory
             n_kept = trajectory.turns[-1].env_start if plan.rollback else len(trajectory.ids)
             input_ids = trajectory.ids[:n_kept] + plan.env_ids
-            max_new = self._budget(req, len(input_ids))
+            max_new = self._budget(req, len(input_ids), context_length)
             if max_new == 0:
                 return self._context_full(session, req, len(input_ids))
             result = await self._generate(session, input_ids, {**self.default_sampling, **req.sampling,
-                                                               "max_new_tokens": max_new})
+                                                               "max_new_tokens": max_new}, on_tokens)
             if session.deleted:
                 raise SessionError(404, f"session {session_id} was deleted while its turn was generating", "session_id")
             return self._commit(session, req, plan, result, len(input_ids))
@@ -183,11 +198,45 @@ class SessionManager:
         ended = session.trajectory.sampled_end(after_turn, self.tokenizer.eos_token_id)
         return _Plan(template, template.append_ids(history[-1], new, ended), len(history), rollback)
 
-    def _budget(self, req: ChatRequest, n_input: int) -> int:
-        want = req.max_tokens or self.max_new_tokens
-        if self.max_context_tokens is None:
+    def _budget(self, req: ChatRequest, n_input: int, context_length: int | None) -> int:
+        """The turn's max_new_tokens: the request's (else the default), cut to the room max_context_tokens
+        leaves (0: none). A request asking for more than a context holds is refused, as OpenAI and SGLang
+        do; the default is cut to the model's context instead."""
+        field, asked = req.max_tokens_field, req.max_tokens
+        if asked is not None and self.max_context_tokens is not None and asked >= self.max_context_tokens:
+            raise SessionError(400, f"{field} = {asked} exceeds the session's context: max_context_tokens = "
+                                    f"{self.max_context_tokens} holds the messages and the completion together; "
+                                    f"lower {field}", field)
+        want = asked or self.max_new_tokens
+        if self.max_context_tokens is not None:
+            want = max(0, min(want, self.max_context_tokens - n_input))
+        if context_length is None or want == 0 or n_input + want <= context_length:
             return want
-        return max(0, min(want, self.max_context_tokens - n_input))
+        if asked is None:
+            if n_input < context_length:
+                return context_length - n_input
+            raise SessionError(400, f"messages: the prompt has {n_input} tokens; the model's maximum context length "
+                                    f"of {context_length} tokens leaves no room to generate", "messages")
+        raise SessionError(400, f"{field} = {want} exceeds the context: the model's maximum context length is "
+                                f"{context_length} tokens and this request asks for {n_input + want} ({n_input} in "
+                                f"the messages, {want} in the completion); lower {field} or shorten the messages",
+                           field)
+
+    async def _context_length(self) -> int | None:
+        """The model's context: as given, else as the engine reports it (asked until it answers once;
+        None when it does not say, as SGLang, which then refuses an oversized request itself)."""
+        if self.context_length is None and not self._context_asked:
+            try:
+                info = await self.engine.get_model_info()
+            except EngineError as exc:
+                logger.warning("the engine did not tell its context length (%s); requests go unchecked", exc)
+                # a refusal (4xx) is the engine's answer for good; an engine away is asked again next turn
+                self._context_asked = exc.status is not None and exc.status < 500
+                return None
+            self._context_asked = True
+            value = info.get("context_length") if isinstance(info, dict) else None
+            self.context_length = int(value) if value else None
+        return self.context_length
 
     def _context_full(self, session: Session, req: ChatRequest, n_input: int) -> dict[str, Any]:
         """No room for another turn: the trajectory ends TRUNCATED and the agent is told `length`."""
@@ -197,19 +246,25 @@ class SessionManager:
         message = {"role": "assistant", "content": ""}
         return completion(completion_id=f"chatcmpl-{session.id}-full", model=req.model or self.model_name,
                           message=message, finish_reason="length", token_texts=[] if req.logprobs else None,
-                          logprobs=[], prompt_tokens=n_input, cached_tokens=0,
-                          metadata={"session_id": session.id, "turn": None})
+                          logprobs=[], prompt_tokens=n_input, cached_tokens=0, metadata={"session_id": session.id})
 
-    async def _generate(self, session: Session, input_ids: list[int], params: dict[str, Any]) -> GenerateResult:
+    async def _generate(self, session: Session, input_ids: list[int], params: dict[str, Any],
+                        on_tokens: OnTokens | None = None) -> GenerateResult:
         rid = f"session-{session.id}-{next(self._rid_counter)}"
         if session.on_request is not None:
             session.on_request(rid, True)
         try:
-            result = await self.engine.generate(input_ids, params, rid=rid, return_logprob=True, routing_key=session.id)
+            if on_tokens is None:
+                result = await self.engine.generate(input_ids, params, rid=rid, return_logprob=True,
+                                                    routing_key=session.id)
+            else:
+                result = None
+                async for result in self.engine.generate_stream(input_ids, params, rid=rid, routing_key=session.id):
+                    on_tokens(result)
+                if result is None:
+                    raise EngineError("/generate", 502, "the engine's stream ended without a reply")
         except EngineError as exc:
-            # the engine refusing the request's parameters is the client's error; anything else is the engine's
-            status = 400 if exc.status is not None and 400 <= exc.status < 500 else 502
-            raise SessionError(status, f"engine request failed: {exc}", "engine") from None
+            raise _engine_error(exc) from None
         finally:
             if session.on_request is not None:
                 session.on_request(rid, False)
@@ -300,6 +355,24 @@ class SessionManager:
         rates[METRIC_PREFIX + "any"] = self._mismatched / self._checked if self._checked else 0.0
         rates["rollout/tito_checked_sessions"] = float(self._checked)
         return rates
+
+
+def _engine_error(exc: EngineError) -> SessionError:
+    """The engine's failure as the agent's error: a refused parameter (4xx) is the client's, named by the
+    field the engine gave, anything else is the engine's (502). The engine's address stays in the log."""
+    logger.warning("engine request failed: %s", exc)
+    message = _URL.sub("<engine>", exc.message)
+    if exc.status is not None and 400 <= exc.status < 500:
+        field = "body"
+        # the engine's name for the field (sampling_params.temperature), from its error body or message
+        named = exc.field or (m.group(0) if (m := _ENGINE_FIELD.match(message)) else None)
+        if named:
+            key = named.removeprefix("sampling_params.")
+            field = OPENAI_NAMES.get(key, key)
+            message = field + message[len(named):] if message.startswith(named) else message
+        return SessionError(400, f"the engine refused the request ({exc.status}): {message}", field)
+    status = "no reply" if exc.status is None else f"status {exc.status}"
+    return SessionError(502, f"engine request failed ({status}): {message}", "engine")
 
 
 def _brief(message: dict[str, Any] | None) -> str:

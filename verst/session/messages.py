@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from verst.session.errors import SessionError
 
 ROLES = ("system", "user", "assistant", "tool")
 _KNOWN_KEYS = ("role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content")
+TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_REASONING = re.compile(r"<think>\n?(.*?)\n?</think>\n*", re.DOTALL)
+REASONING = re.compile(r"<think>\n?(.*?)\n?</think>\n*", re.DOTALL)
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -100,6 +102,30 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def check_tool_results(messages: list[dict[str, Any]], stored: Sequence[dict[str, Any]] = ()) -> None:
+    """Every tool message answers a tool call of an earlier assistant message by its id; SessionError(400)
+    naming `messages[i].tool_call_id` otherwise. The ids of `stored` replies count where the request resends
+    them (a client that reserializes a reply may drop its call ids)."""
+    known: set[str] = set()
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            known |= _call_ids(message)
+            if i < len(stored) and stored[i]["role"] == "assistant":
+                known |= _call_ids(stored[i])
+        elif message["role"] == "tool":
+            where, call_id = f"messages[{i}].tool_call_id", message.get("tool_call_id")
+            if call_id is None:
+                raise SessionError(400, f"{where} is missing; a tool message answers a tool call of an earlier "
+                                        "assistant message by its id", where)
+            if call_id not in known:
+                raise SessionError(400, f"{where} = {call_id!r} matches no tool call of an earlier assistant "
+                                        f"message (their ids: {sorted(known)})", where)
+
+
+def _call_ids(message: dict[str, Any]) -> set[str]:
+    return {call["id"] for call in message.get("tool_calls") or [] if "id" in call}
+
+
 # ---- comparing histories ------------------------------------------------------------------------
 def same_message(stored: dict[str, Any], replayed: dict[str, Any]) -> bool:
     """Whether a resent message is the stored one. Loose where clients reserialize a reply: content None
@@ -137,7 +163,7 @@ def parse_reply(text: str, parse_tools: bool) -> dict[str, Any]:
     becomes reasoning_content; with `parse_tools`, every `<tool_call>` block holding a JSON object with a
     name becomes an OpenAI tool call (blocks that do not parse stay in the content, as sampled)."""
     message: dict[str, Any] = {"role": "assistant"}
-    if text.startswith("<think>") and (m := _REASONING.match(text)):
+    if text.startswith("<think>") and (m := REASONING.match(text)):
         message["reasoning_content"] = m.group(1)
         text = text[m.end():]
     calls, kept, at = [], [], 0

@@ -1,11 +1,10 @@
 """OpenAI chat-completion wire format for the session server: a request body checked into engine sampling
-params, one turn as a `chat.completion` object, and that object re-sent as a one-chunk event stream.
+params, one turn as a `chat.completion` object, and the served model as a `model` object.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ _SAMPLING: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "min_p": ("min_p", (int, float)), "seed": ("sampling_seed", int), "min_tokens": ("min_new_tokens", int),
     "stop": ("stop", (str, list)), "stop_token_ids": ("stop_token_ids", list), "ignore_eos": ("ignore_eos", bool),
 }
+OPENAI_NAMES = {key: name for name, (key, _) in _SAMPLING.items()} | {"max_new_tokens": "max_tokens"}
 # accepted only at these values: the session server has no way to honour others
 _OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "n": (1, None), "presence_penalty": (0, None), "frequency_penalty": (0, None), "top_logprobs": (0, None),
@@ -37,6 +37,7 @@ class ChatRequest:
     template_kwargs: dict[str, Any]
     sampling: dict[str, Any]  # SGLang sampling_params without max_new_tokens
     max_tokens: int | None
+    max_tokens_field: str  # the name the request used: max_completion_tokens or max_tokens
     logprobs: bool
     stream: bool
     include_usage: bool
@@ -70,13 +71,14 @@ def parse_request(body: Any) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise SessionError(400, f"chat_template_kwargs = {kwargs!r:.60} must be an object", "chat_template_kwargs")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(field)
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise SessionError(400, f"max_tokens = {max_tokens!r} must be a positive integer", "max_tokens")
+        raise SessionError(400, f"{field} = {max_tokens!r} must be a positive integer", field)
     options = body.get("stream_options") or {}
     return ChatRequest(
         messages=normalize_messages(body.get("messages")), tools=tools, template_kwargs=kwargs, sampling=sampling,
-        max_tokens=max_tokens, logprobs=_flag(body, "logprobs"), stream=_flag(body, "stream"),
+        max_tokens=max_tokens, max_tokens_field=field, logprobs=_flag(body, "logprobs"), stream=_flag(body, "stream"),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         parse_tools=tools is not None and body.get("tool_choice") != "none", model=str(body.get("model") or ""),
     )
@@ -94,32 +96,27 @@ def completion(
     logprobs: list[float], prompt_tokens: int, cached_tokens: int, metadata: dict[str, Any],
 ) -> dict[str, Any]:
     """A `chat.completion` object; `token_texts` given: per-token logprobs in OpenAI's shape (every output
-    id, the end-of-turn token included, so they line up with what the trainer sees)."""
+    id, the end-of-turn token included, so they line up with what the trainer sees). `metadata` is sent
+    as strings (OpenAI types it as a map of strings); None values are left out."""
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
     if token_texts is not None:
-        choice["logprobs"] = {"content": [
-            {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
-            for text, lp in zip(token_texts, logprobs, strict=True)
-        ], "refusal": None}
+        choice["logprobs"] = {"content": token_logprobs(token_texts, logprobs), "refusal": None}
     n_out = len(logprobs)
     return {
         "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [choice],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out,
                   "prompt_tokens_details": {"cached_tokens": cached_tokens}},
-        "metadata": metadata,
+        "metadata": {key: str(value) for key, value in metadata.items() if value is not None},
     }
 
 
-def stream_events(reply: dict[str, Any], include_usage: bool) -> list[str]:
-    """The whole reply as server-sent events: one `chat.completion.chunk`, optionally a usage chunk, [DONE]."""
-    choice = reply["choices"][0]
-    delta = {k: v for k, v in choice["message"].items() if k != "tool_calls"}
-    if choice["message"].get("tool_calls"):
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
-    head = {k: reply[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    chunks = [head | {"choices": [{"index": 0, "delta": delta, "finish_reason": choice["finish_reason"],
-                                   "logprobs": choice["logprobs"]}]}]
-    if include_usage:
-        chunks.append(head | {"choices": [], "usage": reply["usage"]})
-    return [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
+def token_logprobs(token_texts: list[str], logprobs: list[float]) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs.content` entries, one per output id."""
+    return [{"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
+            for text, lp in zip(token_texts, logprobs, strict=True)]
+
+
+def model_card(name: str, created: int) -> dict[str, Any]:
+    """The served model as OpenAI's `model` object (what `client.models.list()` returns)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "verst"}

@@ -1,6 +1,6 @@
 """A scripted stand-in engine at the HTTP edge, for testing agents and the session server without a model:
-`/generate` answers with scripted reply texts (encoded, ended by the end-of-turn token) and distinct
-logprobs, and every request is recorded with its routing key.
+`/generate` answers (or streams) scripted reply texts (encoded, ended by the end-of-turn token) with
+distinct logprobs, and every request is recorded with its routing key.
 
     engine = ScriptedEngine(tokenizer, ["<tool_call>\\n{...}\\n</tool_call>", "The sum is 3."])
     client = EngineClient("http://scripted", transport=engine)
@@ -42,10 +42,12 @@ class ScriptedEngine(httpx.AsyncBaseTransport):
     """Each routing key walks `script` from its start (a session's n-th turn gets the n-th reply; past the
     end, the last one repeats). Keys in `down` get a connection error, as from an unreachable engine."""
 
-    def __init__(self, tokenizer: Any, script: list[str | Reply], *, weight_version: str = "0", delay_s: float = 0.0):
+    def __init__(self, tokenizer: Any, script: list[str | Reply], *, weight_version: str = "0", delay_s: float = 0.0,
+                 context_length: int = 4096):
         if not script:
             raise ValueError("ScriptedEngine: script is empty; give at least one reply")
         self.tokenizer, self.weight_version, self.delay_s = tokenizer, weight_version, delay_s
+        self.context_length = context_length  # what /get_model_info reports
         self.script = [r if isinstance(r, Reply) else Reply(r) for r in script]
         self.calls: list[GenerateCall] = []
         self.down: set[str] = set()
@@ -55,6 +57,8 @@ class ScriptedEngine(httpx.AsyncBaseTransport):
         path = request.url.path
         if path in ("/health", "/health_generate", "/abort_request", "/flush_cache"):
             return httpx.Response(200, json={})
+        if path == "/get_model_info":
+            return httpx.Response(200, json={"context_length": self.context_length, "weight_version": self.weight_version})
         if path != "/generate":
             return httpx.Response(404, json={"error": {"message": f"scripted engine has no route {path}"}})
         key = request.headers.get(ROUTING_KEY_HEADER)
@@ -79,7 +83,16 @@ class ScriptedEngine(httpx.AsyncBaseTransport):
         logprobs = [-(len(self.calls) + 1) - (i + 1) / 1000 for i in range(len(output))]
         self.calls.append(GenerateCall(key, body.get("rid"), list(body["input_ids"]), body.get("sampling_params", {}),
                                        output, logprobs))
+        if body.get("stream"):  # SGLang's cumulative stream form: one event per output id
+            events = [self._reply(body, reply.text, output[:n], logprobs[:n], finish if n == len(output) else None)
+                      for n in range(1, len(output) + 1)]
+            lines = "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
+            return httpx.Response(200, content=lines.encode(), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json=self._reply(body, reply.text, output, logprobs, finish))
+
+    def _reply(self, body: dict[str, Any], text: str, output: list[int], logprobs: list[float],
+               finish: dict[str, Any] | None) -> dict[str, Any]:
         meta = {"id": body.get("rid") or "", "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
                 "completion_tokens": len(output), "cached_tokens": 0, "weight_version": self.weight_version,
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, output, strict=True)]}
-        return httpx.Response(200, json={"text": reply.text, "output_ids": output, "meta_info": meta})
+        return {"text": text, "output_ids": output, "meta_info": meta}
