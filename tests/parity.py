@@ -10,11 +10,13 @@ from verst.trainer import FSDP2Backend, TrainItem
 
 
 def rollout(engine: EngineCore, version: str, prompts: list[list[int]], temperature: float,
-            max_new_tokens: int = 10) -> list[Request]:
-    """One seeded sample of `max_new_tokens` (EOS ignored) per prompt, run to completion."""
+            max_new_tokens: int = 10, lora_path: str | None = None) -> list[Request]:
+    """One seeded sample of `max_new_tokens` (EOS ignored) per prompt, run to completion (on the loaded
+    adapter `lora_path`, if given)."""
     requests = [
         Request(f"{version}-{i}", prompt, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
-                                                         ignore_eos=True, sampling_seed=i), return_logprob=True)
+                                                         ignore_eos=True, sampling_seed=i), return_logprob=True,
+                lora_path=lora_path)
         for i, prompt in enumerate(prompts)
     ]
     for request in requests:

@@ -86,6 +86,22 @@ def test_a_killed_engine_is_restarted_and_the_run_finishes(ray_session, tiny_mod
     assert undocumented(records) == []
 
 
+@pytest.mark.parametrize("transport", ["distributed", pytest.param("disk", marks=pytest.mark.slow)])
+def test_a_killed_engine_of_a_lora_run_is_restarted_on_the_base_with_the_adapter(ray_session, tiny_model_dir,
+                                                                                 addition_data_dir, tmp_path, transport):
+    """Every request of a LoRA run names its adapter: the restarted engine loads the base, then the adapter
+    (the trainer's export, or the disk snapshot), so the run's requests keep being served."""
+    cfg = two_engine_config(tmp_path, tiny_model_dir, addition_data_dir, "--fault.health-interval-s", "0.5",
+                            "--lora.enabled", "true", "--lora.rank", "4", transport=transport)
+    run = BackgroundRun(cfg)
+    run.wait_for_step(1)
+    signal_quietly(run.pid_of("engine 1 "), signal.SIGKILL)
+    assert run.result()["train/steps"] == 6
+    records = read_metrics(run.run_dir)
+    assert [r["fault/engine_restarts_total"] for r in records if "fault/engine_restarts_total" in r][-1] == 1
+    assert [r["sync/version"] for r in records if "train/loss" in r] == list(range(1, 7))
+
+
 @pytest.mark.slow
 def test_an_engine_killed_during_a_weight_sync_is_restarted_and_the_push_repeated(
         ray_session, tiny_model_dir, addition_data_dir, tmp_path, monkeypatch):

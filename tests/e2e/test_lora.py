@@ -1,11 +1,13 @@
 """LoRA end to end on the tiny model: an RL run on Ray (sync schedule, weight check) stopped and resumed,
-and an SFT run; only the adapters train, the engines serve the merged weights, the exports load."""
+with the adapter synced alone (the engines serve it by name on their base) or the merged weights, and an
+SFT run; only the adapters train, the exports load."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
@@ -47,27 +49,33 @@ def adapter_only(trainer_dir: Path) -> None:
     assert tensors and all("lora_" in key for key in tensors), tensors[:5]
 
 
-def test_lora_rl_serves_the_merged_weights_and_resumes(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_lora_rl_serves_the_trained_policy_and_resumes(sync, ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
+                                                       tmp_path):
     # The untrained model earns no reward (zero advantages): the entropy bonus is what moves the adapters.
     # The KL loss reads the reference: the base, its adapters disabled.
     common = ("--schedule", "sync", "--sync.transport", "distributed", "--sync.check-weights", "true",
-              "--algorithm.entropy-coef", "0.1", "--algorithm.kl-loss-coef", "0.01", *LORA)
+              "--algorithm.entropy-coef", "0.1", "--algorithm.kl-loss-coef", "0.01", "--lora.sync", sync, *LORA)
     first = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *common, "--rollout.num-rollouts", "1")
     assert run_schedule(first)["train/steps"] == 1
     resumed = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *common, "--rollout.num-rollouts", "2",
                         "--checkpoint.load", first.run_dir)
-    assert run_schedule(resumed)["train/steps"] == 2  # the restore pushed the step-1 merged weights first
+    assert run_schedule(resumed)["train/steps"] == 2  # the restore pushed the step-1 weights first
     run_dir = Path(first.run_dir)
     records = read_metrics(run_dir)
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in train)
-    # Engines and trainer agree on the merged weights: the weight check after the first sync, and the
+    # Engines and trainer agree on the policy (base + adapter): the weight check after the first sync, and the
     # rollout logprobs of step 2 (sampled by version 1, pushed by the restore) against the trainer's.
     checks = [r["sync/check_max_abs_diff"] for r in records if "sync/check_max_abs_diff" in r]
     assert checks and max(checks) < 1e-4, checks
     assert all(r["train/rollout_logprob_abs_diff"] < 1e-4 for r in train), [r["train/rollout_logprob_abs_diff"]
                                                                             for r in train]
-    assert all(r["sync/bytes"] > 0 for r in train)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in load_file(run_dir / "hf" / "adapter_model.safetensors").values())
+    base_bytes = sum(t.numel() * t.element_size() for t in load_file(tiny_model_dir / "model.safetensors").values())
+    # adapter sync moves the adapter's bytes (float32, as the export); merged sync the whole model
+    assert all(r["sync/bytes"] == (adapter_bytes if sync == "adapter" else base_bytes) for r in train), (
+        [r["sync/bytes"] for r in train], adapter_bytes, base_bytes)
     adapter_only(run_dir / "checkpoints" / "step_2" / "trainer")
     check_exports(run_dir, tiny_model_dir, ("q_proj", "v_proj", "up_proj"))
 

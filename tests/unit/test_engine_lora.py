@@ -126,6 +126,42 @@ def test_a_request_in_flight_finishes_on_the_adapter_it_started_with(tiny_model_
     assert after.output_logprobs != pytest.approx(expected.output_logprobs, abs=1e-3)
 
 
+def test_a_weight_sync_swap_moves_requests_in_flight_to_the_new_adapter(tiny_model_dir, adapters):
+    """The adapter pushed by weight sync (tensors and config, not a directory) replaces the one of its name
+    for requests in flight too, as a full-weight update does: paused with retract, a request recomputes
+    its KV under the new adapter and samples its later tokens from it."""
+    core = make_core(tiny_model_dir, {"a": adapters["a"]})
+    running = req("x", prompt(11), "a", max_new=12)
+    core.add_request(running)
+    for _ in range(4):
+        core.step()
+    done = len(running.output_ids)
+    core.pause("retract")
+    path = adapters["b"][0]
+    pushed = core.build_lora("a", json.loads((path / "adapter_config.json").read_text()),
+                             load_file(str(path / "adapter_model.safetensors")))
+    core.add_lora(pushed, update_in_flight=True)
+    core.resume()
+    run(core, [])
+    assert running.lora is pushed and core.loras.get("a") is pushed
+    old = reference_logprobs(adapters["a"][1], running.prompt_ids, running.output_ids)
+    new = reference_logprobs(adapters["b"][1], running.prompt_ids, running.output_ids)
+    assert running.output_logprobs[:done] == pytest.approx(old[:done], abs=TOL)
+    assert running.output_logprobs[done:] == pytest.approx(new[done:], abs=TOL)
+
+
+def test_a_pushed_adapter_that_does_not_fit_is_refused_naming_lora_name(tiny_model_dir, adapters):
+    core = make_core(tiny_model_dir, {})
+    path = adapters["a"][0]
+    config = json.loads((path / "adapter_config.json").read_text())
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    with pytest.raises(InvalidRequest) as refused:
+        core.build_lora("policy", {**config, "r": 0}, tensors)
+    assert refused.value.field == "lora_name" and "r = 0" in str(refused.value)
+    with pytest.raises(InvalidRequest, match="not a LoRA A or B matrix"):
+        core.build_lora("policy", config, {**tensors, "model.norm.weight": torch.ones(4, 4)})
+
+
 def test_unknown_and_unloaded_adapter_names_are_refused_by_name(tiny_model_dir, adapters):
     core = make_core(tiny_model_dir, adapters)
     with pytest.raises(InvalidRequest, match="'nope'.*loaded: a, b") as refused:

@@ -112,3 +112,29 @@ def test_where_a_restarted_engine_gets_its_weights(tmp_path):
     for transport in ("distributed", "tensor"):
         assert weights(transport, 4) == RestartWeights(str(tmp_path / "weights" / "restart"), 5)
     assert exported == [(export_at_step, str(tmp_path / "weights" / "restart"))] * 2
+
+
+def test_with_lora_adapter_sync_a_restarted_engine_loads_the_base_then_the_adapter(tmp_path):
+    from types import SimpleNamespace
+
+    from verst.config import load_config
+    from verst.sync.disk import snapshot_path
+    from verst.trainer.backend import export_at_step
+
+    exported = []
+
+    class Trainer:
+        def apply(self, fn, directory):
+            exported.append((fn, directory))
+            return [5]
+
+    def weights(transport, version):
+        cfg = load_config(None, ["--sync.transport", transport, "--model.path", "MODEL", "--lora.enabled", "true"])
+        return asyncio.run(health.restart_weights(cfg, SimpleNamespace(version=version), Trainer(), tmp_path))
+
+    assert weights("distributed", None) == RestartWeights("MODEL", 0)  # before the step-0 adapter's push
+    assert weights("disk", 0) == RestartWeights("MODEL", 0, ("policy", str(snapshot_path(tmp_path / "weights", 0))))
+    assert weights("disk", 4) == RestartWeights("MODEL", 4, ("policy", str(snapshot_path(tmp_path / "weights", 4))))
+    restart = str(tmp_path / "weights" / "restart")
+    assert weights("tensor", 0) == RestartWeights("MODEL", 5, ("policy", restart))  # the adapter export, no merge
+    assert exported == [(export_at_step, restart)]

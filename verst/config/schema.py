@@ -223,8 +223,8 @@ class TrainerConfig(Section):
 
 
 class LoraConfig(Section):
-    """Low-rank adapters (PEFT's LoRA) on the trainer's model: only the adapters train; the engines get the
-    merged weights (W + B·A · alpha / rank) under the base's names."""
+    """Low-rank adapters (PEFT's LoRA) on the trainer's model: only the adapters train. Weight sync sends
+    the engines the adapter alone (served under `name`, on the base they keep) or the merged weights."""
 
     enabled: bool = Field(False, description="Train LoRA adapters instead of every weight (RL and SFT).")
     rank: int = Field(8, ge=1, description="Rank r of each adapter (A: [r, in], B: [out, r]).")
@@ -234,6 +234,19 @@ class LoraConfig(Section):
         "all-linear", description="Linear layers that get an adapter: names (a module's name or its last part, "
         "e.g. q_proj) or all-linear (every linear layer but the output head).",
     )
+    sync: Literal["adapter", "merged"] = Field(
+        "adapter", description="What weight sync sends the engines: adapter (A and B of each targeted layer, "
+        "loaded by the engines under `name` on the base they keep; every request names it) or merged (W + B·A · "
+        "alpha / rank under the base's names, for engines without LoRA support).",
+    )
+    name: str = Field("policy", min_length=1, description="The engines' name of the trained adapter "
+                      "(`lora_path` of every generation request) with sync = adapter.")
+
+    @property
+    def served_adapter(self) -> str | None:
+        """The adapter name generation requests give as `lora_path`: `name` with adapter sync, else None
+        (no LoRA, or merged weights: the engines serve the policy as their base)."""
+        return self.name if self.enabled and self.sync == "adapter" else None
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -393,6 +406,11 @@ class VerstConfig(Section):
             raise ValueError(
                 f"fault.max_restarts = {self.fault.max_restarts} restarts a run from its latest checkpoint, but "
                 "checkpoint.interval = 0 saves none before the end; set checkpoint.interval > 0")
+        if self.lora.served_adapter and self.cluster.engine != "embedded" and self.sync.transport != "disk":
+            raise ValueError(
+                f"lora.sync = 'adapter' with sync.transport = {self.sync.transport!r}: only the embedded engine loads "
+                f"an adapter from pushed tensors, not cluster.engine = {self.cluster.engine!r}; use sync.transport = "
+                "'disk' (an adapter directory loaded with /load_lora_adapter) or lora.sync = 'merged'")
         if self.reward.type == "custom" and not self.reward.path:
             raise ValueError("reward.type = 'custom' needs reward.path (an import path)")
         if self.reward.type == "remote" and not self.reward.url:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from verst.engine.config import EngineConfig
-from verst.engine.lora import LoraAdapter, LoraRegistry, read_adapter
+from verst.engine.lora import LoraAdapter, LoraRegistry, build_adapter, read_adapter
 from verst.engine.model_runner import ModelRunner
 from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, Phase, Request
@@ -199,12 +199,23 @@ class EngineCore:
         self.loras.check_room(name)
         return read_adapter(path, name, self.model, self.loras.next_version())
 
-    def add_lora(self, adapter: LoraAdapter) -> None:
-        """Make `adapter` the one its name serves. Requests in flight keep the adapter they were taken with
-        and finish on it; the prefix cache forgets the KV of the adapter it replaces."""
+    def build_lora(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> LoraAdapter:
+        """An adapter from pushed tensors (PEFT's names) and its adapter_config, checked like a directory's."""
+        self.loras.check_room(name)
+        return build_adapter(config, tensors, name, self.model, self.loras.next_version(), "(pushed tensors)",
+                             field="lora_name")
+
+    def add_lora(self, adapter: LoraAdapter, update_in_flight: bool = False) -> None:
+        """Make `adapter` the one its name serves; the prefix cache forgets the KV of the adapter it replaces.
+        Requests in flight on the replaced adapter keep it and finish on it, unless `update_in_flight` (a
+        weight sync): then they go on with the new one from their next token, as after a full-weight update."""
         old = self.loras.add(adapter)
         if old is not None:
             self.prefix_cache.drop(old.cache_key)
+            if update_in_flight:
+                for req in self.requests.values():  # waiting (retracted ones too) and running
+                    if req.lora is old:
+                        req.lora = adapter
         self.counters["lora_loads"] += 1
 
     def unload_lora(self, name: str) -> None:

@@ -63,79 +63,87 @@ def read_adapter(path: str, name: str, model: Any, version: int) -> LoraAdapter:
         if not (folder / needed).is_file():
             raise InvalidRequest("lora_path", path, f"no {needed} in the directory (a PEFT LoRA adapter has "
                                  f"{CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = _read_config(folder / CONFIG_FILE, path)
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except ValueError as exc:
+        raise InvalidRequest("lora_path", path, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
     from safetensors.torch import load_file
 
-    tensors = load_file(str(folder / WEIGHTS_FILE))
-    pairs = _pairs(tensors, path)
-    _check_target_modules(config, model, path)
+    return build_adapter(config, load_file(str(folder / WEIGHTS_FILE)), name, model, version, path)
+
+
+def build_adapter(config: Any, tensors: dict[str, torch.Tensor], name: str, model: Any, version: int,
+                  path: str, field: str = "lora_path") -> LoraAdapter:
+    """The adapter of a PEFT `config` (adapter_config.json's content) and its tensors under PEFT's names,
+    from a directory or pushed by weight sync; refusals name `field` = `path`."""
+    _check_config(config, field, path)
+    pairs = _pairs(tensors, field, path)
+    _check_target_modules(config, model, field, path)
     first = next(model.parameters())
     modules: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
     for module_name, (a, b) in sorted(pairs.items()):
-        module = _target(model, module_name, path)
+        module = _target(model, module_name, field, path)
         rank, alpha = _pattern(config, "rank_pattern", module_name, config["r"]), _pattern(
             config, "alpha_pattern", module_name, config.get("lora_alpha", 8))
         out_features, in_features = module.weight.shape
         if a.shape[0] != rank or b.shape[1] != rank:
-            raise InvalidRequest("lora_path", path, f"rank mismatch: {module_name} has lora_A {list(a.shape)} and "
+            raise InvalidRequest(field, path, f"rank mismatch: {module_name} has lora_A {list(a.shape)} and "
                                  f"lora_B {list(b.shape)}, {CONFIG_FILE} says r = {rank}")
         if a.shape[1] != in_features or b.shape[0] != out_features:
-            raise InvalidRequest("lora_path", path, f"shape mismatch: {module_name} is [{out_features}, {in_features}] "
+            raise InvalidRequest(field, path, f"shape mismatch: {module_name} is [{out_features}, {in_features}] "
                                  f"in the model, the adapter has lora_A {list(a.shape)} and lora_B {list(b.shape)}")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        modules[module] = (a.to(first.device, first.dtype).contiguous(),
+        # copied: pushed tensors may be views of a shared-memory file that is deleted after the load
+        modules[module] = (a.to(first.device, first.dtype, copy=True).contiguous(),
                            (b.double() * scale).to(first.device, first.dtype).contiguous())
     return LoraAdapter(name, path, version, int(config["r"]), float(config.get("lora_alpha", 8)), modules,
                        sorted(pairs))
 
 
-def _read_config(file: Path, path: str) -> dict[str, Any]:
-    try:
-        config = json.loads(file.read_text())
-    except ValueError as exc:
-        raise InvalidRequest("lora_path", path, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
+def _check_config(config: Any, field: str, path: str) -> None:
+    if not isinstance(config, dict):
+        raise InvalidRequest(field, path, f"{CONFIG_FILE} must hold a JSON object, not {type(config).__name__}")
     if config.get("peft_type", "LORA") != "LORA":
-        raise InvalidRequest("lora_path", path, f"peft_type {config.get('peft_type')!r}: only LORA adapters are served")
+        raise InvalidRequest(field, path, f"peft_type {config.get('peft_type')!r}: only LORA adapters are served")
     for key, accepted in _UNSUPPORTED.items():
         if config.get(key) not in accepted:
-            raise InvalidRequest("lora_path", path, f"{CONFIG_FILE} sets {key} = {config[key]!r}, which the engine "
+            raise InvalidRequest(field, path, f"{CONFIG_FILE} sets {key} = {config[key]!r}, which the engine "
                                  f"does not serve (accepted: {', '.join(repr(v) for v in accepted)})")
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise InvalidRequest("lora_path", path, f"{CONFIG_FILE} has r = {rank!r}; the rank must be an integer >= 1")
-    return config
+        raise InvalidRequest(field, path, f"{CONFIG_FILE} has r = {rank!r}; the rank must be an integer >= 1")
 
 
-def _pairs(tensors: dict[str, torch.Tensor], path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _pairs(tensors: dict[str, torch.Tensor], field: str, path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{module name: (lora_A, lora_B)} from PEFT's saved keys; any other tensor is refused by name."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None or tensor.dim() != 2:
-            raise InvalidRequest("lora_path", path, f"{WEIGHTS_FILE} holds {key}, which is not a LoRA A or B matrix "
+            raise InvalidRequest(field, path, f"{WEIGHTS_FILE} holds {key}, which is not a LoRA A or B matrix "
                                  "of a linear layer (embedding adapters, DoRA and trained biases are not served)")
         parts.setdefault(match["module"], {})[match["part"]] = tensor
     if not parts:
-        raise InvalidRequest("lora_path", path, f"{WEIGHTS_FILE} holds no lora_A / lora_B weights")
+        raise InvalidRequest(field, path, f"{WEIGHTS_FILE} holds no lora_A / lora_B weights")
     for module, found in parts.items():
         if set(found) != {"A", "B"}:
             missing = "lora_B" if "A" in found else "lora_A"
-            raise InvalidRequest("lora_path", path, f"{WEIGHTS_FILE} has no {missing} for {module}")
+            raise InvalidRequest(field, path, f"{WEIGHTS_FILE} has no {missing} for {module}")
     return {module: (found["A"], found["B"]) for module, found in parts.items()}
 
 
-def _target(model: Any, module_name: str, path: str) -> Any:
+def _target(model: Any, module_name: str, field: str, path: str) -> Any:
     try:
         module = model.get_submodule(module_name)
     except AttributeError:
-        raise InvalidRequest("lora_path", path, f"target module {module_name} is not in the model") from None
+        raise InvalidRequest(field, path, f"target module {module_name} is not in the model") from None
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise InvalidRequest("lora_path", path, f"target module {module_name} is not a linear layer")
+        raise InvalidRequest(field, path, f"target module {module_name} is not a linear layer")
     return module
 
 
-def _check_target_modules(config: dict[str, Any], model: Any, path: str) -> None:
+def _check_target_modules(config: dict[str, Any], model: Any, field: str, path: str) -> None:
     """Each name of a `target_modules` list must name modules of the model (PEFT matches name suffixes)."""
     targets = config.get("target_modules")
     if not isinstance(targets, list):
@@ -143,7 +151,7 @@ def _check_target_modules(config: dict[str, Any], model: Any, path: str) -> None
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | {name for name, _ in model.named_modules()}
     absent = sorted(t for t in targets if t not in names and not any(n.endswith(f".{t}") for n in names))
     if absent:
-        raise InvalidRequest("lora_path", path, f"target_modules {absent} name no module of the model")
+        raise InvalidRequest(field, path, f"target_modules {absent} name no module of the model")
 
 
 def _pattern(config: dict[str, Any], field: str, module_name: str, default: Any) -> Any:

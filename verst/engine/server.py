@@ -234,6 +234,22 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         return {"success": True, "message": f"Loaded {n} tensors.", "weight_version": state.core.weight_version,
                 "num_paused_requests": 0}
 
+    async def load_adapter(body: Any, named: list[tuple[str, Any]]) -> dict[str, Any]:
+        """The pushed tensors are a whole adapter (`AdapterPush`): served under `lora_name`; requests in flight
+        on the adapter it replaces go on with it. The base weights are not touched."""
+        adapter = await asyncio.to_thread(state.core.build_lora, body.lora_name, body.lora_config, dict(named))
+
+        def apply(core):
+            if body.abort_all_requests:
+                core.abort_all("aborted for a weight update")
+            core.add_lora(adapter, update_in_flight=True)
+            if body.weight_version is not None:
+                core.weight_version = body.weight_version
+
+        await state.runner.acall(apply)
+        return {"success": True, "message": f"Loaded adapter {body.lora_name!r} ({len(named)} tensors).",
+                "weight_version": state.core.weight_version, "num_paused_requests": 0}
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
         named = await asyncio.to_thread(lambda: list(read_safetensors_dir(body.model_path).items()))
@@ -245,6 +261,8 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(400, "load_format must be 'shm' on this engine (tensors in a /dev/shm bucket)",
                                   "load_format", body.load_format)
         named = await asyncio.to_thread(weights.read_shm_bucket, body.serialized_named_tensors[0])
+        if body.lora_name is not None:
+            return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
 
     @app.post("/init_weights_update_group")
@@ -270,8 +288,13 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         for dtype in body.dtypes:
             weights.dtype_of(dtype)
         # refuse before the broadcast starts: a bad name found after it would waste the whole transfer
-        state.core.check_weights(list(zip(body.names, body.shapes)))
+        if body.lora_name is None:
+            state.core.check_weights(list(zip(body.names, body.shapes)))
+        else:
+            state.core.loras.check_room(body.lora_name)
         named = await asyncio.to_thread(weights.receive_broadcast, group, body.names, body.dtypes, body.shapes)
+        if body.lora_name is not None:
+            return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
 
     @app.post("/destroy_weights_update_group")
@@ -298,7 +321,7 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
         async def load() -> None:
             adapter = await asyncio.to_thread(state.core.read_lora, body.lora_name, body.lora_path)
-            await state.runner.acall(lambda core: core.add_lora(adapter))
+            await state.runner.acall(lambda core: core.add_lora(adapter, body.update_in_flight))
 
         return await update(load)
 

@@ -24,18 +24,19 @@ class MixedVersionError(RuntimeError):
 
 def engine_greedy_generate(
     url: str, max_new_tokens: int, *, expect_version: str | None = None, concurrency: int | None = None,
-    max_batch: int = 1,
+    max_batch: int = 1, lora_path: str | None = None,
 ) -> GenerateFn:
     """A GenerateFn over `/generate` at temperature 0; raises MixedVersionError on a version mismatch.
     `max_batch > 1` sends the prompts as batched requests (an engine, not sglang-router). `concurrency`
     bounds the requests in flight; None sends every prompt at once, for the engines to queue: with a
-    bound, a slot freed at the engine waits for the client's next request, so unbounded is faster."""
+    bound, a slot freed at the engine waits for the client's next request, so unbounded is faster.
+    `lora_path`: the adapter every request names (a LoRA run's policy adapter; None: the base)."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"engine_greedy_generate: concurrency must be >= 1 or None, got {concurrency}")
 
     async def run(prompts: list[list[int]]) -> list[list[int]]:
         semaphore = asyncio.Semaphore(concurrency or max(1, len(prompts)))
-        async with EngineClient(url, max_batch=max_batch) as client:
+        async with EngineClient(url, max_batch=max_batch, lora_path=lora_path) as client:
 
             async def one(ids: list[int]):
                 async with semaphore:

@@ -110,14 +110,16 @@ class EngineClient:
     after a backoff, up to that many times (behind a router, it goes to another engine); `retried` counts them. `max_batch > 1` sends
     generate calls made in the same event-loop turn as batched requests of up to that many prompts
     (`RequestBatcher`); the server must accept SGLang's batch form (the embedded engine and SGLang do).
+    `lora_path`: the adapter every generate names unless the call names one (a LoRA run's policy adapter).
     """
 
     def __init__(
         self, base_url: str, *, timeouts: Timeouts | None = None, affinity: bool = False,
         max_connections: int = 1024, get_retries: int = 3, transport: httpx.AsyncBaseTransport | None = None,
-        max_batch: int = 1, generate_retries: int = 0, retry_backoff_s: float = 1.0,
+        max_batch: int = 1, generate_retries: int = 0, retry_backoff_s: float = 1.0, lora_path: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        self.lora_path = lora_path
         self.generate_retries, self.retry_backoff_s, self.retried = generate_retries, retry_backoff_s, 0
         self.timeouts = timeouts or Timeouts()
         self.affinity = affinity
@@ -160,7 +162,8 @@ class EngineClient:
     ) -> GenerateResult:
         """One generation. Aborted requests return normally with `finish_reason == "abort"`. `priority`:
         SGLang's scheduling priority (higher first; SGLang needs --enable-priority-scheduling).
-        `lora_path`: the name of a loaded LoRA adapter to generate with (None: the base model)."""
+        `lora_path`: the name of a loaded LoRA adapter to generate with (None: the client's `lora_path`,
+        which is None for the base model)."""
         body, headers = self._generate_body(
             input_ids, sampling_params, text=text, rid=rid, return_logprob=return_logprob, routing_key=routing_key,
             needs_affinity=needs_affinity, return_routed_experts=return_routed_experts,
@@ -246,6 +249,7 @@ class EngineClient:
             body["top_logprobs_num"] = top_logprobs_num
         if priority is not None:
             body["priority"] = priority  # shared by a batch: calls of other priorities batch apart
+        lora_path = lora_path if lora_path is not None else self.lora_path
         if lora_path is not None:
             body["lora_path"] = lora_path
         return body, {ROUTING_KEY_HEADER: routing_key} if routing_key else None
@@ -282,10 +286,12 @@ class EngineClient:
         body = {"model_path": model_path, "weight_version": weight_version, **extra}
         return await self._post("/update_weights_from_disk", body, self.timeouts.weights)
 
-    async def update_weights_from_tensor(self, manifest: str, weight_version: str, flush_cache: bool = True) -> dict:
-        """`manifest` from `verst.inference_client.weights.write_shm_bucket` (the sender keeps the file until this returns)."""
+    async def update_weights_from_tensor(self, manifest: str, weight_version: str, flush_cache: bool = True,
+                                         **adapter: Any) -> dict:
+        """`manifest` from `verst.inference_client.weights.write_shm_bucket` (the sender keeps the file until this
+        returns). `adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter."""
         body = {"serialized_named_tensors": [manifest], "load_format": "shm", "flush_cache": flush_cache,
-                "weight_version": weight_version}
+                "weight_version": weight_version, **adapter}
         return await self._post("/update_weights_from_tensor", body, self.timeouts.weights)
 
     async def init_weights_update_group(
@@ -298,15 +304,19 @@ class EngineClient:
 
     async def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: str,
-        group_name: str = "weight_update_group", flush_cache: bool = True,
+        group_name: str = "weight_update_group", flush_cache: bool = True, **adapter: Any,
     ) -> dict[str, Any]:
+        """`adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "flush_cache": flush_cache, "weight_version": weight_version}
+                "flush_cache": flush_cache, "weight_version": weight_version, **adapter}
         return await self._post("/update_weights_from_distributed", body, self.timeouts.weights)
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
-        """Serve the PEFT adapter directory `lora_path` under `lora_name` (replacing one of that name)."""
-        body = {"lora_name": lora_name, "lora_path": lora_path}
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, update_in_flight: bool = False) -> dict[str, Any]:
+        """Serve the PEFT adapter directory `lora_path` under `lora_name` (replacing one of that name);
+        `update_in_flight` (verst's engine): requests in flight on the replaced one go on with the new one."""
+        body: dict[str, Any] = {"lora_name": lora_name, "lora_path": lora_path}
+        if update_in_flight:
+            body["update_in_flight"] = True
         return await self._post("/load_lora_adapter", body, self.timeouts.weights)
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:

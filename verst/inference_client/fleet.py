@@ -63,9 +63,9 @@ class EngineFleet:
         return await self.each("update_weights_from_disk",
                                lambda c: c.update_weights_from_disk(model_path, weight_version))
 
-    async def update_weights_from_tensor(self, manifest: str, weight_version: str) -> dict[str, Any]:
+    async def update_weights_from_tensor(self, manifest: str, weight_version: str, **adapter: Any) -> dict[str, Any]:
         return await self.each("update_weights_from_tensor",
-                               lambda c: c.update_weights_from_tensor(manifest, weight_version))
+                               lambda c: c.update_weights_from_tensor(manifest, weight_version, **adapter))
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, group_name: str = "weight_update_group", backend: str = "gloo"
@@ -79,10 +79,14 @@ class EngineFleet:
 
     async def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: str,
-        group_name: str = "weight_update_group",
+        group_name: str = "weight_update_group", **adapter: Any,
     ) -> dict[str, Any]:
         return await self.each("update_weights_from_distributed", lambda c: c.update_weights_from_distributed(
-            names, dtypes, shapes, weight_version, group_name))
+            names, dtypes, shapes, weight_version, group_name, **adapter))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, update_in_flight: bool = False) -> dict[str, Any]:
+        return await self.each(f"load_lora_adapter({lora_name!r})",
+                               lambda c: c.load_lora_adapter(lora_name, lora_path, update_in_flight))
 
     async def weight_versions(self) -> dict[str, str]:
         return await self.each("get_weight_version", lambda c: c.get_weight_version())

@@ -252,7 +252,23 @@ class UpdateWeightsFromDiskRequest(WireModel):
     abort_all_requests: bool = False
 
 
-class UpdateWeightsFromTensorRequest(WireModel):
+class AdapterPush(WireModel):
+    """verst's extension of the tensor and distributed weight updates: with `lora_name`, the tensors are a
+    whole PEFT LoRA adapter (A and B of each targeted layer, PEFT's names) and `lora_config` its
+    adapter_config.json; the engine serves it under that name, replacing the adapter loaded there, and
+    requests in flight on that adapter go on with the new one, as after a full-weight update."""
+
+    lora_name: str | None = Field(None, min_length=1)
+    lora_config: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _both(self) -> AdapterPush:
+        if (self.lora_name is None) != (self.lora_config is None):
+            raise ValueError("lora_name and lora_config go together: an adapter push needs both")
+        return self
+
+
+class UpdateWeightsFromTensorRequest(AdapterPush):
     """`serialized_named_tensors`: one manifest per tensor-parallel rank (one here); see `weights.py`."""
 
     serialized_named_tensors: list[str] = Field(..., min_length=1, max_length=1)
@@ -278,7 +294,7 @@ class InitWeightsUpdateGroupRequest(WireModel):
         return self
 
 
-class UpdateWeightsFromDistributedRequest(WireModel):
+class UpdateWeightsFromDistributedRequest(AdapterPush):
     names: list[str] = Field(..., min_length=1)
     dtypes: list[str] = Field(..., min_length=1)
     shapes: list[list[int]] = Field(..., min_length=1)
@@ -305,6 +321,8 @@ class LoadLoraAdapterRequest(WireModel):
     lora_name: str = Field(..., min_length=1)
     lora_path: str = Field(..., min_length=1)
     pinned: bool = False  # SGLang's GPU-slot pinning; every loaded adapter stays resident here
+    update_in_flight: bool = Field(False, description="verst: requests in flight on the replaced adapter go on "
+                                   "with the new one (a weight sync) instead of finishing on the old one.")
 
 
 class UnloadLoraAdapterRequest(WireModel):

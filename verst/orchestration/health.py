@@ -26,10 +26,12 @@ from verst.trainer.backend import MERGED_LORA_DIR, export_at_step
 
 @dataclasses.dataclass(frozen=True)
 class RestartWeights:
-    """What a restarted engine loads: a model directory, served as weight `version`."""
+    """What a restarted engine loads: a model directory, served as weight `version`, and with LoRA's
+    adapter sync the adapter `(name, PEFT directory)` it then loads beside it."""
 
     model: str
     version: int
+    adapter: tuple[str, str] | None = None
 
 
 RestartSource = Callable[[], Awaitable[RestartWeights]]
@@ -154,6 +156,8 @@ class EngineSupervisor:
             async with self.lock:
                 weights = await self.restart_weights()
                 await asyncio.to_thread(self.engines.restart, index, weights.model, weights.version)
+                if weights.adapter is not None:
+                    await _load_adapter(url, *weights.adapter)
                 self.on_restart()
                 await _check_version(url, weights.version)
                 served = self.served_version()
@@ -191,8 +195,17 @@ async def restart_weights(cfg: VerstConfig, syncer: Any, trainer: Any, run_dir: 
     transport: its snapshot of the version the engines serve. The other transports keep no copy, so the
     trainer exports its current weights on demand into `RUN/weights/restart` (an HF checkpoint), with the
     number of steps they have taken as their version, which may be ahead of the engines' until the next push
-    (with LoRA: the merged model of that export)."""
+    (with LoRA: the merged model of that export). With LoRA's adapter sync, once the step-0 adapter is pushed:
+    the base model, then the adapter (the disk snapshot, or the trainer's adapter export)."""
     version = syncer.version or 0
+    if cfg.lora.served_adapter and syncer.version is not None:
+        if cfg.sync.transport == "disk":
+            snapshot = str(snapshot_path(run_dir / "weights", version))
+            return RestartWeights(cfg.model.path, version, (cfg.lora.served_adapter, snapshot))
+        directory = run_dir / "weights" / "restart"
+        shutil.rmtree(directory, ignore_errors=True)
+        steps = await asyncio.to_thread(trainer.apply, export_at_step, str(directory))
+        return RestartWeights(cfg.model.path, int(steps[0]), (cfg.lora.served_adapter, str(directory)))
     if not version:
         return RestartWeights(cfg.model.path, 0)
     if cfg.sync.transport == "disk":
@@ -208,6 +221,16 @@ async def restart_weights(cfg: VerstConfig, syncer: Any, trainer: Any, run_dir: 
 
 async def _ray(ref: ray.ObjectRef, timeout_s: float = 60.0) -> Any:
     return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+
+
+async def _load_adapter(url: str, name: str, path: str) -> None:
+    """The restarted engine serves the base; the run's requests name the adapter, loaded here."""
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{url}/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                                   timeout=120.0)
+    if response.status_code != 200:
+        raise RuntimeError(f"the restarted engine at {url} refused adapter {name!r} from {path}: "
+                           f"{response.status_code} {response.text[:300]}")
 
 
 async def _check_version(url: str, version: int) -> None:

@@ -96,30 +96,43 @@ class TrainerRank:
             yield [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
 
     def drain_weights(self, bucket_bytes: int) -> None:
-        """Ranks > 0: take part in the gathers of `named_weights`, keeping nothing."""
-        for _ in self.backend.named_weights(bucket_bytes):
+        """Ranks > 0: take part in the gathers of `synced_weights`, keeping nothing."""
+        for _ in self._synced_weights(bucket_bytes):
             pass
+
+    def _synced_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """What weight sync pushes (`TrainBackend.synced_weights`; a backend without it: `named_weights`)."""
+        synced = getattr(self.backend, "synced_weights", None)
+        return synced(bucket_bytes) if synced is not None else self.backend.named_weights(bucket_bytes)
 
     # ---- weight sync (rank 0 pushes; the others take part in its gathers) ----------------------------
     def open_weight_sync(self, sync: SyncConfig, engine_urls: list[str], transport_options: dict[str, Any]) -> None:
         """Rank 0: build the syncer of `sync` over clients of `engine_urls` (see `verst.sync.build_syncer`);
-        a distributed transport's group is rooted at this node's address."""
+        a distributed transport's group is rooted at this node's address. With LoRA's adapter sync every push
+        is the backend's adapter (`sync_adapter`: its served name and config)."""
         options = {"master_address": ray.util.get_node_ip_address(), **transport_options}
+        adapter = getattr(self.backend, "sync_adapter", None)
+        if adapter is not None:
+            from verst.sync.transport import AdapterSpec
+
+            options["adapter"] = AdapterSpec(*adapter)
         self.weight_sync = _SyncerLoop(sync, engine_urls, options)
 
-    def sync_weights(self, version: int, bucket_bytes: int, reconnect: bool = False) -> dict[str, float]:
+    def sync_weights(self, version: int, bucket_bytes: int, reconnect: bool = False,
+                     first: bool = False) -> dict[str, float]:
         """Rank 0: push the backend's weights as `version` and return the `sync/` metrics; the other ranks
-        only take part in the gathers. A push that stops early still finishes them (`_DrainOnClose`)."""
+        only take part in the gathers. A push that stops early still finishes them (`_DrainOnClose`).
+        `first`: a LoRA run's step-0 adapter, pushed under the version the engines serve (`WeightSyncer.sync`)."""
         if self.rank:
             self.drain_weights(bucket_bytes)
             return {}
         if self.weight_sync is None:
             raise RuntimeError("sync_weights before open_weight_sync")
-        buckets = _DrainOnClose(self.backend.named_weights(bucket_bytes))
+        buckets = _DrainOnClose(self._synced_weights(bucket_bytes))
         try:
             if reconnect:
                 self.weight_sync.run(self.weight_sync.syncer.reconnect())
-            return self.weight_sync.sync(buckets, version)
+            return self.weight_sync.sync(buckets, version, first)
         except WeightSyncError as error:  # an engine failed: this rank, and the trainer group, live on
             return SyncFailure(str(error))
         finally:
@@ -228,12 +241,14 @@ class TrainerActorGroup(CollectiveCalls):
         ref = self._actors[0].open_weight_sync.remote(sync, list(engine_urls), transport_options)
         self._gather({ref: 0}, self.timeout_s, "open_weight_sync")
 
-    def sync_weights(self, version: int, bucket_bytes: int, reconnect: bool = False) -> dict[str, float]:
+    def sync_weights(self, version: int, bucket_bytes: int, reconnect: bool = False,
+                     first: bool = False) -> dict[str, float]:
         """Push the weights to the engines as `version` (from rank 0; every rank gathers); `sync/` metrics.
-        `reconnect`: an engine was replaced since the last push (see `WeightSyncer.reconnect`)."""
+        `reconnect`: an engine was replaced since the last push (see `WeightSyncer.reconnect`); `first`: a
+        LoRA run's step-0 adapter (`WeightSyncer.sync`)."""
         self._check_open("sync_weights")
         with self._submit_lock:
-            refs = {actor.sync_weights.remote(version, bucket_bytes, reconnect): rank
+            refs = {actor.sync_weights.remote(version, bucket_bytes, reconnect, first): rank
                     for rank, actor in enumerate(self._actors)}
         return self._gather(refs, self.timeout_s, "sync_weights")[0]
 
@@ -370,8 +385,8 @@ class _SyncerLoop:
         fleet = EngineFleet(engine_urls, timeouts=timeouts)  # its clients belong to this loop
         return fleet, build_syncer(sync, fleet, **options)
 
-    def sync(self, buckets: Iterator[WeightBucket], version: int) -> dict[str, float]:
-        return self.run(self.syncer.sync(buckets, version))
+    def sync(self, buckets: Iterator[WeightBucket], version: int, first: bool = False) -> dict[str, float]:
+        return self.run(self.syncer.sync(buckets, version, first=first))
 
     def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()

@@ -41,19 +41,22 @@ class TrainerWeightSync:
     def due(self, step: int) -> bool:
         return sync_due(step, self.interval)
 
-    async def sync(self, version: int) -> dict[str, float]:
+    async def sync(self, version: int, *, first: bool = False) -> dict[str, float]:
         """Push the trainer's current weights as `version`; returns the `sync/` metrics (and `sync/check_*`
-        after the first sync when checking)."""
+        after the first sync when checking). `first`: a LoRA run's step-0 adapter, pushed before any
+        rollout under the version the engines serve (the base's), which do not hold it yet; not checked."""
         if not self._opened:
             sync, urls, options = self._opening
             await asyncio.to_thread(self.trainer.open_weight_sync, sync, urls, **options)
             self._opened = True
-        metrics = await asyncio.to_thread(self.trainer.sync_weights, version, self.bucket_bytes, self._reconnect)
+        extra = {"first": True} if first else {}
+        metrics = await asyncio.to_thread(self.trainer.sync_weights, version, self.bucket_bytes, self._reconnect,
+                                          **extra)
         if isinstance(metrics, SyncFailure):  # the engines failed; the trainer is intact
             raise WeightSyncError(metrics.message)
         self._reconnect = False
         self._version = version
-        if self.checker is not None:
+        if self.checker is not None and not first:
             checker, self.checker = self.checker, None  # once
             metrics.update(await checker.check(self.fleet, version))
         return metrics

@@ -33,7 +33,8 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
     source = load_object(cfg.data.source, "data.source")(cfg.data) if cfg.data.source else PromptSource.from_config(cfg.data)
     engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency,
                           max_batch=request_batch(cfg, endpoints.router_url),
-                          generate_retries=cfg.fault.generate_retries if cfg.fault.tolerate_engines else 0)
+                          generate_retries=cfg.fault.generate_retries if cfg.fault.tolerate_engines else 0,
+                          lora_path=cfg.lora.served_adapter)  # a LoRA run samples base + its adapter
     control = [EngineClient(url) for url in endpoints.engine_urls]  # the router has no abort route
     ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control)
     last: dict[str, float] = {}

@@ -177,12 +177,13 @@ class RLRun:
         cfg, version, step = self.cfg, str(self.syncer.version or 0), self.version if step is None else step
         tokenizer, prompts = _tokenizer(cfg.model.path), _test_prompts(cfg)
         if cfg.rollout.agent_fn:  # a tool-using task: the first reply is a tool call, so run whole episodes
-            async with EngineClient(self.router_url, affinity=True) as client:
+            async with EngineClient(self.router_url, affinity=True, lora_path=cfg.lora.served_adapter) as client:
                 metrics = await evaluate_agentic(cfg, client, tokenizer, prompts, expect_version=version)
         else:
             max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
             generate = engine_greedy_generate(self.router_url, max_new, expect_version=version,
-                                              max_batch=request_batch(cfg, self.rollout.router_url))
+                                              max_batch=request_batch(cfg, self.rollout.router_url),
+                                              lora_path=cfg.lora.served_adapter)
             metrics = await asyncio.to_thread(evaluate_greedy, prompts, generate, tokenizer, cfg.reward, cfg.data,
                                               max_new)
         metrics["eval/weight_version"] = float(version)
@@ -333,6 +334,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                         watchdog=watchdog, supervisor=supervisor, trainer_restarts=restarts)
             if resume is not None:
                 await checkpointing.restore(run, resume)  # before any rollout: the engines serve its weights
+            elif cfg.lora.served_adapter:  # every request names the adapter: the engines load the step-0 one
+                await syncer.sync(0, first=True)
             await run.idle_meter.read()  # the baseline of the first step's idle fraction
             clock.lap("syncer")
             run.startup_metrics = clock.metrics()  # logged with the step-0 evaluation
@@ -418,7 +421,7 @@ def weight_checker(cfg: VerstConfig, trainer: Any, temperature: float) -> Any:
         return None
     from verst.sync.check import LogprobChecker
 
-    return LogprobChecker(trainer.logprobs, temperature=temperature)
+    return LogprobChecker(trainer.logprobs, temperature=temperature, lora_path=cfg.lora.served_adapter)
 
 
 def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:

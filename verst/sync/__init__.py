@@ -10,6 +10,7 @@ from verst.config.imports import lazy_exports
 
 _EXPORTS = {
     "WeightTransport": "verst.sync.transport",
+    "AdapterSpec": "verst.sync.transport",
     "DistributedTransport": "verst.sync.distributed",
     "TensorTransport": "verst.sync.tensor",
     "DiskTransport": "verst.sync.disk",

@@ -44,18 +44,19 @@ def default_probes(vocab_size: int, count: int = 3, length: int = 12, seed: int 
 class LogprobChecker:
     """`logprobs_fn(items)` is the trainer's forward-only logprobs (`FSDP2Backend.logprobs`,
     `TrainerActorGroup.logprobs`); `temperature` must be the one it divides logits by, and the engines
-    sample the probes at it, so both sides report the same distribution.
+    sample the probes at it, so both sides report the same distribution. `lora_path`: the adapter the
+    probes name (a LoRA run's policy adapter), so the engines sample base + adapter as the trainer computes.
     """
 
     def __init__(
         self, logprobs_fn: LogprobsFn, *, temperature: float = 1.0, probes: Sequence[Sequence[int]] | None = None,
-        max_new_tokens: int = 8, atol: float = 1e-4, seed: int = 1234,
+        max_new_tokens: int = 8, atol: float = 1e-4, seed: int = 1234, lora_path: str | None = None,
     ):
         if temperature <= 0:
             raise ValueError(f"weight check temperature must be > 0 (the trainer's logprob temperature), got {temperature}")
         self.logprobs_fn, self.temperature, self.atol = logprobs_fn, temperature, atol
         self.probes = [list(p) for p in probes] if probes is not None else None
-        self.max_new_tokens, self.seed = max_new_tokens, seed
+        self.max_new_tokens, self.seed, self.lora_path = max_new_tokens, seed, lora_path
 
     async def check(self, fleet: EngineFleet, version: int) -> dict[str, float]:
         """Raises `WeightCheckError` naming every engine that differs; returns `sync/check_*` metrics."""
@@ -86,7 +87,7 @@ class LogprobChecker:
     async def _sample(self, client: Any, probes: list[list[int]]) -> list[GenerateResult]:
         params = lambda i: {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens,  # noqa: E731
                             "ignore_eos": True, "sampling_seed": self.seed + i}
-        return list(await asyncio.gather(*(client.generate(p, params(i), return_logprob=True)
+        return list(await asyncio.gather(*(client.generate(p, params(i), return_logprob=True, lora_path=self.lora_path)
                                            for i, p in enumerate(probes))))
 
     def _compare(self, p: int, result: GenerateResult, expected: torch.Tensor, version: int) -> tuple[str, float]:

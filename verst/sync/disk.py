@@ -1,5 +1,6 @@
 """The `disk` transport: each version is written once as a safetensors snapshot directory (loadable by
-`transformers`, eval fleets and external engines), then loaded by every engine; the last K are kept.
+`transformers`, eval fleets and external engines; with LoRA adapter sync, a PEFT adapter directory), then
+loaded by every engine; the last K are kept.
 """
 
 from __future__ import annotations
@@ -8,18 +9,20 @@ import asyncio
 import json
 import re
 import shutil
+import sys
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 from verst.inference_client.fleet import EngineFleet
 from verst.sync.buckets import BucketStream
-from verst.sync.transport import PushStats
+from verst.sync.transport import AdapterSpec, PushStats
 from verst.types import WeightBucket
 
 SNAPSHOT_PREFIX = "weights_v"
 SNAPSHOT_INFO = "verst_snapshot.json"
 INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
 _SNAPSHOT_RE = re.compile(rf"^{SNAPSHOT_PREFIX}(\d+)$")
 # Weight files of the source checkpoint are replaced by the snapshot's; everything else (config,
 # tokenizer, chat template, generation config) is copied so the snapshot loads on its own.
@@ -55,10 +58,12 @@ def prune_snapshots(root: str | Path, keep_last: int) -> list[Path]:
 
 class SnapshotWriter:
     """Writes one version: `add(bucket)` per bucket (one shard each), then `commit()`, which moves the
-    finished directory into place in one rename, so a reader never sees half a snapshot."""
+    finished directory into place in one rename, so a reader never sees half a snapshot. With
+    `adapter_config`, the snapshot is a PEFT adapter directory: that config and the one shard's tensors."""
 
-    def __init__(self, root: str | Path, version: int, source_model: str | Path | None = None):
-        self.root, self.version = Path(root), version
+    def __init__(self, root: str | Path, version: int, source_model: str | Path | None = None,
+                 adapter_config: dict | None = None):
+        self.root, self.version, self.adapter_config = Path(root), version, adapter_config
         self.source_model = Path(source_model) if source_model is not None else None
         self.root.mkdir(parents=True, exist_ok=True)
         self.partial = self.root / f".{SNAPSHOT_PREFIX}{version:08d}.partial-{uuid.uuid4().hex[:8]}"
@@ -78,13 +83,18 @@ class SnapshotWriter:
     def commit(self) -> Path:
         if not self.shards:
             raise ValueError(f"weight snapshot v{self.version} has no tensors (the push was empty)")
-        if len(self.shards) == 1:
+        if self.adapter_config is not None:
+            if len(self.shards) != 1:
+                raise ValueError(f"adapter snapshot v{self.version} must be one file, got {len(self.shards)} shards")
+            (self.partial / self.shards[0][0]).rename(self.partial / ADAPTER_WEIGHTS)
+            (self.partial / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config, indent=2, sort_keys=True))
+        elif len(self.shards) == 1:
             (self.partial / self.shards[0][0]).rename(self.partial / "model.safetensors")
         else:
             weight_map = {key: shard for shard, keys in self.shards for key in keys}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.partial / INDEX_FILE).write_text(json.dumps(index, indent=1))
-        if self.source_model is not None:
+        if self.source_model is not None and self.adapter_config is None:
             self._copy_model_files()
         (self.partial / SNAPSHOT_INFO).write_text(json.dumps({"weight_version": self.version}))
         final = snapshot_path(self.root, self.version)
@@ -110,22 +120,27 @@ class SnapshotWriter:
 class DiskTransport:
     """Snapshot under `directory/weights_vNNNNNNNN/`, then `/update_weights_from_disk` on every engine
     (which must see the same filesystem). `source_model` (the HF checkpoint trained from) supplies config
-    and tokenizer files, making each snapshot a complete checkpoint. Keeps the newest `keep_last`.
+    and tokenizer files, making each snapshot a complete checkpoint. Keeps the newest `keep_last`. With
+    `adapter`, each snapshot is a PEFT adapter directory, which every engine loads under the adapter's name
+    (`/load_lora_adapter`, requests in flight on it going on with it).
     """
 
     name = "disk"
 
     def __init__(self, fleet: EngineFleet, directory: str | Path, *, bucket_bytes: int, keep_last: int = 2,
-                 source_model: str | Path | None = None):
+                 source_model: str | Path | None = None, adapter: AdapterSpec | None = None):
         if keep_last < 1:
             raise ValueError(f"disk transport keep_last must be >= 1, got {keep_last}")
         self.fleet, self.directory, self.bucket_bytes = fleet, Path(directory), bucket_bytes
-        self.keep_last, self.source_model = keep_last, source_model
+        self.keep_last, self.source_model, self.adapter = keep_last, source_model, adapter
         self.last_snapshot: Path | None = None
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
-        stats, stream = PushStats(), BucketStream(buckets, self.bucket_bytes)
-        writer = await asyncio.to_thread(SnapshotWriter, self.directory, version, self.source_model)
+        adapter = self.adapter
+        # an adapter is one file, as PEFT writes it
+        stats, stream = PushStats(), BucketStream(buckets, sys.maxsize if adapter else self.bucket_bytes)
+        writer = await asyncio.to_thread(SnapshotWriter, self.directory, version, self.source_model,
+                                         adapter.config if adapter else None)
         try:
             async for bucket in stream:
                 await asyncio.to_thread(writer.add, bucket)
@@ -137,7 +152,10 @@ class DiskTransport:
         finally:
             await stream.aclose()
         self.last_snapshot = path
-        await self.fleet.update_weights_from_disk(str(path), None)  # type: ignore[arg-type]
+        if adapter is not None:
+            await self.fleet.load_lora_adapter(adapter.name, str(path), update_in_flight=True)
+        else:
+            await self.fleet.update_weights_from_disk(str(path), None)  # type: ignore[arg-type]
         await asyncio.to_thread(prune_snapshots, self.directory, self.keep_last)
         return stats.metrics()
 

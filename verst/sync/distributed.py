@@ -13,6 +13,7 @@ import atexit
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -23,7 +24,7 @@ from verst.inference_client.fleet import EngineFleet, FleetError
 from verst.inference_client.ports import free_port
 from verst.inference_client.weights import WeightUpdateGroup, broadcast_tensors, dtype_name, open_weight_update_group
 from verst.sync.buckets import BucketStream
-from verst.sync.transport import PushStats
+from verst.sync.transport import AdapterSpec, PushStats
 from verst.types import WeightBucket
 
 log = logging.getLogger(__name__)
@@ -37,19 +38,23 @@ class DistributedTransport:
     are moved to `device` first), "gloo" on CPUs. `master_address` must be reachable from the engines.
     `timeout_s` bounds one collective on the trainer side: gloo cannot be interrupted, so after an engine
     refuses a bucket the push fails at once but the trainer's send to that engine stays blocked (in a
-    daemon thread) until then, and a process exiting meanwhile waits for it.
+    daemon thread) until then, and a process exiting meanwhile waits for it. With `adapter`, each push is
+    the adapter in one broadcast, which the engines serve under its name.
     """
 
     name = "distributed"
 
     def __init__(
         self, fleet: EngineFleet, *, bucket_bytes: int, backend: str = "gloo", device: str = "cpu",
-        master_address: str = "127.0.0.1", timeout_s: float = 60.0,
+        master_address: str = "127.0.0.1", timeout_s: float = 60.0, adapter: AdapterSpec | None = None,
     ):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"distributed transport backend must be 'gloo' or 'nccl', got {backend!r}")
         self.fleet, self.bucket_bytes, self.backend = fleet, bucket_bytes, backend
         self.device, self.master_address, self.timeout_s = device, master_address, timeout_s
+        self.adapter = adapter
+        # an adapter goes as one bucket: the engines build it from all of its tensors at once
+        self._push_bytes = sys.maxsize if adapter is not None else bucket_bytes
         self.group: WeightUpdateGroup | None = None
         self.groups_built = 0  # 1 in a healthy run; each failed push adds one rebuild
 
@@ -72,7 +77,7 @@ class DistributedTransport:
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
         await self.connect()
-        stats, stream = PushStats(), BucketStream(buckets, self.bucket_bytes)
+        stats, stream = PushStats(), BucketStream(buckets, self._push_bytes)
         try:
             async for bucket in stream:
                 await self._push_bucket(bucket, stats.buckets)
@@ -92,8 +97,9 @@ class DistributedTransport:
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         # Versions are set by the syncer once every bucket is in, so none is sent with a bucket.
+        adapter = {} if self.adapter is None else {"lora_name": self.adapter.name, "lora_config": self.adapter.config}
         remote = _each(self.fleet, lambda url, c: c.update_weights_from_distributed(
-            names, dtypes, shapes, None, group.name))  # type: ignore[arg-type]
+            names, dtypes, shapes, None, group.name, **adapter))  # type: ignore[arg-type]
         local = _in_collective_thread(broadcast_tensors, group, tensors, timeout_s=self.timeout_s)
         await _collective(local, remote, f"update_weights_from_distributed(bucket {index}: {len(names)} tensors "
                                          f"from {names[0]!r})")

@@ -88,14 +88,16 @@ class WeightSyncer:
             self._version = max(parsed.values())
         return self._version
 
-    async def sync(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
-        """Push `buckets` as `version` (must exceed the engines' version); returns `sync/` metrics.
+    async def sync(self, buckets: Iterable[WeightBucket], version: int, *, first: bool = False) -> dict[str, float]:
+        """Push `buckets` as `version` (must exceed the engines' version; with `first` it may equal it: a
+        LoRA run's step-0 adapter, which engines serving the base as that version do not hold yet, and which
+        the check does not count as the first sync); returns `sync/` metrics.
 
         On any failure every engine is continued and `WeightSyncError` is raised; the engines then still
         report the previous version but may hold some tensors of the new one (sync again before use).
         """
         previous = await self.current_version()
-        if version <= previous:
+        if version < previous or (version == previous and not first):
             raise VersionError(f"weight version must go up: asked to sync version {version} but the engines "
                                f"serve version {previous}")
         start = time.perf_counter()
@@ -123,7 +125,7 @@ class WeightSyncer:
             "sync/seconds": time.perf_counter() - start, "sync/paused_seconds": time.perf_counter() - paused,
             "sync/version": float(version),
         })
-        if self.checker is not None and not self._checked:
+        if self.checker is not None and not self._checked and not first:
             metrics.update(await self.checker.check(self.fleet, version))
             self._checked = True
         return metrics

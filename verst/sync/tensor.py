@@ -5,13 +5,14 @@ mapped by every engine. CPU: a /dev/shm file (`verst.inference_client.weights`);
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 from verst.inference_client.fleet import EngineFleet
 from verst.inference_client.weights import SHM_DIR, ShmBucket, write_shm_bucket
 from verst.sync.buckets import BucketStream
-from verst.sync.transport import PushStats
+from verst.sync.transport import AdapterSpec, PushStats
 from verst.types import WeightBucket
 
 IPC_MODES = ("shm", "cuda_ipc")
@@ -20,18 +21,26 @@ IPC_MODES = ("shm", "cuda_ipc")
 class TensorTransport:
     """`ipc="shm"`: one shared-memory file per bucket, deleted once every engine has copied it (engines
     on this host; the embedded engine and `load_format="shm"`). `ipc="cuda_ipc"`: SGLang's own scheme.
+    With `adapter`, each push is the adapter in one shm bucket, which the engines serve under its name.
     """
 
     name = "tensor"
 
-    def __init__(self, fleet: EngineFleet, *, bucket_bytes: int, ipc: str = "shm", shm_dir: str = SHM_DIR):
+    def __init__(self, fleet: EngineFleet, *, bucket_bytes: int, ipc: str = "shm", shm_dir: str = SHM_DIR,
+                 adapter: AdapterSpec | None = None):
         if ipc not in IPC_MODES:
             raise ValueError(f"tensor transport ipc must be one of {IPC_MODES}, got {ipc!r}")
+        if adapter is not None and ipc != "shm":
+            raise ValueError("tensor transport: a LoRA adapter push goes through ipc='shm' only (the embedded "
+                             "engine); use sync.transport = 'disk' or lora.sync = 'merged' with CUDA IPC")
         self.fleet, self.bucket_bytes, self.ipc, self.shm_dir = fleet, bucket_bytes, ipc, shm_dir
+        self.adapter = adapter
+        # an adapter goes as one bucket: the engines build it from all of its tensors at once
+        self._push_bytes = sys.maxsize if adapter is not None else bucket_bytes
         self._tp_sizes: dict[str, int] = {}
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
-        stats, stream = PushStats(), BucketStream(buckets, self.bucket_bytes)
+        stats, stream = PushStats(), BucketStream(buckets, self._push_bytes)
         try:
             if self.ipc == "shm":
                 await self._push_shm(stream, stats)
@@ -56,7 +65,9 @@ class TensorTransport:
                 except BaseException:
                     shm.close()
                     raise
-                call = self.fleet.update_weights_from_tensor(shm.manifest, None)  # type: ignore[arg-type]
+                adapter = {} if self.adapter is None else {"lora_name": self.adapter.name,
+                                                           "lora_config": self.adapter.config}
+                call = self.fleet.update_weights_from_tensor(shm.manifest, None, **adapter)  # type: ignore[arg-type]
                 loading = (asyncio.ensure_future(call), shm)
                 stats.add(bucket)
             if loading is not None:

@@ -1,5 +1,5 @@
-"""The WeightTransport contract (DESIGN.md): push bucketed, HF-named full tensors to every engine of a
-fleet, and close. Transports move weights only; pausing, versions and checks belong to `WeightSyncer`.
+"""The WeightTransport contract (DESIGN.md): push bucketed, HF-named full tensors (or a LoRA adapter's,
+`AdapterSpec`) to every engine of a fleet, and close. Pausing, versions and checks belong to `WeightSyncer`.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from verst.types import WeightBucket
 
@@ -31,6 +31,16 @@ class WeightTransport(Protocol):
         """Release what the transport holds (process group, files); safe to call twice. A later push
         sets up what it needs again."""
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA run's adapter sync: every push is the whole adapter (A and B of each targeted layer, under
+    PEFT's names), which the engines serve under `name`; `config` is its adapter_config.json (rank, alpha,
+    target modules). It travels as one bucket: the engines build the adapter from all of its tensors."""
+
+    name: str
+    config: dict[str, Any]
 
 
 @dataclasses.dataclass

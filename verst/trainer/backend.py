@@ -61,6 +61,14 @@ class TrainBackend(Protocol):
         """Full, HF-named weights in buckets of about `bucket_bytes` (a bigger tensor goes alone)."""
         ...
 
+    def synced_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """What weight sync pushes: `named_weights`, or with LoRA's adapter sync the adapter's tensors
+        (PEFT's names), whose served name and adapter_config `sync_adapter` gives."""
+        ...
+
+    @property
+    def sync_adapter(self) -> tuple[str, dict] | None: ...
+
     def save(self, directory: str | Path) -> None:
         """Model, optimizer, lr schedule, RNG state and step: everything `load` needs to resume."""
         ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -51,7 +51,8 @@ class FSDP2Backend:
     not grow with the square of the row.
 
     With `lora` enabled, PEFT's adapters sit on the model and only they train (gradients, optimizer state,
-    checkpoints); `named_weights` gives the merged weights under the base's names, and a reference at the
+    checkpoints); `named_weights` gives the merged weights under the base's names, `synced_weights` what
+    weight sync pushes (with `lora.sync = "adapter"` the adapter alone), and a reference at the
     model's own path is the same model with its adapters disabled (no second copy of the weights).
     """
 
@@ -249,19 +250,24 @@ class FSDP2Backend:
     def named_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Collective: every rank gathers every tensor in the same order (tied weights appear once). With
         LoRA: the merged weights, under the base's names (the model itself is not changed)."""
-        bucket: WeightBucket = []
-        size = 0
         tensors = lora.merged_tensors(self.model) if self.lora else checkpoint.named_tensors(self.model)
-        for name, tensor in tensors:
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            nbytes = full.numel() * full.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, full.detach()))
-            size += nbytes
-        if bucket:
-            yield bucket
+        yield from _buckets(tensors, bucket_bytes)
+
+    @property
+    def sync_adapter(self) -> tuple[str, dict] | None:
+        """With LoRA's adapter sync (`lora.sync = "adapter"`): the adapter's served name and its
+        adapter_config.json content, which every push carries; None when weight sync sends full weights."""
+        if self.lora is None or self.lora.served_adapter is None:
+            return None
+        return self.lora.served_adapter, lora.adapter_config(self.model, self.model_config.path)
+
+    def synced_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Collective: what weight sync pushes. With LoRA's adapter sync, the adapter's tensors under PEFT's
+        names (one bucket per `bucket_bytes`); otherwise `named_weights`."""
+        if self.lora is None or self.lora.served_adapter is None:
+            yield from self.named_weights(bucket_bytes)
+            return
+        yield from _buckets(lora.adapter_tensors(self.model), bucket_bytes)
 
     def save(self, directory: str | Path, *, background: bool = False) -> None:
         """With `background`, the shards are copied now and written by a thread; the directory is complete
@@ -315,3 +321,19 @@ def _same_path(a: str, b: str) -> bool:
 
 def _namespaced(metrics: dict[str, float]) -> dict[str, float]:
     return {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
+
+
+def _buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Full tensors (a DTensor gathered: collective) in buckets of about `bucket_bytes`."""
+    bucket: WeightBucket = []
+    size = 0
+    for name, tensor in tensors:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        nbytes = full.numel() * full.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, full.detach()))
+        size += nbytes
+    if bucket:
+        yield bucket

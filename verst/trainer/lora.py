@@ -1,9 +1,10 @@
-"""LoRA on the trainer's model with PEFT: which linear layers get adapters (checked by name), the merged
-weights (W + B·A · scale, under the base's names) the engines get, and the exports (adapter, merged model).
+"""LoRA on the trainer's model with PEFT: which linear layers get adapters (checked by name), what weight
+sync sends (the adapter's tensors and config, or the merged weights), and the exports (adapter, merged model).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,6 +77,23 @@ def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             if leaf == "weight":
                 full = full + delta_weight(layers[owner], _full)
         yield (f"{owner}.{leaf}" if owner else leaf), full
+
+
+def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective. The adapter's A and B of each targeted layer under the names PEFT saves them with
+    (`base_model.model.<module>.lora_A.weight`), full tensors (gathered from the shards); nothing of the base."""
+    for name, tensor in checkpoint.named_tensors(model.get_base_model()):
+        if ".lora_A." in name or ".lora_B." in name:
+            yield f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}", _full(tensor)
+
+
+def adapter_config(model: torch.nn.Module, source_path: str) -> dict:
+    """The adapter's adapter_config.json content (rank, alpha, target modules, ...) as PEFT writes it: plain
+    JSON values (sets as sorted lists), so it travels over HTTP and loads with `PeftModel.from_pretrained`."""
+    config = model.peft_config[ADAPTER].to_dict()
+    config["base_model_name_or_path"] = str(source_path)
+    plain = lambda value: sorted(value) if isinstance(value, (set, frozenset)) else str(value)  # noqa: E731
+    return json.loads(json.dumps(config, default=plain))
 
 
 def delta_weight(layer: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
