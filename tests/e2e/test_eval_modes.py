@@ -4,9 +4,11 @@ engine process of its own, whose crash is skipped while training goes on."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.e2e.test_rl_schedules import ray_session, rl_config, run_schedule  # noqa: F401 - the fixture
+from tests.e2e.test_rl_schedules import REPO, ray_session, rl_config, run_schedule  # noqa: F401 - the fixture
 from tests.metrics_doc import undocumented
 from verst.eval.backend import SNAPSHOTS_DIR
 from verst.monitor import read_metrics
@@ -49,3 +51,22 @@ def test_a_backend_scores_snapshots_in_its_own_engine_and_a_crash_is_skipped(
     snapshots = Path(cfg.run_dir) / SNAPSHOTS_DIR
     assert [p.name for p in snapshots.iterdir()] == ["step_00000002"]  # eval.keep_snapshots = 1
     assert undocumented(records) == []
+
+
+def test_verst_eval_scores_saved_weights_later_under_their_step(
+        ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    """A checkpoint (exported first) and the final export, scored from the command line after the run."""
+    cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "sync", "--checkpoint.interval", "1")
+    run_schedule(cfg)
+    run_dir = Path(cfg.run_dir)
+    in_run = eval_records(read_metrics(run_dir))
+    for args in (["--step", "1"], []):
+        subprocess.run([sys.executable, "-m", "verst.cli.main", "eval", str(run_dir), *args], check=True,
+                       cwd=REPO, timeout=300)
+    records = read_metrics(run_dir)
+    first, final = records[-2:]
+    assert (first["step"], final["step"]) == (1, 2) and first["eval/offline"] == final["eval/offline"] == 1
+    assert first["eval/weight_version"] == 1 and final["eval/weight_version"] == 2
+    assert (run_dir / SNAPSHOTS_DIR / "step_00000001" / "config.json").is_file()  # the checkpoint's export
+    assert final["eval/accuracy"] == in_run[2]["eval/accuracy"]  # the same weights the engines scored
+    assert first["eval/n_prompts"] == 8 and undocumented(records) == []

@@ -242,3 +242,26 @@ def test_snapshots_are_linked_and_retired(tmp_path):
     removed = retire_snapshots(tmp_path / "run", keep=1, in_use={2})
     assert sorted(p.name for p in removed) == ["step_00000001", "step_00000003"]
     assert json.dumps(sorted(p.name for p in target.parent.iterdir())) == '["step_00000002", "step_00000004"]'
+
+
+def test_preflight_names_a_backend_that_is_not_there(tmp_path, tiny_model_dir, addition_data_dir):
+    from tests.unit.test_cli_checks import good_config
+    from verst.cli.preflight import PreflightError, preflight
+
+    preflight(good_config(tmp_path, tiny_model_dir, addition_data_dir, "--eval.backend",
+                          "examples.eval_backend.engine:score"), rl=True)
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir, "--eval.backend", "nowhere.scoring:score")
+    with pytest.raises(PreflightError, match=r"eval.backend = 'nowhere.scoring:score': cannot import"):
+        preflight(cfg, rl=True)
+
+
+def test_verst_eval_names_the_weights_it_did_not_find(tmp_path, capsys):
+    from verst.cli.eval import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("name: gone\n")
+    assert main([str(run_dir), "--step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "has no weights of step 3" in err and "step_00000003" in err and "checkpoints there: none" in err
+    assert main([str(tmp_path)]) == 2 and "no config.yaml" in capsys.readouterr().err
