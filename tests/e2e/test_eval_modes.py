@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.test_rl_schedules import REPO, ray_session, rl_config, run_schedule  # noqa: F401 - the fixture
 from tests.metrics_doc import undocumented
 from verst.eval.backend import SNAPSHOTS_DIR
@@ -70,3 +72,20 @@ def test_verst_eval_scores_saved_weights_later_under_their_step(
     assert (run_dir / SNAPSHOTS_DIR / "step_00000001" / "config.json").is_file()  # the checkpoint's export
     assert final["eval/accuracy"] == in_run[2]["eval/accuracy"]  # the same weights the engines scored
     assert first["eval/n_prompts"] == 8 and undocumented(records) == []
+
+
+def test_the_harness_backend_scores_a_snapshot_with_lm_eval(tiny_model_dir, addition_data_dir, tmp_path):
+    """examples/eval_backend/harness.py: lm-evaluation-harness on a task written from the held-out prompts."""
+    pytest.importorskip("lm_eval", reason="the lm-eval extra: pip install 'verst[lm-eval]'")
+    from examples.eval_backend.harness import score
+    from verst.config import load_config
+    from verst.eval.backend import call_backend
+
+    cfg = load_config(None, ["--model.path", str(tiny_model_dir), "--data.test-path",
+                             str(addition_data_dir / "test.jsonl"), "--data.apply-chat-template", "false",
+                             "--rollout.max-response-tokens", "4", "--eval.max-prompts", "8",
+                             "--cluster.device", "cpu"])
+    metrics = call_backend(score, Path(tiny_model_dir), 0, cfg)
+    assert set(metrics) == {"eval/harness_exact_match", "eval/n_prompts"} and metrics["eval/n_prompts"] == 8
+    assert 0 <= metrics["eval/harness_exact_match"] <= 1
+    assert undocumented([metrics]) == []
