@@ -265,3 +265,17 @@ def test_verst_eval_names_the_weights_it_did_not_find(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "has no weights of step 3" in err and "step_00000003" in err and "checkpoints there: none" in err
     assert main([str(tmp_path)]) == 2 and "no config.yaml" in capsys.readouterr().err
+
+
+def test_the_last_point_waits_for_a_free_slot_under_overflow_skip():
+    run = scripted_run(None, "--eval.overflow", "skip")
+    run.eval_s = 0.2
+
+    async def loop():
+        await run.start_evaluation()
+        await train_step(run)
+        run.syncer.version = run.version  # pushed without waiting for the evaluation (as eval.backend's are)
+        await run.evaluate_last_version()  # the step-0 evaluation is still running
+
+    asyncio.run(loop())
+    assert [(step, "eval/accuracy" in m) for step, m in run.logger.rows] == [(0, True), (1, True)]

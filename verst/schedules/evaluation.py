@@ -200,10 +200,12 @@ class EvaluationSteps:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def evaluate_last_version(self: RLRun) -> None:
-        """At the end of a run: the last version's score, unless an evaluation already measured it."""
+        """At the end of a run: the last version's score, unless an evaluation already measured it (the
+        others end first: the last point is never skipped as busy)."""
+        await self.settle_evaluation()
         if self._last_eval_step != self.version:
             await self.start_evaluation()
-        await self.settle_evaluation()
+            await self.settle_evaluation()
 
 
 def _move_export(export: Path, target: Path, lora: bool) -> None:
