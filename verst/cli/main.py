@@ -15,6 +15,7 @@ COMMANDS = {
     "sft": ("verst.cli.sft", "supervised fine-tuning: verst sft RECIPE [--section.field VALUE ...]"),
     "train": ("verst.cli.train", "RL training: verst train RECIPE [--section.field VALUE ...]"),
     "serve": ("verst.cli.serve", "run a server standalone: verst serve engine --model DIR --port P"),
+    "eval": ("verst.cli.eval", "score a run's weights at one step later: verst eval RUN_DIR [--step N]"),
     "report": ("verst.cli.report", "HTML report of a run, or of runs overlaid: verst report RUN_DIR ..."),
     "config": ("verst.cli.config_docs", "the Markdown reference of every config field: verst config docs"),
 }

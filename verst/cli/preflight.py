@@ -40,7 +40,7 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
         problems.append("logging.wandb = true, but the wandb package is not installed (pip install wandb)")
     imports = {"data.source": cfg.data.source, "buffer.path": cfg.buffer.path}
     if rl:
-        imports |= {"rollout.rollout_fn": cfg.rollout.rollout_fn, "rollout.generate_fn": cfg.rollout.generate_fn,
+        imports |= {"eval.backend": cfg.eval.backend, "rollout.rollout_fn": cfg.rollout.rollout_fn, "rollout.generate_fn": cfg.rollout.generate_fn,
                     "rollout.agent_fn": cfg.rollout.agent_fn}
         if cfg.rollout.dynamic_filter not in BUILTIN_FILTERS:
             imports["rollout.dynamic_filter"] = cfg.rollout.dynamic_filter

@@ -316,6 +316,18 @@ class EvalConfig(Section):
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
     on_error: Literal["skip", "stop"] = Field(
         "skip", description="A failed or timed-out evaluation: skip it (logged as eval/skipped) and train on, or stop the run.")
+    max_in_flight: int = Field(
+        1, ge=1, description="Evaluations outstanding at once; with the rollout engines (no eval.backend) the "
+        "next weight push waits for the one in flight anyway.")
+    overflow: Literal["backpressure", "skip"] = Field(
+        "backpressure", description="An evaluation point that finds eval.max_in_flight outstanding: wait for the "
+        "oldest to finish, or skip the point (eval/skipped_busy).")
+    backend: str | None = Field(
+        None, description="Score with this function instead of the rollout engines, by import path "
+        "('package.module:function'): it gets a Hugging Face snapshot directory of the weights at a step and "
+        "the step, and returns metrics (logged under eval/) or raises verst.eval.EvalSkip(reason).")
+    keep_snapshots: int = Field(2, ge=0, description="eval.backend: evaluation snapshots kept once scored "
+                                "(RUN/eval_snapshots/).")
 
 
 class CheckpointConfig(Section):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from verst.config import SamplingConfig, VerstConfig
-from verst.eval.engine import MixedVersionError
+from verst.eval.skip import MixedVersionError, version_metrics
 from verst.rewards import compute_rewards
 from verst.types import Sample, Status
 
@@ -59,6 +59,8 @@ async def evaluate_agentic(
         await ctx.aclose()
     check_versions(samples, expect_version)
     metrics = episode_metrics(samples, cfg.reward.key)
+    if expect_version is not None:
+        metrics |= version_metrics([s.weight_versions for s in samples])
     metrics["time/eval_s"] = time.perf_counter() - start
     return metrics
 

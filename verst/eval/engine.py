@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from verst.eval.greedy import GenerateFn
+from verst.eval.skip import MixedVersionError
 from verst.inference_client.client import EngineClient
 
 # The next weight push waits for an evaluation while rollouts (fully async) keep the engines busy: its
@@ -16,10 +17,6 @@ from verst.inference_client.client import EngineClient
 # (priority preemption; SGLang with --enable-priority-scheduling; sglang-router 0.3.2 parses the field as
 # an i32, refusing other types).
 EVAL_PRIORITY = 1
-
-
-class MixedVersionError(RuntimeError):
-    """An evaluation's replies came from weights other than the ones it was meant to measure."""
 
 
 def engine_greedy_generate(

@@ -84,10 +84,11 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
 
 
 def build_series(records: list[dict[str, Any]]) -> dict[str, Series]:
-    """Every numeric key of the records as a series over step (and over seconds since the first record)."""
+    """Every numeric key of the records as a series over step (and over seconds since the first record), in
+    step order: a score that arrived late (eval.backend, `verst eval`) is written after later steps' records."""
     t0 = next((r["time"] for r in records if isinstance(r.get("time"), (int, float))), None)
     series: dict[str, Series] = {}
-    for rec in records:
+    for rec in sorted(records, key=lambda r: r.get("step") if isinstance(r.get("step"), (int, float)) else 0):
         step, when = rec.get("step"), rec.get("time")
         rel = when - t0 if t0 is not None and isinstance(when, (int, float)) else None
         for key, value in rec.items():

@@ -16,12 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
-from verst.data import load_prompts_from_config
-from verst.eval import engine_greedy_generate, evaluate_greedy
-from verst.eval.agentic import evaluate_agentic, score_key
-from verst.inference_client.client import EngineClient, Timeouts
+from verst.eval.agentic import score_key
+from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
-from verst.models import load_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
@@ -31,7 +28,8 @@ from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, fai
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules import checkpointing
 from verst.schedules.checkpointing import RunCheckpointer
-from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts, request_batch
+from verst.schedules.evaluation import EvaluationSteps, _tokenizer
+from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts
 from verst.schedules.train_steps import train_rollout_step
 from verst.sync.syncer import WeightSyncError
 from verst.trainer.backend import TrainerRanks, fsdp2_backend
@@ -41,7 +39,7 @@ TAKE_TIMEOUT_S = 30.0  # fully async: log and wait again when no group arrived f
 
 # ---- the run --------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class RLRun:
+class RLRun(EvaluationSteps):
     """The parts of a running RL job and the named steps over them. `version` is the trainer's
     weight version: the number of optimizer steps taken (the engines serve it after each sync)."""
 
@@ -66,7 +64,9 @@ class RLRun:
     watchdog: Watchdog | None = None  # bounds each phase by its `fault.*_timeout_s` (None: unbounded)
     supervisor: EngineSupervisor | None = None  # restarts failed engines (fault.tolerate_engines)
     trainer_restarts: int = 0  # times this run restarted from a checkpoint after a trainer rank died
-    _evaluation: asyncio.Task | None = dataclasses.field(default=None, init=False, repr=False)  # start_evaluation's
+    _evaluations: list[asyncio.Task] = dataclasses.field(default_factory=list, init=False, repr=False)
+    _evaluating: dict[int, asyncio.Task] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _last_eval_step: int | None = dataclasses.field(default=None, init=False, repr=False)
 
     # -- named steps ---------------------------------------------------------------------------
     async def begin(self) -> None:
@@ -86,9 +86,6 @@ class RLRun:
         """Save a checkpoint every `checkpoint.interval` steps (see `checkpointing`)."""
         if self.checkpointer is not None and self.checkpointer.due(self.version):
             await checkpointing.save_checkpoint(self)
-
-    def evaluation_in_flight(self) -> bool:
-        return self._evaluation is not None and not self._evaluation.done()
 
     async def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
         """One rollout batch (its groups stay on the rollout side until the ranks fetch them) and its metrics."""
@@ -118,7 +115,7 @@ class RLRun:
         it gets more than one (see `train_steps`). Colocated engines free memory meanwhile."""
         for first in range(0, batch.num_groups, self.plan.groups_per_train_step):
             if self.cfg.cluster.placement == "colocated":
-                await self.settle_evaluation()  # it needs the engines' memory
+                await self.settle_engine_evaluation()  # it needs the engines' memory
                 await asyncio.to_thread(self.engines.release_memory)
             try:
                 start = time.perf_counter()
@@ -139,7 +136,7 @@ class RLRun:
         """Push the trainer's weights as `version` when the interval says so (pause → push → continue)."""
         if not self.syncer.due(self.version):
             return {}
-        await self.settle_evaluation()  # an evaluation in flight scores the weights the engines serve now
+        await self.settle_engine_evaluation()  # an evaluation in flight scores the weights the engines serve now
         return await self.guard(f"weight sync to version {self.version}", "sync_timeout_s", self._sync())
 
     async def _sync(self) -> dict[str, float]:
@@ -170,86 +167,14 @@ class RLRun:
     def score_key(self) -> str:
         return score_key(self.cfg)
 
-    async def evaluate(self, step: int | None = None) -> dict[str, float]:
-        """Held-out greedy accuracy (or agent success) through the engines, which must all serve the
-        syncer's version; recorded as trainer step `step` (default: `version`, which training may advance
-        meanwhile)."""
-        cfg, version, step = self.cfg, str(self.syncer.version or 0), self.version if step is None else step
-        tokenizer, prompts = _tokenizer(cfg.model.path), _test_prompts(cfg)
-        if cfg.rollout.agent_fn:  # a tool-using task: the first reply is a tool call, so run whole episodes
-            async with EngineClient(self.router_url, affinity=True, lora_path=cfg.lora.served_adapter) as client:
-                metrics = await evaluate_agentic(cfg, client, tokenizer, prompts, expect_version=version)
-        else:
-            max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
-            generate = engine_greedy_generate(self.router_url, max_new, expect_version=version,
-                                              max_batch=request_batch(cfg, self.rollout.router_url),
-                                              lora_path=cfg.lora.served_adapter)
-            metrics = await asyncio.to_thread(evaluate_greedy, prompts, generate, tokenizer, cfg.reward, cfg.data,
-                                              max_new)
-        metrics["eval/weight_version"] = float(version)
-        self.eval_history.append((step, metrics[self.score_key]))
-        return metrics
-
-    async def start_evaluation(self, extra: dict[str, float] | None = None) -> None:
-        """Evaluate `version` in the background, logged at that step (with `extra`) as soon as it is done.
-
-        Training and generation go on meanwhile (the evaluation's requests go first at the engines); the
-        weights stay: the next push, or a colocated step, waits for it (`settle_evaluation`).
-        """
-        await self.settle_evaluation()  # one at a time, logged in step order
-        step = self.version
-
-        async def evaluate_and_log() -> None:
-            metrics = {**(extra or {}), **await self.evaluate_or_skip(step)}
-            self.logger.log(metrics, step=step)
-            self.progress.evaluated(step, metrics)
-
-        self._evaluation = asyncio.create_task(evaluate_and_log())
-
-    async def evaluate_or_skip(self, step: int) -> dict[str, float]:
-        """`evaluate(step)` within `fault.eval_timeout_s`. A failure or timeout is raised under
-        `eval.on_error = "stop"`; under "skip" it becomes `eval/skipped` (and `eval/skipped_<reason>`) and
-        training goes on."""
-        try:
-            return await asyncio.wait_for(self.evaluate(step), self.cfg.fault.eval_timeout_s)
-        except Exception as error:
-            reason = "timeout" if isinstance(error, TimeoutError) else "error"
-            if self.cfg.eval.on_error == "stop":
-                if reason == "timeout":
-                    raise TimeoutError(f"the evaluation of step {step} did not finish within "
-                                       f"{self.cfg.fault.eval_timeout_s:g} s (fault.eval_timeout_s)") from error
-                raise
-            print(f"[{self.cfg.schedule}] evaluation of step {step} skipped ({reason}): "
-                  f"{type(error).__name__}: {str(error)[:300]}", flush=True)
-            return {"eval/skipped": 1.0, f"eval/skipped_{reason}": 1.0}
-
-    async def settle_evaluation(self) -> None:
-        """Wait for the evaluation in flight, if any (its failure is raised here)."""
-        task, self._evaluation = self._evaluation, None
-        if task is not None:
-            await task
-
-    async def drop_evaluation(self) -> None:
-        """Cancel the evaluation in flight, if any, and wait until it has stopped."""
-        task, self._evaluation = self._evaluation, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-    async def evaluate_last_version(self) -> None:
-        """At the end of a run: the last version's score, unless an evaluation already measured it."""
-        await self.settle_evaluation()
-        if not self.eval_history or self.eval_history[-1][0] != self.version:
-            self.logger.log(await self.evaluate_or_skip(self.version), step=self.version)
-
     def eval_due(self) -> bool:
         return bool(self.cfg.eval.interval) and self.version % self.cfg.eval.interval == 0
 
     async def log(self, metrics: dict[str, float], step_start: float) -> None:
         """Log one train step's metrics (adding step time and the engines' idle fraction since the
-        previous step) and show it on the progress display. An evaluation still in flight is logged
-        first: rows stay in step order."""
-        await self.settle_evaluation()
+        previous step) and show it on the progress display. An evaluation still in flight on the engines is
+        logged first: rows stay in step order (`eval.backend` scores are logged when they arrive)."""
+        await (self.settle_engine_evaluation() if self.on_engines else self._harvest())
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
         metrics["train/weight_version"] = float(self.version)
         idle = await self.guard("reading the engines' busy time (get_server_info)", "engine_call_timeout_s",
@@ -434,11 +359,6 @@ def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:
     return RouterSpec(policy="round_robin", assignment_mode="min_load")
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer(path: str) -> Any:
-    return load_tokenizer(path)
-
-
 def _load_in_background(load: Any, *args: Any) -> None:
     """Warm a cached `load(*args)` in a daemon thread; a failure is left to the caller's own call."""
 
@@ -447,11 +367,3 @@ def _load_in_background(load: Any, *args: Any) -> None:
             load(*args)
 
     threading.Thread(target=run, name="verst-preload", daemon=True).start()
-
-
-def _test_prompts(cfg: VerstConfig) -> list:
-    path = cfg.eval.path or cfg.data.test_path
-    if path is None:
-        raise ValueError("evaluation needs eval.path or data.test_path")
-    data = cfg.data.model_copy(update={"test_path": path})
-    return load_prompts_from_config(data, "test")[: cfg.eval.max_prompts]
