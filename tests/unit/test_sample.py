@@ -50,6 +50,8 @@ def test_valid_sample_and_views():
         (dict(loss_mask=[1, 2, 1]), "loss_mask values must be 0 or 1, found [2]"),
         (dict(rollout_logprobs=[-0.5, -0.3, -1.0]), "must be 0.0 on loss_mask==0 tokens, found [-0.3]"),
         (dict(routed_experts=[[[0, 1]]]), "len(routed_experts)=1 != len(tokens) - 1 = 5"),
+        (dict(teacher_logprobs=[-1.0]), "len(teacher_logprobs)=1 != response_length=3"),
+        (dict(teacher_logprobs=[-0.5, -0.25, -1.0]), "teacher_logprobs must be 0.0 on loss_mask==0 tokens, found [-0.25]"),
         (dict(weight_versions=["v1"]), "weight version 'v1' is not an integer string"),
     ],
 )
@@ -76,7 +78,8 @@ def test_from_dict_rejects_unknown_keys_and_bad_status():
 
 def test_binary_round_trip_is_compact_and_exact():
     experts = [[[i % 4, (i + 1) % 4]] for i in range(5)]
-    samples = [make_sample(), make_sample(index=8, routed_experts=experts, reward=None, status=Status.TRUNCATED)]
+    samples = [make_sample(), make_sample(index=8, routed_experts=experts, reward=None, status=Status.TRUNCATED),
+               make_sample(index=9, teacher_logprobs=[-0.25, 0.0, -2.5])]
     blob = encode_samples(samples)
     back = decode_samples(blob)
     assert back == samples  # logprobs chosen to be exact in float32

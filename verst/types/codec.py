@@ -2,7 +2,8 @@
 
 Layout: magic `VSMP`, a format byte, a little-endian u32 header length, a JSON header with every
 scalar field and the shapes of the per-token arrays, then the arrays back to back (int32 tokens,
-uint8 loss mask, float32 logprobs, int32 routed experts). Logprobs round-trip through float32.
+uint8 loss mask, float32 logprobs, int32 routed experts, float32 teacher logprobs). Logprobs round-trip
+through float32.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def encode_samples(samples: list[Sample]) -> bytes:
                 raise SampleError(f"sample {s.index}: routed_experts must be 3-D, got shape {arr.shape}")
             h["_routed_experts_shape"] = list(arr.shape) if arr.size else [0, 0, 0]
             chunks.append(arr.tobytes())
+        teacher = h.pop("teacher_logprobs")
+        if teacher is not None:
+            arr = np.asarray(teacher, dtype=np.float32)
+            h["_teacher_logprobs_len"] = int(arr.size)
+            chunks.append(arr.tobytes())
         headers.append(h)
     header = json.dumps(headers, separators=(",", ":")).encode()
     return b"".join([MAGIC, struct.pack("<BI", FORMAT_VERSION, len(header)), header, *chunks])
@@ -60,6 +66,11 @@ def decode_samples(data: bytes) -> list[Sample]:
         if shape is not None:
             nbytes = int(np.prod(shape)) * 4
             h["routed_experts"] = np.frombuffer(view[offset : offset + nbytes], dtype=np.int32).reshape(shape).tolist()
+            offset += nbytes
+        n_teacher = h.pop("_teacher_logprobs_len", None)
+        if n_teacher is not None:
+            nbytes = n_teacher * 4
+            h["teacher_logprobs"] = np.frombuffer(view[offset : offset + nbytes], dtype=np.float32).tolist()
             offset += nbytes
         h["status"] = Status(h["status"])
         samples.append(Sample(**h))

@@ -34,6 +34,8 @@ class Sample:
     `weight_versions` gets one entry per engine call (the oldest version behind its tokens), and the
     single-turn generate fn adds the call's newest when a weight sync fell inside it; staleness is
     measured from the oldest one. `routed_experts` (MoE) is `[len(tokens) - 1][layers][top_k]`.
+    `teacher_logprobs` (on-policy distillation) are a teacher model's logprobs of the response tokens,
+    aligned with the response like `rollout_logprobs` (0.0 on environment tokens); None without a teacher.
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -44,6 +46,7 @@ class Sample:
     status: Status = Status.PENDING
     weight_versions: list[str] = dataclasses.field(default_factory=list)
     routed_experts: list[list[list[int]]] | None = None
+    teacher_logprobs: list[float] | None = None
     group_index: int = 0
     index: int = 0
     label: Any = None
@@ -113,6 +116,14 @@ class Sample:
         env_logprobs = [lp for m, lp in zip(self.loss_mask, self.rollout_logprobs) if m == 0 and lp != 0.0]
         if env_logprobs:
             raise SampleError(f"{where}: rollout_logprobs must be 0.0 on loss_mask==0 tokens, found {env_logprobs[:3]}")
+        if self.teacher_logprobs is not None:
+            if len(self.teacher_logprobs) != n_resp:
+                raise SampleError(
+                    f"{where}: len(teacher_logprobs)={len(self.teacher_logprobs)} != response_length={n_resp}"
+                )
+            env_teacher = [lp for m, lp in zip(self.loss_mask, self.teacher_logprobs) if m == 0 and lp != 0.0]
+            if env_teacher:
+                raise SampleError(f"{where}: teacher_logprobs must be 0.0 on loss_mask==0 tokens, found {env_teacher[:3]}")
         if self.routed_experts is not None and len(self.routed_experts) != max(n_tok - 1, 0):
             raise SampleError(
                 f"{where}: len(routed_experts)={len(self.routed_experts)} != len(tokens) - 1 = {n_tok - 1}"
