@@ -10,7 +10,7 @@ import torch
 from verst.algo import (
     aggregate,
     aggregation_normalizer,
-    distill_token_loss,
+    distill_advantages,
     kl_estimate,
     policy_loss,
     sft_loss,
@@ -221,13 +221,30 @@ def test_sft_loss_is_masked_nll():
     assert metrics == {"train/sft_loss": loss.item(), "train/loss": loss.item()}
 
 
-def test_distillation_value_is_reverse_kl_and_gradient_is_score_function():
+def ref_distill_advantages(task, old, teacher, mask, reward_coef, distill_coef) -> list[list[float]]:
+    """Miles' OPD per token from its definition, in float64 loops: A = c_r·A_task + c_d·(log π_T − log π_old)."""
+    return [[(reward_coef * a + distill_coef * (t - o)) if m else reward_coef * a
+             for a, o, t, m in zip(*rows)] for rows in zip(task, old, teacher, mask)]
+
+
+@pytest.mark.parametrize("reward_coef, distill_coef", [(1.0, 1.0), (0.8, 0.5), (0.0, 2.0)])
+def test_distill_advantages_match_the_per_token_reference(reward_coef, distill_coef):
+    _, old, task = batch(5)
+    teacher = old - torch.rand(MASK.shape, dtype=torch.float64)
+    task = task * MASK
+    got = distill_advantages(task, old, teacher, MASK, reward_coef=reward_coef, distill_coef=distill_coef)
+    want = ref_distill_advantages(task.tolist(), old.tolist(), teacher.tolist(), MASK.tolist(), reward_coef,
+                                  distill_coef)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-15)
+    assert got.dtype == torch.float64 and not got.requires_grad
+
+
+def test_distill_advantage_gives_the_reverse_kl_policy_gradient_on_policy():
+    # With PPO's surrogate at π = π_old, −A_t·∇log π(y_t) with A_t = log π_T − log π is the per-token
+    # gradient of the k1 reverse KL: d/dlp of −A·exp(lp − sg(lp)) = (lp − lp_T), per token, over the count.
     logp, _, _ = batch(5)
     teacher = logp.detach() - torch.rand(MASK.shape, dtype=torch.float64)
-    surrogate, kl = distill_token_loss(logp, logp.detach(), teacher)  # on-policy: old = current
-    torch.testing.assert_close(kl, logp.detach() - teacher)
-    loss = aggregate(surrogate, MASK, "token_mean")
-    assert loss.item() == pytest.approx(ref_aggregate(kl.tolist(), MASK.tolist(), "token_mean"))
+    advantages = distill_advantages(torch.zeros_like(MASK), logp, teacher, MASK, reward_coef=0.0, distill_coef=1.0)
+    loss, _ = policy_loss(logp, logp.detach(), advantages, MASK, aggregation="token_mean")
     loss.backward()
-    # d/dlp of sg(kl)·exp(lp − sg(lp)) = kl on policy tokens, divided by the token count
-    torch.testing.assert_close(logp.grad, kl * MASK / MASK.sum())
+    torch.testing.assert_close(logp.grad, (logp.detach() - teacher) * MASK / MASK.sum())

@@ -35,7 +35,8 @@ def inputs(seed: int) -> dict[str, torch.Tensor]:
 
 FULL_CFG = dict(
     eps_clip=0.2, eps_clip_high=0.28, dual_clip_c=3.0, mismatch_correction="tis", tis_clip_low=0.5, tis_clip=1.5,
-    kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01, distill_coef=0.5, value_clip=0.2,
+    kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01, distill_coef=0.5, reward_coef=0.8,
+    value_clip=0.2,
 )  # fmt: skip
 
 
@@ -43,14 +44,16 @@ def reference(x: dict[str, torch.Tensor], mode: str) -> dict[str, float]:
     """Every term of rl_loss written per token with math, then reduced by loops."""
     lists = {k: v.tolist() for k, v in x.items()}
     per_token_mode = "seq_mean_token_mean" if mode == "seq_mean_token_sum" else mode
-    names = ("pg", "clip", "kl", "ent", "dist", "dist_kl", "v", "tis", "tisc", "rho", "rho2")
+    names = ("pg", "clip", "kl", "ent", "dist_kl", "v", "tis", "tisc", "rho", "rho2")
     rows: dict[str, list[list[float]]] = {k: [] for k in names}
     for i in range(MASK.shape[0]):
         for row in rows.values():
             row.append([])
         for t in range(MASK.shape[1]):
             g = {k: v[i][t] for k, v in lists.items()}
-            pg, clipped = ref_ppo_token(g["logprobs"], g["old_logprobs"], g["advantages"], 0.2, 0.28, 3.0)
+            # on-policy distillation: the teacher's minus the old policy's logprob, added to the scaled task advantage
+            advantage = 0.8 * g["advantages"] + 0.5 * (g["teacher_logprobs"] - g["old_logprobs"])
+            pg, clipped = ref_ppo_token(g["logprobs"], g["old_logprobs"], advantage, 0.2, 0.28, 3.0)
             rho = math.exp(g["old_logprobs"] - g["rollout_logprobs"])
             tis = min(max(rho, 0.5), 1.5)
             log_r = g["ref_logprobs"] - g["logprobs"]
@@ -58,7 +61,7 @@ def reference(x: dict[str, torch.Tensor], mode: str) -> dict[str, float]:
             distill_kl = g["logprobs"] - g["teacher_logprobs"]
             values = {
                 "pg": pg * tis, "clip": float(clipped), "kl": math.exp(log_r) - 1 - log_r, "ent": g["entropy"],
-                "dist": distill_kl * math.exp(g["logprobs"] - g["old_logprobs"]), "dist_kl": distill_kl,
+                "dist_kl": distill_kl,
                 "v": 0.5 * max((g["values"] - g["returns"]) ** 2, (vc - g["returns"]) ** 2),
                 "tis": tis, "tisc": float(rho < 0.5 or rho > 1.5), "rho": rho, "rho2": rho * rho,
             }  # fmt: skip
@@ -67,7 +70,7 @@ def reference(x: dict[str, torch.Tensor], mode: str) -> dict[str, float]:
     mask = MASK.tolist()
     agg = {k: ref_aggregate(v, mask, mode) for k, v in rows.items()}
     per_tok = {k: ref_aggregate(v, mask, per_token_mode) for k, v in rows.items()}
-    loss = agg["pg"] + 0.1 * agg["kl"] - 0.01 * agg["ent"] + 0.5 * agg["dist"] + agg["v"]
+    loss = agg["pg"] + 0.1 * agg["kl"] - 0.01 * agg["ent"] + agg["v"]
     return {
         "train/loss": loss, "train/pg_loss": agg["pg"], "train/pg_clipfrac": per_tok["clip"], "train/kl": per_tok["kl"],
         "train/entropy": per_tok["ent"], "train/distill_kl": per_tok["dist_kl"], "train/value_loss": agg["v"],

@@ -7,6 +7,7 @@ from verst.algo.advantages import (
     batch_whiten,
     broadcast_to_tokens,
     compute_advantages,
+    distill_advantages,
     discounted_returns,
     gae,
     group_relative_rewards,
@@ -21,7 +22,7 @@ from verst.algo.aggregation import (
     to_global_share,
 )
 from verst.algo.kl import KL_ESTIMATORS, importance_weighted_kl, kl_estimate
-from verst.algo.losses import distill_token_loss, rl_loss, sft_loss
+from verst.algo.losses import rl_loss, sft_loss
 from verst.algo.mismatch import (
     CORRECTIONS,
     ess_ratio,
@@ -49,7 +50,7 @@ __all__ = [
     "clipped_surrogate",
     "compute_advantages",
     "discounted_returns",
-    "distill_token_loss",
+    "distill_advantages",
     "ess_ratio",
     "ess_ratio_from_moments",
     "gae",

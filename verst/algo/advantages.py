@@ -255,3 +255,28 @@ def _estimate(
             raise ValueError("advantage_estimator = 'ppo' needs critic values [batch, resp_len]")
         return gae(rewards, values, loss_mask, gamma=cfg.gamma, lam=cfg.lam, kl_coef=cfg.kl_penalty_coef, kl=kl)
     raise ValueError(f"advantage_estimator {estimator!r} is unknown")
+
+
+def distill_advantages(
+    task_advantages: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    reward_coef: float = 1.0,
+    distill_coef: float,
+) -> torch.Tensor:
+    """On-policy distillation as a per-token advantage term -> advantages [batch, resp_len].
+
+    A_t = reward_coef · A_task_t + distill_coef · (log π_teacher(y_t) − log π_old(y_t)) on policy tokens,
+    0 elsewhere. The second term is minus the k1 estimate of the reverse KL(π_old ‖ π_teacher) on the
+    sampled token: with PPO's surrogate its gradient at π = π_old is the per-token reverse-KL policy
+    gradient (Agarwal et al. 2024, arXiv:2306.13649, on-policy GKD with reverse KL; Miles' OPD
+    `advantage −= coef · (student − teacher)`), with no credit to later tokens. The old logprobs are
+    detached: the term is a fixed reward per token, as a task advantage is. `reward_coef = 0` trains on
+    the teacher alone (pure OPD).
+    """
+    check_token_shapes(loss_mask, task_advantages=task_advantages, old_logprobs=old_logprobs,
+                       teacher_logprobs=teacher_logprobs)
+    distill = (teacher_logprobs - old_logprobs.detach()) * loss_mask
+    return reward_coef * task_advantages + distill_coef * distill

@@ -1,4 +1,4 @@
-"""The combined RL loss composed per `AlgorithmConfig`, plus SFT and on-policy distillation terms.
+"""The combined RL loss composed per `AlgorithmConfig` (with on-policy distillation as an advantage term), and SFT.
 
 Everything returns `(loss, metrics)`; metrics are python floats, local means (see `aggregation`).
 """
@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from verst.algo.aggregation import aggregate, check_token_shapes, clamped_exp, metric_aggregation, to_global_share
+from verst.algo.advantages import distill_advantages
+from verst.algo.aggregation import aggregate, check_token_shapes, metric_aggregation, to_global_share
 from verst.algo.kl import importance_weighted_kl, kl_estimate
 from verst.algo.mismatch import correction_metrics, mismatch_metrics, mismatch_weights, opsm_keep
 from verst.algo.plugins import LossPlugins, load_loss_plugins
@@ -29,23 +30,6 @@ def sft_loss(
     local = aggregate(-logprobs, loss_mask, aggregation)
     metrics = {"train/sft_loss": local.item(), "train/loss": local.item()}
     return to_global_share(local, loss_mask, aggregation, normalizer), metrics
-
-
-def distill_token_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """On-policy distillation by reverse KL to a teacher -> (surrogate [batch, resp_len], kl [batch, resp_len]).
-
-    kl_t = log π(y_t) − log π_teacher(y_t) on the sampled tokens (the k1 estimate of KL(π ‖ π_teacher);
-    Agarwal et al. 2024, arXiv:2306.13649, on-policy GKD with reverse KL). Minimising its mean directly
-    would give only E[∇log π] = 0 in expectation; the score-function surrogate sg[kl_t]·ρ_t with
-    ρ_t = π(y_t)/π_old(y_t) has gradient kl_t·∇log π(y_t) at π = π_old, the per-token reverse-KL policy
-    gradient (a per-token advantage −kl_t with no credit to later tokens, as in Miles' OPD), and its
-    value equals kl_t on-policy.
-    """
-    kl = (logprobs - teacher_logprobs).detach()
-    ratio = clamped_exp(logprobs - old_logprobs.detach())
-    return kl * ratio, kl
 
 
 def _check_needed(cfg: AlgorithmConfig, custom_mismatch: bool, **given: torch.Tensor | None) -> None:
@@ -162,14 +146,15 @@ def rl_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss of one (micro-)batch -> (loss, metrics); all per-token tensors [batch, resp_len].
 
-    loss = pg + kl_loss_coef·KL(π ‖ π_ref) − entropy_coef·H + distill_coef·distill [+ value loss]
+    loss = pg + kl_loss_coef·KL(π ‖ π_ref) − entropy_coef·H [+ value loss]
+    - advantages: the task's, times `cfg.reward_coef`; with `teacher_logprobs`, plus `cfg.distill_coef`
+      times the teacher's minus the old policy's logprob per token (`distill_advantages`).
     - pg: `cfg.policy_loss` (PPO clip or GSPO, see `policy_loss`) or the `cfg.policy_loss_fn` plug-in,
       each token's loss multiplied by the train–inference mismatch weight of `cfg.mismatch_correction`
       or the `cfg.mismatch_fn` plug-in (see `mismatch`) and by the OPSM mask of `cfg.opsm_delta`
       (`opsm_keep`), which change the numerator only: rejected tokens still count in the normaliser.
     - KL: `cfg.kl_estimator` of π vs `ref_logprobs`, weighted by π/π_old with
       `cfg.kl_importance_weighted` (`importance_weighted_kl`); H: the given per-token `entropy`.
-    - distill: reverse KL to `teacher_logprobs` (see `distill_token_loss`).
     - value loss: added with weight 1 when `values`, `old_values`, `returns` are given (a shared value
       head); a separate critic calls `value_loss` itself.
     Every term is reduced by `cfg.loss_aggregation`, or by the `cfg.loss_reducer` plug-in. `plugins`
@@ -203,7 +188,14 @@ def rl_loss(
     def metric(token_values: torch.Tensor) -> float:
         return aggregate(token_values.detach(), loss_mask, per_token).item()
 
+    if teacher_logprobs is not None:
+        advantages = distill_advantages(advantages, old_logprobs, teacher_logprobs, loss_mask,
+                                        reward_coef=cfg.reward_coef, distill_coef=cfg.distill_coef)
+    elif cfg.reward_coef != 1.0:
+        advantages = cfg.reward_coef * advantages
     loss, metrics = _policy_term(cfg, plugins, reduce, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs)
+    if teacher_logprobs is not None:
+        metrics["train/distill_kl"] = metric(logprobs - teacher_logprobs)
     if ref_logprobs is not None:
         if cfg.kl_importance_weighted:
             kl = importance_weighted_kl(logprobs, old_logprobs, ref_logprobs, cfg.kl_estimator)
@@ -216,11 +208,6 @@ def rl_loss(
         metrics["train/entropy"] = metric(entropy)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * reduce(entropy)
-    if teacher_logprobs is not None:
-        surrogate, distill_kl = distill_token_loss(logprobs, old_logprobs, teacher_logprobs)
-        metrics["train/distill_kl"] = metric(distill_kl)
-        if cfg.distill_coef > 0:
-            loss = loss + cfg.distill_coef * reduce(surrogate)
     if values is not None:
         v_loss, v_metrics = value_loss(
             values, old_values, returns, loss_mask, value_clip=cfg.value_clip, aggregation=mode, reducer=reducer

@@ -146,7 +146,14 @@ class AlgorithmConfig(Section):
         "optimizer step), rollout (the engine's, no extra pass), or auto: the train step's own forward, detached, "
         "where that is exact (one optimizer step per rollout batch and kl_penalty_coef = 0), else recompute.",
     )
-    distill_coef: float = Field(0.0, ge=0, description="Weight of the on-policy distillation (reverse KL) term.")
+    distill_coef: float = Field(
+        0.0, ge=0, description="On-policy distillation: per-token advantage distill_coef × (teacher logprob − "
+        "old policy logprob) added to the task's (needs teacher.model_path); 0 is pure RL.",
+    )
+    reward_coef: float = Field(
+        1.0, ge=0, description="Weight of the task reward's advantages; 0 with distill_coef > 0 is pure on-policy "
+        "distillation (the reward is still computed and logged, not trained on).",
+    )
     opsm_delta: float | None = Field(
         None, ge=0, description="Off-policy sequence masking (DeepSeek-V3.2): drop negative-advantage tokens of "
         "sequences whose KL(rollout ‖ current policy) exceeds this; None disables.",
@@ -198,6 +205,9 @@ class AlgorithmConfig(Section):
                 f"algorithm.kl_penalty_coef = {self.kl_penalty_coef} needs a token-level estimator {token_kl}, "
                 f"got algorithm.advantage_estimator = {self.advantage_estimator!r}"
             )
+        if self.reward_coef == 0 and self.distill_coef == 0:
+            raise ValueError("algorithm.reward_coef = 0 with algorithm.distill_coef = 0 leaves no training signal; "
+                             "set algorithm.distill_coef > 0 (pure on-policy distillation) or algorithm.reward_coef > 0")
         if self.tis_clip_low >= self.tis_clip:
             raise ValueError(f"algorithm.tis_clip_low = {self.tis_clip_low} must be < algorithm.tis_clip = {self.tis_clip}")
         return self
@@ -308,6 +318,15 @@ class ClusterConfig(Section):
     )
 
 
+class TeacherConfig(Section):
+    model_path: str | None = Field(
+        None, description="On-policy distillation: the teacher's Hugging Face checkpoint directory (the student's "
+        "tokenizer); None: no teacher.")
+    num_engines: int = Field(
+        1, ge=1, description="Engines serving the teacher, each in a placement bundle of its own (a GPU each on "
+        "GPU), of kind cluster.engine; they score samples and are never in the weight sync.")
+
+
 class EvalConfig(Section):
     path: str | None = Field(None, description="Held-out prompts; default data.test_path.")
     interval: int = Field(0, ge=0, description="Evaluate every N train steps (0: only before and after).")
@@ -390,6 +409,7 @@ class VerstConfig(Section):
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight synchronisation.")
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Data buffer.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Placement and process counts.")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="On-policy distillation's teacher.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
@@ -405,15 +425,19 @@ class VerstConfig(Section):
                 "schedule = 'fully_async' with cluster.placement = 'colocated' is refused: the fully async "
                 "schedule needs trainer and engines running at once; use cluster.placement = 'disaggregated'"
             )
-        # The pure loss and advantage functions cover these, but a run has no critic and no teacher yet.
+        # The pure loss and advantage functions cover this, but a run has no critic yet.
         if self.algorithm.advantage_estimator == "ppo":
             raise ValueError(
                 "algorithm.advantage_estimator = 'ppo' needs a critic (value model), which a verst run does not "
                 "build yet; use grpo, dr_grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline")
-        if self.algorithm.distill_coef > 0:
+        if self.algorithm.distill_coef > 0 and self.teacher.model_path is None:
             raise ValueError(
-                f"algorithm.distill_coef = {self.algorithm.distill_coef} needs a teacher model's logprobs, which a "
-                "verst run does not produce yet; set algorithm.distill_coef = 0")
+                f"algorithm.distill_coef = {self.algorithm.distill_coef} needs a teacher's logprobs: set "
+                "teacher.model_path (the teacher's checkpoint directory), or algorithm.distill_coef = 0")
+        if self.teacher.model_path is not None and self.algorithm.distill_coef == 0:
+            raise ValueError(
+                f"teacher.model_path = {self.teacher.model_path!r} with algorithm.distill_coef = 0: the teacher would "
+                "score every sample and train nothing; set algorithm.distill_coef > 0 or remove teacher.model_path")
         if self.fault.max_restarts and not self.checkpoint.interval:
             raise ValueError(
                 f"fault.max_restarts = {self.fault.max_restarts} restarts a run from its latest checkpoint, but "

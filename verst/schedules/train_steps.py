@@ -75,7 +75,7 @@ def rl_loss_fn(
     return rl_loss(
         algo, outputs.logprobs, old, batch["advantages"], batch.loss_mask,
         rollout_logprobs=extras.get(ROLLOUT_LOGPROBS), ref_logprobs=extras.get("ref_logprobs"),
-        entropy=outputs.entropy, normalizer=normalizer,
+        teacher_logprobs=extras.get("teacher_logprobs"), entropy=outputs.entropy, normalizer=normalizer,
     )
 
 
@@ -121,6 +121,8 @@ def train_on_groups(
         ref_logprobs=_pad(ref) if ref is not None else None,
     )
     extras["advantages"] = [advantages[i, : s.response_length] for i, s in enumerate(samples)]
+    if algo.distill_coef > 0:
+        extras["teacher_logprobs"] = teacher_logprobs(samples)
     items = make_items(samples, **extras)
     normalizer = functools.partial(aggregation_normalizer, algo.loss_aggregation)
     metrics = trainer.train_step(
@@ -135,6 +137,16 @@ def train_on_groups(
     metrics["time/train_s"] = time.perf_counter() - start
     metrics["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
     return metrics
+
+
+def teacher_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
+    """Every sample's teacher logprobs (on-policy distillation); a sample the teacher did not score fails
+    the step by name, as training it on the task reward alone would be a silent change of objective."""
+    missing = [s.index for s in samples if s.teacher_logprobs is None]
+    if missing:
+        raise ValueError(f"algorithm.distill_coef > 0, but samples {missing[:8]} (of {len(samples)}) carry no "
+                         "teacher_logprobs: the rollout fn must return samples the teacher scored")
+    return [s.teacher_logprobs for s in samples]
 
 
 @dataclasses.dataclass
