@@ -62,6 +62,27 @@ def test_generate_reply_has_sglang_fields(http):
     assert text["meta_info"]["prompt_tokens"] == 5
 
 
+def test_prefill_scoring_returns_input_token_logprobs_in_sglang_shape(http, moe_dir):
+    """max_new_tokens = 0 with logprob_start_len: one prefill, the prompt's logprobs from that position on,
+    as `[logprob, token_id, text]` (None at position 0), equal to a full forward's."""
+    ids = [72, 101, 108, 108, 111, 33, 7]
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 4,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.7}}
+    reply = http.post("/generate", json=body).json()
+    meta = reply["meta_info"]
+    assert reply["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
+    triples = meta["input_token_logprobs"]
+    assert [t[1] for t in triples] == ids[4:] and all(t[2] is None for t in triples)
+    model, _ = load_model_and_tokenizer(moe_dir)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double() / 0.7
+    want = torch.log_softmax(logits, -1)[3:-1].gather(1, torch.tensor(ids[4:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([t[0] for t in triples], dtype=torch.float64), want, atol=1e-5, rtol=0)
+    whole = http.post("/generate", json={**body, "logprob_start_len": 0}).json()["meta_info"]["input_token_logprobs"]
+    assert whole[0][0] is None and len(whole) == len(ids)
+    assert [t[0] for t in whole[4:]] == pytest.approx([t[0] for t in triples], abs=1e-6)
+
+
 def test_stream_sends_cumulative_chunks_then_done(http):
     body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
     with http.stream("POST", "/generate", json=body) as response:
@@ -151,6 +172,9 @@ BAD_INPUTS = [
      "sampling_params.1.temperature"),
     ("/generate", {"input_ids": [[1], [1, 265]]}, 400, "input_ids"),  # the whole batch is refused
     ("/generate", {"input_ids": [1], "priority": "high"}, 422, "priority"),
+    ("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, 400, "logprob_start_len"),
+    ("/generate", {"input_ids": [1, 2], "logprob_start_len": 0}, 400, "logprob_start_len"),
+    ("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": -2}, 422, "logprob_start_len"),
     ("/pause_generation", {"mode": "sideways"}, 422, "mode"),
     ("/abort_request", {"rid": 5}, 422, "rid"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, 400, "model_path"),

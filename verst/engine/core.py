@@ -83,6 +83,11 @@ class EngineCore:
             raise InvalidRequest("rid", req.rid, "a request with this rid is still in flight")
         if req.lora is None:  # the HTTP layer resolves the name already; direct callers may give it alone
             req.lora = self.loras.get(req.lora_path)
+        if req.logprob_start_len >= 0:
+            # one whole-sequence forward of its own: scoring (max_new_tokens = 0) needs no KV slot
+            temperature = req.sampling.temperature or 1.0  # greedy: the raw distribution, as output logprobs
+            req.input_logprobs = self.runner.prompt_logprobs(req.prompt_ids, req.logprob_start_len, temperature)
+            req.weight_version = self.weight_version
         if req.sampling.max_new_tokens == 0:
             req.cached_tokens = 0
             self._finish(req, FinishReason("length", length=0))

@@ -116,6 +116,20 @@ class ModelRunner:
             self._router_outputs.clear()
         return logits, experts
 
+    def prompt_logprobs(self, ids: list[int], start: int, temperature: float = 1.0) -> list[float | None]:
+        """log p(ids[t] | ids[:t]) at temperature `temperature` for t = start .. len(ids) - 1 (None at t = 0,
+        which has no context), from one whole-sequence forward of the base model outside the KV cache: the
+        prefill that scores a sequence (SGLang's `input_token_logprobs` from `logprob_start_len`)."""
+        first = max(start, 1)
+        with torch.no_grad():
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, seq]
+            kwargs = {} if isinstance(self.model, NativeCausalLM) else {"use_cache": False}
+            logits = self.model(input_ids=x, **kwargs).logits[0, first - 1 : -1].float()  # [seq - first, vocab]
+            self._router_outputs.clear()
+            logprobs = torch.log_softmax(logits / temperature, dim=-1)
+            chosen = logprobs.gather(1, x[0, first:, None])[:, 0].cpu().tolist()
+        return [None] * (first - start) + chosen
+
     def _hook_lora(self, lora: LoraBatch | None) -> None:
         """transformers' forward: the adapters' targeted modules add their deltas through forward hooks,
         registered once per module and idle while no forward names an adapter."""

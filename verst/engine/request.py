@@ -55,6 +55,7 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool = False
+    logprob_start_len: int = -1  # >= 0: the prompt's logprobs from this position (SGLang's input_token_logprobs)
     top_logprobs_num: int = 0
     return_routed_experts: bool = False
     priority: int = 0  # admission order among waiting requests: higher first, then arrival
@@ -62,6 +63,8 @@ class Request:
     lora: Any = None  # that adapter (`verst.engine.lora.LoraAdapter`), resolved when the engine takes the request
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    # prompt positions logprob_start_len.. : log p(token | the tokens before it); None at position 0
+    input_logprobs: list[float | None] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     routed_experts: list[np.ndarray] = dataclasses.field(default_factory=list)
     phase: Phase = Phase.WAITING
@@ -119,6 +122,11 @@ def generate_reply(req: Request, text: str, n_tokens: int | None = None, return_
         meta["output_token_logprobs"] = [
             [lp, tok, return_text(tok) if return_text else None] for lp, tok in zip(req.output_logprobs[:n], output_ids)
         ]
+        if req.logprob_start_len >= 0:
+            ids = req.prompt_ids[req.logprob_start_len :]
+            meta["input_token_logprobs"] = [
+                [lp, tok, return_text(tok) if return_text else None] for lp, tok in zip(req.input_logprobs, ids)
+            ]
         if req.top_logprobs_num:
             meta["output_top_logprobs"] = [
                 [[lp, tok, return_text(tok) if return_text else None] for lp, tok in top]

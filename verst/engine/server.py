@@ -123,6 +123,7 @@ def _engine_request(state: ServerState, body: GenerateRequest):
         state, ids, body.sampling_params, rid=body.rid,
         return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num or 0,
         return_routed_experts=body.return_routed_experts, priority=body.priority or 0, lora_path=body.lora_path,
+        logprob_start_len=body.logprob_start_len,
     )
 
 

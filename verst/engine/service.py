@@ -50,17 +50,25 @@ class ServerState:
 def build_request(
     state: ServerState, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
     return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
-    priority: int = 0, lora_path: str | None = None,
+    priority: int = 0, lora_path: str | None = None, logprob_start_len: int | None = None,
 ) -> Request:
     """An engine request from wire values, validated against the model (vocabulary, context, MoE) and
     the loaded LoRA adapters (an unknown name is refused here, before a stream's headers go out)."""
     core = state.core
     if return_routed_experts and not core.runner.moe_layers:
         raise InvalidRequest("return_routed_experts", True, "the served model has no MoE router")
+    start = -1 if logprob_start_len is None else logprob_start_len
+    if start >= 0 and not return_logprob:
+        raise InvalidRequest("logprob_start_len", start, "prompt logprobs need return_logprob = true")
+    if start >= len(input_ids):
+        raise InvalidRequest("logprob_start_len", start, f"must be below the prompt length ({len(input_ids)} tokens)")
+    if start >= 0 and lora_path is not None:
+        raise InvalidRequest("logprob_start_len", start, "prompt logprobs are computed by the base model; "
+                             "this request names LoRA adapter " + repr(lora_path))
     always_experts = core.config.return_routed_experts and bool(core.runner.moe_layers)
     req = Request(
         rid=rid or uuid.uuid4().hex, prompt_ids=input_ids, sampling=sampling, return_logprob=return_logprob,
-        top_logprobs_num=top_logprobs_num, return_routed_experts=return_routed_experts or always_experts,
+        logprob_start_len=start, top_logprobs_num=top_logprobs_num, return_routed_experts=return_routed_experts or always_experts,
         priority=priority, lora_path=lora_path, lora=core.loras.get(lora_path),
     )
     core.validate(req)

@@ -139,7 +139,10 @@ class _GenerateOptions(WireModel):
     """The fields of `POST /generate` that apply to every prompt of a request."""
 
     return_logprob: bool = False
-    logprob_start_len: int | None = Field(None, ge=-1, le=-1, description="Only -1 (output logprobs only).")
+    logprob_start_len: int | None = Field(
+        None, ge=-1, description="With return_logprob: the first prompt position whose logprob comes back in "
+        "meta_info.input_token_logprobs (-1 or None: output logprobs only); with max_new_tokens = 0, a prefill "
+        "that scores the given tokens.")
     top_logprobs_num: int | None = Field(None, ge=0, le=64)
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
