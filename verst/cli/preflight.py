@@ -9,7 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from verst.config import VerstConfig
-from verst.models.loader import check_checkpoint_dir
+from verst.models.loader import check_checkpoint_dir, check_same_tokenizer
 from verst.monitor import RunDirError, check_run_dir
 from verst.monitor.checkpoints import CheckpointError, check_resume_config, resolve
 
@@ -27,6 +27,12 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
         check_checkpoint_dir(cfg.model.path, "model.path")
     except (OSError, ValueError) as error:
         problems.append(str(error))
+    if rl and cfg.teacher.model_path is not None:
+        try:
+            check_checkpoint_dir(cfg.teacher.model_path, "teacher.model_path")
+            check_same_tokenizer(cfg.model.path, cfg.teacher.model_path)
+        except (OSError, ValueError) as error:
+            problems.append(str(error))
     if cfg.data.source is None:
         problems += _missing_file("data.train_path", cfg.data.train_path)
     eval_path = ("eval.path", cfg.eval.path) if cfg.eval.path else ("data.test_path", cfg.data.test_path)

@@ -172,6 +172,33 @@ class EngineClient:
             return GenerateResult.from_reply(await self._batcher.submit(body, headers))
         return GenerateResult.from_reply(await self._send_generate(body, headers))
 
+    async def score(
+        self, input_ids: list[int], start: int, sampling_params: dict[str, Any] | None = None, *,
+        rid: str | None = None,
+    ) -> list[float]:
+        """log p(input_ids[t] | input_ids[:t]) for t = start .. len - 1 from one prefill: SGLang's `/generate`
+        with `max_new_tokens` 0, `return_logprob` and `logprob_start_len = start` (>= 1), read from
+        `meta_info.input_token_logprobs`. `sampling_params` may set the temperature the logprobs are taken at.
+        Never batched: each call is one request (through a router too). Retried as `generate` is."""
+        if not 1 <= start < len(input_ids):
+            raise ValueError(f"score: start = {start} must be in [1, len(input_ids) = {len(input_ids)}); position 0 "
+                             "has no logprob")
+        body, _ = self._generate_body(input_ids, {**(sampling_params or {}), "max_new_tokens": 0}, rid=rid,
+                                      return_logprob=True, routing_key=None, needs_affinity=False, lora_path=None)
+        body["logprob_start_len"] = start
+        body.pop("lora_path", None)  # the base model scores: a client's adapter is for its generations
+        reply = await self._send_generate(body, None)
+        triples = (reply.get("meta_info") or {}).get("input_token_logprobs")
+        want = len(input_ids) - start
+        if triples is None or len(triples) < want:
+            raise EngineError(self.base_url + "/generate", 200, f"score: the reply holds {len(triples or [])} "
+                              f"input_token_logprobs for {want} scored tokens (logprob_start_len = {start})")
+        ids = [item[1] for item in triples[-want:]]
+        if ids != list(input_ids[start:]):
+            raise EngineError(self.base_url + "/generate", 200, "score: input_token_logprobs name other token ids "
+                              f"than were sent ({ids[:5]}... vs {list(input_ids[start:start + 5])}...)")
+        return [float(item[0]) for item in triples[-want:]]
+
     async def generate_stream(
         self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *, rid: str | None = None,
         return_logprob: bool = True, routing_key: str | None = None, needs_affinity: bool | None = None,

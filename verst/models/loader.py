@@ -62,6 +62,35 @@ def check_checkpoint_dir(path: str | Path, field: str = "model path") -> None:
         raise FileNotFoundError(f"{field} = {str(path)!r} has no tokenizer.json or tokenizer_config.json")
 
 
+def check_same_tokenizer(student: str | Path, teacher: str | Path, fields: tuple[str, str] = ("model.path",
+                         "teacher.model_path")) -> None:
+    """Refuse, naming `fields`, a teacher whose token ids mean other strings than the student's: the teacher
+    scores the student's ids as they are. Compares the token -> id maps of the two tokenizer.json files
+    (added tokens included), else the bytes of the vocabulary files; and the teacher's vocabulary must
+    cover the student's (`vocab_size` of config.json). No transformers, no torch."""
+    from tokenizers import Tokenizer
+
+    student, teacher = Path(student), Path(teacher)
+    where = f"{fields[1]} = {str(teacher)!r} and {fields[0]} = {str(student)!r}"
+    if (student / "tokenizer.json").exists() and (teacher / "tokenizer.json").exists():
+        vocabs = [Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab(with_added_tokens=True)
+                  for d in (student, teacher)]
+        if vocabs[0] != vocabs[1]:
+            differ = sorted(set(vocabs[0].items()) ^ set(vocabs[1].items()), key=lambda kv: kv[1])[:3]
+            raise ValueError(f"{where} have different tokenizers ({len(vocabs[1])} vs {len(vocabs[0])} tokens; "
+                             f"differing entries {differ}); on-policy distillation needs the student's tokenizer")
+    else:
+        names = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+        files = [{n: (d / n).read_bytes() for n in names if (d / n).exists()} for d in (student, teacher)]
+        if files[0] != files[1] or not files[0]:
+            raise ValueError(f"{where}: their tokenizer files differ ({sorted(files[0])} vs {sorted(files[1])}); "
+                             "on-policy distillation needs the student's tokenizer")
+    sizes = [json.loads((d / "config.json").read_text()).get("vocab_size") for d in (student, teacher)]
+    if None not in sizes and sizes[1] < sizes[0]:
+        raise ValueError(f"{where}: the teacher's vocab_size {sizes[1]} is smaller than the student's {sizes[0]}; "
+                         "it cannot score every token the student may sample")
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     """The tokenizer of a checkpoint directory, with pad_token_id set.
 

@@ -55,10 +55,12 @@ class Orchestration:
         start_timeout_s: float = 300.0,
         log_dir: str | Path | None = None,
         engines: bool = True,
+        teacher_engines: int = 0,
     ):
         check_schedule_placement(schedule, cluster.placement)
         check_engine_type(cluster.engine)
         self.cluster, self.schedule, self.engines = cluster, schedule, engines
+        self.teacher_engines = teacher_engines
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.log_dir = Path(log_dir) if log_dir else None
         self.session: RaySession | None = None
@@ -107,6 +109,18 @@ class Orchestration:
         self._stack.append(group)
         return group
 
+    def start_teacher_engines(self, model: str | Path, *, args: list[str] | None = None,
+                              wait: bool = True) -> EngineActorGroup:
+        """The `teacher_engines` engine actors serving the teacher `model` (on-policy distillation), in
+        bundles of their own; never in the weight sync."""
+        if not self.teacher_engines:
+            raise RuntimeError("this orchestration was planned without teacher engines (teacher_engines=0)")
+        group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
+                                 startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait,
+                                 role="teacher")
+        self._stack.append(group)
+        return group
+
     def start_rollout_manager(
         self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec(),
         prepare: Callable[[], Any] | None = None,
@@ -140,7 +154,8 @@ class Orchestration:
     # ---- internals -----------------------------------------------------------------------
     def _plan(self, device: Literal["cpu", "cuda"]) -> BundlePlan:
         num_engines = self.cluster.num_engines if self.engines else 0
-        return plan_bundles(self.cluster.placement, self.cluster.trainer_ranks, num_engines, device)
+        return plan_bundles(self.cluster.placement, self.cluster.trainer_ranks, num_engines, device,
+                            teacher_engines=self.teacher_engines)
 
     def _resolve_device(self) -> Literal["cpu", "cuda"]:
         gpus = ray.cluster_resources().get("GPU", 0.0)
@@ -186,11 +201,11 @@ class RolloutManagerHandle:
         if engine_urls is not None:
             self.start()
 
-    def start(self, engine_urls: list[str] | None = None) -> str | None:
-        """Start the router and build the parts (in front of `engine_urls` when not given before);
-        returns the router URL. A failure shuts the actor down."""
+    def start(self, engine_urls: list[str] | None = None, teacher_urls: list[str] | None = None) -> str | None:
+        """Start the router and build the parts (in front of `engine_urls` when not given before; with the
+        teacher's engines at `teacher_urls`); returns the router URL. A failure shuts the actor down."""
         try:
-            self.router_url = self._call("start", engine_urls, timeout_s=self._start_timeout_s)
+            self.router_url = self._call("start", engine_urls, teacher_urls, timeout_s=self._start_timeout_s)
             self.pids = self._call("pids")
         except BaseException:
             with contextlib.suppress(Exception):  # the start-up error is the one to report

@@ -16,7 +16,7 @@ import ray
 
 from verst.engine.process import EngineProcess
 from verst.monitor.stacks import arm_stack_dump
-from verst.orchestration.placement import Placement, current_bundle
+from verst.orchestration.placement import Placement, Role, current_bundle
 
 ENGINE_TYPES = ("embedded", "sglang", "vllm")
 
@@ -36,13 +36,13 @@ class EngineServer:
     """The body of one engine actor: the server runs as a child process, which Ray ends with the actor."""
 
     def __init__(self, index: int, model: str, device: str, args: list[str], startup_timeout_s: float,
-                 log_dir: str | None, port: int = 0):
+                 log_dir: str | None, port: int = 0, role: str = "engine"):
         arm_stack_dump()  # a hang report can read this actor's stacks
         self.index = index
         # Bind where the router (perhaps on another node) can reach it: this node's Ray address,
         # which is 127.0.0.1 on a local one-node Ray.
         self.host = ray.util.get_node_ip_address()
-        self.log_path = Path(log_dir) / f"engine-{index}.log" if log_dir else None
+        self.log_path = Path(log_dir) / f"{role}-{index}.log" if log_dir else None
         self.args, self.startup_timeout_s = ["--device", device, *args], startup_timeout_s
         self.server = EngineProcess(model, host=self.host, args=self.args, startup_timeout=startup_timeout_s,
                                     log_path=self.log_path, port=port)
@@ -130,7 +130,8 @@ def with_weight_version(args: list[str], version: int) -> list[str]:
 
 
 class EngineActorGroup:
-    """One engine actor per engine bundle of `placement`, all started before this returns."""
+    """One engine actor per bundle of `role` in `placement` (the student's engines, or a teacher's:
+    `role = "teacher"`), all started before this returns unless `wait=False`."""
 
     def __init__(
         self,
@@ -143,17 +144,19 @@ class EngineActorGroup:
         startup_timeout_s: float = 180.0,
         log_dir: str | Path | None = None,
         wait: bool = True,
+        role: Role = "engine",
     ):
         check_engine_type(engine)
-        self.engine, self.startup_timeout_s = engine, startup_timeout_s
+        self.engine, self.startup_timeout_s, self.role = engine, startup_timeout_s, role
         self._placement, self._spawn = placement, (str(model), device, list(args or []), startup_timeout_s,
                                                    str(log_dir) if log_dir else None)
         self._closed = False
         self._infos: list[dict[str, Any]] | None = None
-        count = len(placement.plan.engine_bundles)
+        count = len(placement.plan.bundles_of(role))
         self._actors = [
-            _RemoteEngineServer.options(**placement.actor_options("engine", i)).remote(
-                i, str(model), device, list(args or []), startup_timeout_s, str(log_dir) if log_dir else None)
+            _RemoteEngineServer.options(**placement.actor_options(role, i)).remote(
+                i, str(model), device, list(args or []), startup_timeout_s, str(log_dir) if log_dir else None,
+                role=role)
             for i in range(count)
         ]
         self._starting = [actor.start.remote() for actor in self._actors]
@@ -221,8 +224,8 @@ class EngineActorGroup:
             ray.kill(self._actors[index], no_restart=True)
             _, device, args, startup, log_dir = self._spawn
             port = int(old["url"].rsplit(":", 1)[1])
-            self._actors[index] = _RemoteEngineServer.options(**self._placement.actor_options("engine", index)).remote(
-                index, model, device, with_weight_version(args, version), startup, log_dir, port)
+            self._actors[index] = _RemoteEngineServer.options(**self._placement.actor_options(self.role, index)).remote(
+                index, model, device, with_weight_version(args, version), startup, log_dir, port, role=self.role)
             info = ray.get(self._actors[index].start.remote(), timeout=timeout_s)
         except ray.exceptions.RayTaskError as error:
             raise error.as_instanceof_cause() from None

@@ -1,5 +1,6 @@
 """Placement: one Ray placement group whose bundles hold the trainer ranks and the engines, colocated
-(trainer rank i and engine i share bundle i) or disaggregated (each actor has a bundle of its own).
+(trainer rank i and engine i share bundle i) or disaggregated (each actor has a bundle of its own), and
+a teacher's engines (on-policy distillation) in bundles of their own after those.
 
 On GPU a bundle is one GPU; on CPU it is a fraction of a CPU plus one `SLOT_RESOURCE` unit, so the
 same placement logic runs (and fails when it cannot fit) on a 2-core machine.
@@ -17,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from verst.orchestration.ray_session import SLOT_RESOURCE
 
-Role = Literal["trainer", "engine"]
+Role = Literal["trainer", "engine", "teacher"]
 PlacementKind = Literal["colocated", "disaggregated"]
 # Logical CPUs per bundle. Actors of one bundle split it; real threads are capped separately
 # (one torch thread per trainer rank and engine).
@@ -34,10 +35,16 @@ class BundlePlan:
     bundles: list[dict[str, float]]
     trainer_bundles: list[int]  # bundle of trainer rank i
     engine_bundles: list[int]  # bundle of engine j
+    teacher_bundles: list[int] = dataclasses.field(default_factory=list)  # bundle of teacher engine k
+
+    def bundles_of(self, role: Role) -> list[int]:
+        return {"trainer": self.trainer_bundles, "engine": self.engine_bundles, "teacher": self.teacher_bundles}[role]
 
     def share(self, role: Role, index: int) -> float:
         """The fraction of its bundle an actor takes: half where a trainer rank and an engine meet."""
-        bundle = (self.trainer_bundles if role == "trainer" else self.engine_bundles)[index]
+        if role == "teacher":
+            return 1.0
+        bundle = self.bundles_of(role)[index]
         sharing = (bundle in self.trainer_bundles) + (bundle in self.engine_bundles)
         return 1.0 / sharing
 
@@ -50,10 +57,13 @@ class BundlePlan:
 
 
 def plan_bundles(
-    kind: PlacementKind, trainer_ranks: int, num_engines: int, device: Literal["cpu", "cuda"]
+    kind: PlacementKind, trainer_ranks: int, num_engines: int, device: Literal["cpu", "cuda"],
+    teacher_engines: int = 0,
 ) -> BundlePlan:
     """Colocated: max(N, M) bundles, trainer rank i and engine i in bundle i (Miles' `--colocate`).
-    Disaggregated: N + M bundles, trainer ranks first, engines after. M = 0: a trainer-only run (SFT)."""
+    Disaggregated: N + M bundles, trainer ranks first, engines after. M = 0: a trainer-only run (SFT).
+    Either way, T teacher engines get T bundles of their own at the end: they serve while the trainer
+    and the student's engines hold theirs."""
     if trainer_ranks < 1:
         raise ValueError(f"cluster.trainer_ranks must be >= 1, got {trainer_ranks}")
     if num_engines < 0:
@@ -68,9 +78,12 @@ def plan_bundles(
         trainer, engine = list(range(trainer_ranks)), list(range(trainer_ranks, count))
     else:
         raise ValueError(f"cluster.placement = {kind!r} is not 'colocated' or 'disaggregated'")
+    if teacher_engines < 0:
+        raise ValueError(f"teacher.num_engines must be >= 1 (0 without a teacher), got {teacher_engines}")
+    teacher = list(range(count, count + teacher_engines))
     unit = {"GPU": 1.0} if device == "cuda" else {SLOT_RESOURCE: 1.0}
-    bundles = [{"CPU": CPUS_PER_BUNDLE, **unit} for _ in range(count)]
-    return BundlePlan(kind, device, bundles, trainer, engine)
+    bundles = [{"CPU": CPUS_PER_BUNDLE, **unit} for _ in range(count + teacher_engines)]
+    return BundlePlan(kind, device, bundles, trainer, engine, teacher)
 
 
 class Placement:
@@ -89,7 +102,8 @@ class Placement:
             remove_placement_group(group)
             raise TimeoutError(
                 f"placement group of {len(plan.bundles)} bundles {plan.bundles[0]} ({plan.kind}, "
-                f"{len(plan.trainer_bundles)} trainer ranks, {len(plan.engine_bundles)} engines) not placed "
+                f"{len(plan.trainer_bundles)} trainer ranks, {len(plan.engine_bundles)} engines, "
+                f"{len(plan.teacher_bundles)} teacher engines) not placed "
                 f"within {timeout_s:g}s; the cluster offers {ray.cluster_resources()}, of which "
                 f"{ray.available_resources()} are free"
                 + (f" (a CPU placement needs the custom resource {SLOT_RESOURCE!r} declared on the "
@@ -98,7 +112,7 @@ class Placement:
         return cls(plan, group)
 
     def bundle_of(self, role: Role, index: int) -> int:
-        return (self.plan.trainer_bundles if role == "trainer" else self.plan.engine_bundles)[index]
+        return self.plan.bundles_of(role)[index]
 
     def actor_options(self, role: Role, index: int) -> dict[str, Any]:
         """`.options(...)` for actor `index` of `role`: its share of its bundle, scheduled into it."""

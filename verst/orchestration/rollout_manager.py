@@ -40,10 +40,12 @@ class RolloutBatch:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutEndpoints:
-    """Where the rollout side sends work: the router (None without one) and every engine directly."""
+    """Where the rollout side sends work: the router (None without one) and every engine directly; the
+    teacher's engines (on-policy distillation; empty without a teacher), addressed directly."""
 
     router_url: str | None
     engine_urls: list[str]
+    teacher_urls: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -108,8 +110,9 @@ class RolloutManager:
                              daemon=True).start()
 
     # ---- lifecycle -----------------------------------------------------------------------
-    async def start(self, engine_urls: list[str] | None = None) -> str | None:
-        """Start the router (unless `router=None`), then build the parts; returns the router URL."""
+    async def start(self, engine_urls: list[str] | None = None, teacher_urls: list[str] | None = None) -> str | None:
+        """Start the router (unless `router=None`), then build the parts; returns the router URL.
+        `teacher_urls`: the teacher's engines, for the parts (on-policy distillation)."""
         if engine_urls is not None:
             urls = _checked_urls(engine_urls)
             if self._engine_urls is not None and urls != self._engine_urls:
@@ -129,7 +132,8 @@ class RolloutManager:
                                          log_path=Path(spec.log_path) if spec.log_path else None)
             await asyncio.to_thread(self._router.start)
         try:
-            built = self._factory(RolloutEndpoints(await self.router_url(), list(self._engine_urls)))
+            built = self._factory(RolloutEndpoints(await self.router_url(), list(self._engine_urls),
+                                                   list(teacher_urls or [])))
             parts = await built if inspect.isawaitable(built) else built
             if not isinstance(parts, RolloutParts):
                 raise TypeError(f"the rollout parts factory returned {type(parts).__name__}; expected RolloutParts")

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from verst.data import DataSource
     from verst.inference_client.client import EngineClient
     from verst.rewards import GroupRewardFn, RewardFn
+    from verst.rollout.teacher import TeacherScorer
 
 
 # ---- the contract ----------------------------------------------------------------------------
@@ -176,7 +177,8 @@ class RolloutContext:
     from the config (`rollout.*_fn`, `reward`, `rollout.dynamic_filter`); `sampling_params` from
     `rollout.sampling`. `control_engines` receive aborts: the router has no abort route, so behind a
     router list every engine here (default: `[engine]`). `dump_dir`: rollout-only mode, every batch
-    `run_rollout` returns is also written there (see `rollout_fn.dump_batch`).
+    `run_rollout` returns is also written there (see `rollout_fn.dump_batch`). `teacher` (on-policy
+    distillation) scores every finished group; None without a teacher.
     """
 
     engine: EngineClient | Any  # generate target: one engine or the router in front of several
@@ -193,6 +195,7 @@ class RolloutContext:
     sampling_params: dict[str, Any] | None = None
     control_engines: list[Any] = dataclasses.field(default_factory=list)
     dump_dir: Path | None = None
+    teacher: TeacherScorer | None = None
     max_rounds: int = 32  # over-sampling rounds per step before a step that cannot fill its batch fails
     abort_timeout_s: float = 10.0  # end of step: wait this long for aborted requests, then cancel them
     state: RolloutState = dataclasses.field(default_factory=RolloutState)
@@ -243,6 +246,8 @@ class RolloutContext:
         close = getattr(self.reward_fn, "aclose", None)
         if close is not None:
             await close()
+        if self.teacher is not None:
+            await self.teacher.aclose()
         while self.resources:
             _, resource = self.resources.popitem()
             close = getattr(resource, "aclose", None)

@@ -20,6 +20,7 @@ from verst.rollout.agentic import tito_metrics
 from verst.rollout.filters import apply_filter
 from verst.rollout.generate import CACHED_TOKENS_KEY, ENGINE_PROMPT_TOKENS_KEY, PROMPT_TOO_LONG_KEY, mark_aborted
 from verst.rollout.plugins import RolloutBatch, RolloutContext
+from verst.rollout.teacher import teacher_metrics
 from verst.rollout.worker import GENERATE_ERROR_KEY, FinishGroup, GenerateSample
 from verst.types import Group, Sample, Status, decode_samples, encode_samples, group_is_aborted
 
@@ -61,9 +62,14 @@ async def generate_and_reward(ctx: RolloutContext, sample: Sample, *, catch_erro
 
 
 async def score_group(ctx: RolloutContext, group: Group) -> None:
-    """The per-group reward (`reward.group`), on a group whose every sample finished."""
-    if ctx.reward.group and not group_is_aborted(group):
+    """The per-group reward (`reward.group`), then the teacher's logprobs (on-policy distillation), on a
+    group whose every sample finished."""
+    if group_is_aborted(group):
+        return
+    if ctx.reward.group:
         await compute_rewards(group, ctx.reward_fn, group=True, key=ctx.reward.key)
+    if ctx.teacher is not None:
+        await ctx.teacher.score_group(group)
 
 
 async def generate_group(ctx: RolloutContext, group: Group) -> Group:
@@ -98,7 +104,7 @@ def worker_hooks(ctx: RolloutContext) -> WorkerHooks:
     async def finish_group(group: Group) -> None:
         await score_group(ctx, group)
 
-    return WorkerHooks(generate_sample, finish_group if ctx.reward.group else None)
+    return WorkerHooks(generate_sample, finish_group if ctx.reward.group or ctx.teacher is not None else None)
 
 
 async def abort_in_flight(ctx: RolloutContext, indices: set[int] | None = None) -> int:
@@ -285,6 +291,7 @@ def sample_metrics(samples: list[Sample], key: str | None = None) -> dict[str, f
     if versions:
         m["rollout/weight_version_mean"] = statistics.fmean(versions)
     m.update(tito_metrics(samples))  # multi-turn samples only: re-tokenization mismatches
+    m.update(teacher_metrics(samples))  # on-policy distillation only
     return m
 
 
@@ -300,6 +307,11 @@ def prefix_cache_metrics(samples: list[Sample]) -> dict[str, float]:
 async def run_rollout(ctx: RolloutContext, n_groups: int) -> RolloutBatch:
     """Call `ctx.rollout_fn`, check its batch against the contract, dump it in rollout-only mode."""
     batch = await ctx.rollout_fn(ctx, n_groups)
+    if ctx.teacher is not None:  # a custom rollout fn's groups, which the default hooks did not see
+        unscored = [g for g in batch.groups if any(s.teacher_logprobs is None for s in g)]
+        await asyncio.gather(*(ctx.teacher.score_group(g) for g in unscored))
+        if unscored:
+            batch.metrics.update(teacher_metrics(batch.samples))
     check_batch(batch, n_groups, ctx.rollout.n_samples_per_prompt, where=f"rollout fn {ctx.rollout_fn!r}")
     if ctx.dump_dir is not None:
         dump_batch(batch, ctx.dump_dir / f"rollout_{ctx.state.step:06d}.samples")

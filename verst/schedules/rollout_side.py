@@ -24,6 +24,7 @@ from verst.rollout import (
     sample_metrics,
     worker_hooks,
 )
+from verst.rollout.teacher import TeacherScorer
 from verst.types import Group
 
 
@@ -36,7 +37,12 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
                           generate_retries=cfg.fault.generate_retries if cfg.fault.tolerate_engines else 0,
                           lora_path=cfg.lora.served_adapter)  # a LoRA run samples base + its adapter
     control = [EngineClient(url) for url in endpoints.engine_urls]  # the router has no abort route
-    ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control)
+    teacher = None
+    if endpoints.teacher_urls:  # on-policy distillation: the teacher's engines score every finished group
+        teacher = TeacherScorer([EngineClient(url, max_connections=cfg.rollout.concurrency)
+                                 for url in endpoints.teacher_urls],
+                                temperature=cfg.rollout.sampling.temperature, concurrency=cfg.rollout.concurrency)
+    ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control, teacher=teacher)
     last: dict[str, float] = {}
 
     async def generate_batch(rollout_id: int, weight_version: int) -> list[Group]:

@@ -19,6 +19,7 @@ from verst.config import BatchPlan, VerstConfig, batch_plan
 from verst.eval.agentic import score_key
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
+from verst.models.loader import check_same_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
@@ -216,6 +217,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     started, started_at = time.perf_counter(), time.time()  # the summary's time/total_s includes start-up
     cfg = absolute_paths(cfg)
     resume = checkpointing.prepare_resume(cfg)  # refused before anything starts
+    if cfg.teacher.model_path is not None:
+        check_same_tokenizer(cfg.model.path, cfg.teacher.model_path)
     _load_in_background(_tokenizer, cfg.model.path)  # the evaluations' (transformers' import), while Ray starts
     run_dir = prepare_run_dir(cfg)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -224,7 +227,9 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     logger = MetricsLogger.for_run(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                    wandb_project=cfg.logging.wandb_project, name=cfg.name)
     clock = StartupClock(started)
-    with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs") as orch:
+    teachers = cfg.teacher.num_engines if cfg.teacher.model_path is not None else 0
+    with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs",
+                               teacher_engines=teachers) as orch:
         clock.lap("ray")
         # The trainer ranks, the slowest to start, are created first: they get the worker processes Ray has
         # already started. The factory imports the backend (and torch) in the ranks only.
@@ -235,12 +240,15 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
         engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0", "--model-impl", cfg.model.impl],
                                      wait=False)
+        teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=["--model-impl", cfg.model.impl],
+                                             wait=False) if teachers else None
         rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
                                              router=router_spec(cfg, cfg.cluster.num_engines),
                                              prepare=functools.partial(prepare_rollout_parts, cfg))
         urls = engines.wait_ready().urls
+        teacher_urls = teacher.wait_ready().urls if teacher is not None else []
         clock.lap("engines")
-        rollout.start(urls)
+        rollout.start(urls, teacher_urls)
         clock.lap("rollout_manager")  # router, data source and rollout fn, once the engines are up
         progress = RunProgress(cfg.schedule, plan.total_train_steps, mode="auto" if cfg.logging.progress else "off")
         processes = RunProcesses(run_dir, engines, trainer, rollout, run_dir / "logs")
@@ -319,6 +327,7 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
     return cfg.model_copy(update={
         "run_dir": run_dir,
         "model": cfg.model.model_copy(update={"path": absolute(cfg.model.path)}),
+        "teacher": cfg.teacher.model_copy(update={"model_path": absolute(cfg.teacher.model_path)}),
         "data": cfg.data.model_copy(update={"train_path": absolute(cfg.data.train_path),
                                             "test_path": absolute(cfg.data.test_path)}),
         "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
