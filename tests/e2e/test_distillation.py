@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.e2e.test_rl_schedules import check_run, ray_session, rl_config, run_schedule  # noqa: F401 (fixture)
@@ -14,8 +15,8 @@ from verst.models.loader import load_model_and_tokenizer
 from verst.types import decode_samples
 
 
-def test_pure_distillation_scores_every_sample_on_the_teacher(ray_session, tiny_model_dir, addition_data_dir,
-                                                              tmp_path):
+@pytest.mark.usefixtures("ray_session")
+def test_pure_distillation_scores_every_sample_on_the_teacher(tiny_model_dir, addition_data_dir, tmp_path):
     teacher_dir = init_model("qwen3", "tiny", tmp_path / "teacher", seed=1)  # other weights, same tokenizer
     dumps = tmp_path / "dumps"
     cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "sync", "--sync.transport", "disk",
