@@ -6,7 +6,7 @@ demo's GRPO recipe (fully async, same data order, same step count) start from th
 (exact-match reward), RL + OPD (`algorithm.distill_coef`), and pure OPD (`algorithm.reward_coef = 0`,
 no zero-std filter: the reward is not trained on). Prints the teacher's held-out greedy accuracy and
 each run's accuracy at every evaluation.
-Usage: .venv/bin/python bench/opd_vs_rl.py [--steps 20] [--interval 5] [--distill-coef 1.0]
+Usage: .venv/bin/python bench/opd_vs_rl.py [--steps 20] [--interval 5] [--distill-coef 1.0] [--seed 42]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run(name: str, workdir: Path, args, *overrides: str) -> dict[int, float]:
         "--data.train-path", str(data / "train.jsonl"), "--data.test-path", str(data / "test.jsonl"),
         "--rollout.num-rollouts", str(args.steps), "--eval.interval", str(args.interval),
         "--logging.progress", "false", "--logging.tensorboard", "false", "--checkpoint.save", "false",
-        "--checkpoint.export-hf", "false", *overrides,
+        "--checkpoint.export-hf", "false", "--data.seed", str(args.seed), *overrides,
     ])
     asyncio.run(SCHEDULES[cfg.schedule](cfg))
     return {r["step"]: r["eval/accuracy"] for r in read_metrics(workdir / name) if "eval/accuracy" in r}
@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--interval", type=int, default=5)
     p.add_argument("--distill-coef", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42, help="data.seed: the order the prompts are drawn in")
     args = p.parse_args()
     from verst.config import load_config
     from verst.eval.local import score_snapshot

@@ -115,6 +115,19 @@ def test_preflight_checks_the_tokenizer(tmp_path, tiny_model_dir, addition_data_
         preflight(cfg, rl=False)
 
 
+def test_preflight_refuses_a_teacher_with_another_tokenizer(tmp_path, tiny_model_dir, addition_data_dir):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_model_dir, teacher)
+    distill = ("--teacher.model-path", str(teacher), "--algorithm.distill-coef", "1")
+    preflight(good_config(tmp_path, tiny_model_dir, addition_data_dir, *distill), rl=True)
+    tokenizer = json.loads((teacher / "tokenizer.json").read_text())
+    tokenizer["added_tokens"][0]["content"] = "<|renamed|>"
+    (teacher / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(PreflightError, match=r"teacher.model_path = '.*/teacher' and model.path = .* have different "
+                                             r"tokenizers"):
+        preflight(good_config(tmp_path, tiny_model_dir, addition_data_dir, *distill), rl=True)
+
+
 def test_a_run_directory_is_never_mixed(tmp_path, tiny_model_dir, addition_data_dir):
     cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir)
     run_dir = prepare_run_dir(cfg)
