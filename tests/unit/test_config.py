@@ -146,9 +146,17 @@ def test_config_import_does_not_import_torch():
 
 
 @pytest.mark.parametrize("override, message", [
-    (["--algorithm.advantage-estimator", "ppo"], "algorithm.advantage_estimator = 'ppo' needs a critic"),
+    (["--critic.lr", "1e-4", "--critic.model-path", "m"],
+     r"critic.model_path, critic.lr changed from the default, but only algorithm.advantage_estimator = 'ppo'"),
     (["--algorithm.distill-coef", "0.5"], "algorithm.distill_coef = 0.5 needs a teacher model's logprobs"),
 ])
 def test_modes_a_run_cannot_carry_out_are_refused_at_start_up(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override)
+
+
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off", "fully_async"])
+def test_ppo_with_its_critic_is_accepted_on_every_schedule(schedule):
+    cfg = load_config(None, ["--algorithm.advantage-estimator", "ppo", "--critic.lr", "1e-4", "--schedule", schedule,
+                             "--lora.enabled", "true"])
+    assert cfg.algorithm.needs_critic and cfg.critic.lr == 1e-4 and cfg.critic.model_path is None
