@@ -137,7 +137,7 @@ def test_sync_with_the_mismatch_corrections_and_options_on(ray_session, tiny_mod
         assert r["train/mismatch_ratio_min"] <= r["train/mismatch_ratio_mean"] <= r["train/mismatch_ratio_max"]
 
 
-@pytest.mark.parametrize("schedule", ["sync", "fully_async"])
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off", "fully_async"])
 def test_ppo_trains_its_critic_on_the_schedule(ray_session, tiny_model_dir, addition_data_dir, tmp_path, schedule):
     """PPO with a critic on the trainer ranks: every step logs the critic's metrics, and the value loss falls
     as the critic, starting at 0, fits returns near 1."""
