@@ -106,3 +106,39 @@ def test_a_critic_of_another_vocabulary_is_refused():
     check_same_vocabulary(model(265), model(265), "critic")
     with pytest.raises(ValueError, match="critic.model_path = 'critic' has a vocabulary of 300 tokens, the policy 265"):
         check_same_vocabulary(model(300), model(265), "critic")
+
+
+def test_two_critic_ranks_match_one(tiny_model_dir):
+    """The critic sharded over 2 rank actors gives the values and steps of 1 rank; the single-sequence
+    batch leaves one rank a dummy micro-batch, which keeps its collectives in step."""
+    import dataclasses
+    import functools
+
+    import torch.distributed as dist
+
+    from tests.component.test_trainer_actor_group import BATCHES, CONFIG, TOTAL_STEPS, trainer_ranks
+    from verst.config import AlgorithmConfig, CriticConfig, ModelConfig
+    from verst.orchestration import RaySession
+    from verst.schedules.train_steps import value_loss_fn
+    from verst.trainer import FSDP2Backend
+
+    make = functools.partial(FSDP2Backend, ModelConfig(path=str(tiny_model_dir)), CONFIG, total_steps=TOTAL_STEPS,
+                             device="cpu", critic=CriticConfig(lr=1e-3))
+    gen = torch.Generator().manual_seed(0)
+    targets = [[dataclasses.replace(it, extras={"old_values": torch.zeros(it.response_length),
+                                                "returns": torch.rand(it.response_length, generator=gen)})
+                for it in items] for items in BATCHES]
+    loss_fn = functools.partial(value_loss_fn, AlgorithmConfig(advantage_estimator="ppo"))
+    with RaySession(slots=2, log_to_driver=False), trainer_ranks(make, world_size=2, timeout_s=120) as group:
+        two = [(group.train_critic(items, loss_fn), group.values(items)) for items in targets]
+    one_rank = make()
+    try:
+        for (got, got_values), items in zip(two, targets):
+            want = one_rank.train_critic(items, loss_fn)
+            for key in ("train/value_loss", "train/value_grad_norm", "train/value_lr"):
+                assert got[key] == pytest.approx(want[key], rel=1e-4), key
+            for a, b in zip(got_values, one_rank.values(items)):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=0)  # float sums in another order
+        assert all(v.abs().max() > 0 for v in two[-1][1])  # the zero head has moved
+    finally:
+        dist.destroy_process_group()
