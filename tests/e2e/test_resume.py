@@ -39,11 +39,11 @@ def train_rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
 
 
-def assert_same_run(resumed: Path, through: Path, steps: int) -> None:
+def assert_same_run(resumed: Path, through: Path, steps: int, compared: tuple[str, ...] = COMPARED) -> None:
     a, b = train_rows(resumed), train_rows(through)
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     for step in a:
-        for key in COMPARED:
+        for key in compared:
             assert a[step][key] == pytest.approx(b[step][key], abs=1e-6), (step, key)
     pa, pb = load_file(str(resumed / "hf" / "model.safetensors")), load_file(str(through / "hf" / "model.safetensors"))
     assert pa.keys() == pb.keys()
@@ -51,9 +51,17 @@ def assert_same_run(resumed: Path, through: Path, steps: int) -> None:
         np.testing.assert_allclose(pa[name], pb[name], atol=1e-6, rtol=0, err_msg=name)
 
 
+# PPO: the critic, its optimizer and lr schedule resume too (a reward the critic has returns to fit).
+PPO = ("--algorithm.advantage-estimator", "ppo", "--critic.lr", "3e-3",
+       "--reward.type", "custom", "--reward.path", "tests.e2e.rl_plugins:non_digit_share")
+PPO_COMPARED = (*COMPARED, "train/value_loss", "train/value_mean", "train/value_grad_norm")
+
+
 @pytest.mark.slow
-def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
-    through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED,
+@pytest.mark.parametrize("algorithm, compared", [((), COMPARED), (PPO, PPO_COMPARED)], ids=["grpo", "ppo"])
+def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir, tmp_path,  # noqa: F811
+                                                  algorithm, compared):
+    through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED, *algorithm,
                         "--rollout.num-rollouts", "3", "--checkpoint.interval", "1", "--checkpoint.keep-last", "2")
     run_schedule(through)
     ckpts = Path(through.run_dir) / "checkpoints"
@@ -66,7 +74,8 @@ def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, a
 
     AutoModelForCausalLM.from_pretrained(Path(through.run_dir) / "hf")  # the final model loads
 
-    first = rl_config(tmp_path / "resumed", tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts", "1")
+    first = rl_config(tmp_path / "resumed", tiny_model_dir, addition_data_dir, *SEEDED, *algorithm,
+                      "--rollout.num-rollouts", "1")
     run_schedule(first)
     resumed = first.model_copy(update={
         "rollout": first.rollout.model_copy(update={"num_rollouts": 3}),
@@ -74,7 +83,7 @@ def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, a
     })
     summary = run_schedule(resumed)
     assert summary["train/steps"] == 3
-    assert_same_run(Path(resumed.run_dir), Path(through.run_dir), steps=3)
+    assert_same_run(Path(resumed.run_dir), Path(through.run_dir), steps=3, compared=compared)
 
 
 def test_resume_refuses_a_changed_field_then_continues(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811

@@ -137,6 +137,23 @@ def test_sync_with_the_mismatch_corrections_and_options_on(ray_session, tiny_mod
         assert r["train/mismatch_ratio_min"] <= r["train/mismatch_ratio_mean"] <= r["train/mismatch_ratio_max"]
 
 
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off", "fully_async"])
+def test_ppo_trains_its_critic_on_the_schedule(ray_session, tiny_model_dir, addition_data_dir, tmp_path, schedule):
+    """PPO with a critic on the trainer ranks: every step logs the critic's metrics, and the value loss falls
+    as the critic, starting at 0, fits returns near 1."""
+    cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", schedule, "--sync.transport", "disk",
+                    "--algorithm.advantage-estimator", "ppo", "--algorithm.whiten-advantages", "true",
+                    "--critic.lr", "3e-3", "--rollout.num-rollouts", "4",
+                    "--reward.type", "custom", "--reward.path", "tests.e2e.rl_plugins:non_digit_share")
+    records = check_run(cfg, run_schedule(cfg), steps=4)
+    train = [r for r in records if "train/loss" in r]
+    keys = ("train/value_loss", "train/value_clipfrac", "train/value_mean", "train/value_grad_norm", "train/value_lr")
+    assert all(math.isfinite(r[k]) for r in train for k in keys), [{k: r.get(k) for k in keys} for r in train]
+    assert train[0]["train/value_mean"] == 0.0  # the zero-initialised value head
+    assert train[-1]["train/value_loss"] < train[0]["train/value_loss"], [r["train/value_loss"] for r in train]
+    assert (Path(cfg.run_dir) / "hf" / "config.json").exists()
+
+
 def test_sync_two_ranks_two_engines_with_weight_check(ray_session, tiny_model_dir, addition_data_dir, tmp_path):
     cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "sync",
                     "--sync.transport", "distributed", "--sync.check-weights", "true",

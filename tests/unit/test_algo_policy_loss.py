@@ -11,6 +11,7 @@ from verst.algo import (
     aggregate,
     aggregation_normalizer,
     distill_advantages,
+    explained_variance,
     kl_estimate,
     policy_loss,
     sft_loss,
@@ -190,6 +191,23 @@ def test_value_loss_matches_reference():
     loss.backward()
     clipped = torch.tensor(flags, dtype=torch.bool)
     assert torch.all(values.grad[clipped] == 0) and torch.all(values.grad[(MASK == 0)] == 0)
+
+
+def test_explained_variance_matches_reference():
+    """1 − Var[R − V] / Var[R] over the policy tokens, population variances, written out in float64."""
+    gen = torch.Generator().manual_seed(4)
+    returns = torch.randn(MASK.shape, generator=gen, dtype=torch.float64)
+    values = (returns + 0.5 * torch.randn(MASK.shape, generator=gen, dtype=torch.float64)).float()
+    pairs = [(returns[i, t].item(), values[i, t].item()) for i in range(5) for t in range(6) if MASK[i, t]]
+
+    def variance(xs):
+        mean = sum(xs) / len(xs)
+        return sum((x - mean) ** 2 for x in xs) / len(xs)
+
+    want = 1 - variance([r - v for r, v in pairs]) / variance([r for r, _ in pairs])
+    assert explained_variance(values, returns.float(), MASK) == pytest.approx(want, rel=1e-6)
+    assert explained_variance(returns, returns, MASK) == pytest.approx(1.0)
+    assert explained_variance(torch.zeros_like(returns), torch.ones_like(returns), MASK) is None  # returns constant
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "low_var_kl"])

@@ -84,6 +84,18 @@ def test_preflight_names_every_missing_thing(tmp_path, tiny_model_dir, addition_
     ]
 
 
+def test_preflight_names_a_critic_checkpoint_that_is_not_there(tmp_path, tiny_model_dir, addition_data_dir):
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir, "--algorithm.advantage-estimator", "ppo",
+                      "--critic.model-path", str(tmp_path / "no-critic"))
+    with pytest.raises(PreflightError) as error:
+        preflight(cfg, rl=True)
+    assert [line.strip() for line in str(error.value).splitlines()[1:]] == [
+        f"critic.model_path = {str(tmp_path / 'no-critic')!r} does not exist; expected a Hugging Face checkpoint "
+        "directory"]
+    preflight(good_config(tmp_path, tiny_model_dir, addition_data_dir, "--algorithm.advantage-estimator", "ppo",
+                          "--critic.model-path", str(tiny_model_dir)), rl=True)
+
+
 def test_preflight_names_each_loss_plug_in_that_is_not_there(tmp_path, tiny_model_dir, addition_data_dir):
     cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir,
                       "--algorithm.mismatch-fn", "verst.no_such_module:weights",

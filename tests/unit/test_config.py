@@ -146,11 +146,12 @@ def test_config_import_does_not_import_torch():
 
 
 @pytest.mark.parametrize("override, message", [
-    (["--algorithm.advantage-estimator", "ppo"], "algorithm.advantage_estimator = 'ppo' needs a critic"),
     (["--algorithm.distill-coef", "0.5"], "algorithm.distill_coef = 0.5 needs a teacher's logprobs: set "
                                            "teacher.model_path"),
     (["--teacher.model-path", "t"], "teacher.model_path = 't' with algorithm.distill_coef = 0"),
     (["--algorithm.reward-coef", "0"], "algorithm.reward_coef = 0 with algorithm.distill_coef = 0"),
+    (["--critic.lr", "1e-4", "--critic.model-path", "m"],
+     r"critic.model_path, critic.lr changed from the default, but only algorithm.advantage_estimator = 'ppo'"),
 ])
 def test_modes_a_run_cannot_carry_out_are_refused_at_start_up(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -160,3 +161,8 @@ def test_modes_a_run_cannot_carry_out_are_refused_at_start_up(override, message)
 def test_pure_on_policy_distillation_is_accepted():
     cfg = load_config(None, ["--teacher.model-path", "t", "--algorithm.distill-coef", "1", "--algorithm.reward-coef", "0"])
     assert (cfg.teacher.model_path, cfg.teacher.num_engines, cfg.algorithm.reward_coef) == ("t", 1, 0.0)
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off", "fully_async"])
+def test_ppo_with_its_critic_is_accepted_on_every_schedule(schedule):
+    cfg = load_config(None, ["--algorithm.advantage-estimator", "ppo", "--critic.lr", "1e-4", "--schedule", schedule,
+                             "--lora.enabled", "true"])
+    assert cfg.algorithm.needs_critic and cfg.critic.lr == 1e-4 and cfg.critic.model_path is None

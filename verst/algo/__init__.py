@@ -33,7 +33,14 @@ from verst.algo.mismatch import (
     opsm_keep,
 )
 from verst.algo.plugins import LossPlugins, LossReducer, MismatchFn, PolicyLossFn, load_loss_plugins
-from verst.algo.policy_loss import clipped_surrogate, gspo_log_ratio, policy_loss, policy_token_loss, value_loss
+from verst.algo.policy_loss import (
+    clipped_surrogate,
+    explained_variance,
+    gspo_log_ratio,
+    policy_loss,
+    policy_token_loss,
+    value_loss,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -53,6 +60,7 @@ __all__ = [
     "distill_advantages",
     "ess_ratio",
     "ess_ratio_from_moments",
+    "explained_variance",
     "gae",
     "group_relative_rewards",
     "gspo_log_ratio",

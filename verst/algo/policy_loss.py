@@ -1,4 +1,4 @@
-"""Clipped surrogate losses: PPO (clip-higher, dual clip), GSPO, and the clipped value loss.
+"""Clipped surrogate losses: PPO (clip-higher, dual clip), GSPO, the clipped value loss and its diagnostic.
 
 Each has a per-token form (for composing) and a `(loss, metrics)` form (aggregated, see `aggregation`).
 """
@@ -173,3 +173,19 @@ def value_loss(
     clipfrac = aggregate(clipped.to(token_loss.dtype), loss_mask, metric_aggregation(aggregation))
     metrics = {"train/value_loss": local.item(), "train/value_clipfrac": clipfrac.item()}
     return to_global_share(local, loss_mask, aggregation, normalizer), metrics
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor) -> float | None:
+    """1 − Var[R − V] / Var[R] over the policy tokens (population variances): 1 when the critic predicts
+    the returns exactly, 0 when it does no better than their mean, negative when worse (the diagnostic
+    of OpenAI baselines' PPO). None when the returns do not vary (the ratio is undefined).
+    """
+    check_token_shapes(loss_mask, values=values, returns=returns)
+    mask = loss_mask != 0
+    target = returns[mask].double()
+    residual = target - values[mask].double()
+    variance = target.var(unbiased=False) if target.numel() else target.new_zeros(())
+    if not float(variance) > 0:
+        return None
+    return float(1.0 - residual.var(unbiased=False) / variance)

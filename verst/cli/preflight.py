@@ -33,6 +33,11 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
             check_same_tokenizer(cfg.model.path, cfg.teacher.model_path)
         except (OSError, ValueError) as error:
             problems.append(str(error))
+    if cfg.critic.model_path is not None:
+        try:
+            check_checkpoint_dir(cfg.critic.model_path, "critic.model_path")
+        except (OSError, ValueError) as error:
+            problems.append(str(error))
     if cfg.data.source is None:
         problems += _missing_file("data.train_path", cfg.data.train_path)
     eval_path = ("eval.path", cfg.eval.path) if cfg.eval.path else ("data.test_path", cfg.data.test_path)

@@ -178,6 +178,11 @@ class AlgorithmConfig(Section):
         """A KL loss or a KL penalty needs the frozen reference model's logprobs."""
         return self.kl_loss_coef > 0 or self.kl_penalty_coef > 0
 
+    @property
+    def needs_critic(self) -> bool:
+        """PPO's GAE needs a value model's per-token values."""
+        return self.advantage_estimator == "ppo"
+
     @model_validator(mode="after")
     def _consistent(self) -> AlgorithmConfig:
         if self.mismatch_correction != "none" and self.old_logprobs == "rollout":
@@ -230,6 +235,20 @@ class TrainerConfig(Section):
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     seed: int = Field(1234, ge=0, description="Seed of the trainer's RNGs.")
+
+
+class CriticConfig(Section):
+    """PPO's value model (`algorithm.advantage_estimator = "ppo"`): the policy's architecture with its LM head
+    replaced by a scalar head, on the trainer ranks next to the policy, trained by its own AdamW on the
+    clipped value loss (`algorithm.value_clip`). Its other optimizer settings are the trainer's."""
+
+    model_path: str | None = Field(
+        None, description="Hugging Face causal LM checkpoint whose trunk initialises the value model (same "
+        "tokenizer as the policy); default model.path.",
+    )
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate of the value model's AdamW.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps of the value model's learning rate.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the value model's global grad norm to this value.")
 
 
 class LoraConfig(Section):
@@ -405,6 +424,7 @@ class VerstConfig(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages and losses.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimizer and batching.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (off: full fine-tuning).")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO's value model.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight synchronisation.")
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Data buffer.")
@@ -425,11 +445,12 @@ class VerstConfig(Section):
                 "schedule = 'fully_async' with cluster.placement = 'colocated' is refused: the fully async "
                 "schedule needs trainer and engines running at once; use cluster.placement = 'disaggregated'"
             )
-        # The pure loss and advantage functions cover this, but a run has no critic yet.
-        if self.algorithm.advantage_estimator == "ppo":
+        critic_fields = [f"critic.{name}" for name, field in CriticConfig.model_fields.items()
+                         if getattr(self.critic, name) != field.default]
+        if critic_fields and not self.algorithm.needs_critic:
             raise ValueError(
-                "algorithm.advantage_estimator = 'ppo' needs a critic (value model), which a verst run does not "
-                "build yet; use grpo, dr_grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline")
+                f"{', '.join(critic_fields)} changed from the default, but only algorithm.advantage_estimator = "
+                f"'ppo' trains a value model (got {self.algorithm.advantage_estimator!r}); remove them or use ppo")
         if self.algorithm.distill_coef > 0 and self.teacher.model_path is None:
             raise ValueError(
                 f"algorithm.distill_coef = {self.algorithm.distill_coef} needs a teacher's logprobs: set "

@@ -237,6 +237,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
             fsdp2_backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
             temperature=temperature, device=orch.device,
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None, lora=cfg.lora,
+            critic=cfg.critic if cfg.algorithm.needs_critic else None,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
         engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0", "--model-impl", cfg.model.impl],
                                      wait=False)
@@ -328,6 +329,7 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
         "run_dir": run_dir,
         "model": cfg.model.model_copy(update={"path": absolute(cfg.model.path)}),
         "teacher": cfg.teacher.model_copy(update={"model_path": absolute(cfg.teacher.model_path)}),
+        "critic": cfg.critic.model_copy(update={"model_path": absolute(cfg.critic.model_path)}),
         "data": cfg.data.model_copy(update={"train_path": absolute(cfg.data.train_path),
                                             "test_path": absolute(cfg.data.test_path)}),
         "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),

@@ -1,5 +1,6 @@
 """The named RL steps every schedule calls: the old policy's logprobs of a rollout batch, then per
-optimizer step a train batch (reference logprobs, advantages) and one step with the configured loss.
+optimizer step a train batch (reference logprobs, critic values, advantages) and one step with the
+configured loss, followed with PPO by one step of the critic on the GAE returns.
 
 The old policy is the one that existed before the rollout batch's first optimizer step: its logprobs
 are recomputed once per rollout batch (every later step of the batch then sees a real importance
@@ -79,6 +80,17 @@ def rl_loss_fn(
     )
 
 
+def value_loss_fn(
+    algo: AlgorithmConfig, outputs: ForwardOutputs, batch: MicroBatch, normalizer: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's loss fn: PPO's clipped value loss (`algo.value_clip`) of its values against the batch's
+    `returns`, clipped around `old_values` (the critic's before this step), reduced like the policy loss."""
+    from verst.algo import value_loss
+
+    return value_loss(outputs.values, batch["old_values"], batch["returns"], batch.loss_mask,
+                      value_clip=algo.value_clip, aggregation=algo.loss_aggregation, normalizer=normalizer)
+
+
 def _pad(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor]) -> torch.Tensor:
     import torch
 
@@ -90,11 +102,13 @@ def _pad(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor]) -> torch.Tens
 
 
 def train_on_groups(
-    trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig, old: OldLogprobs = None
+    trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig, old: OldLogprobs = None,
+    values: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """One optimizer step on whole groups: reference logprobs → advantages → loss → step. `old` are the
     groups' old-policy logprobs from `old_logprobs` (computed here when None and the source is not the
-    step's own forward: a batch that gets one step)."""
+    step's own forward: a batch that gets one step). With PPO, `values` are the critic's from before the
+    rollout batch's first step (computed here when None), and the critic takes its step after the policy's."""
     import torch
 
     from verst.algo import aggregation_normalizer, compute_advantages, ess_ratio_from_moments
@@ -112,13 +126,15 @@ def train_on_groups(
     ref = trainer.logprobs(samples, reference=True) if algo.needs_reference else None
     if ref is not None:
         extras["ref_logprobs"] = ref
+    if algo.needs_critic and values is None:
+        values = trainer.values(samples)
     logprob_s = time.perf_counter() - start
     mask = _pad([s.loss_mask for s in samples])  # [batch, max_resp]
     rewards = torch.tensor([s.reward_value(cfg.reward.key) for s in samples])
     group_ids = torch.tensor([s.group_index for s in samples])
-    advantages, _ = compute_advantages(
+    advantages, returns = compute_advantages(
         algo, rewards, group_ids, mask, logprobs=_pad(old) if old is not None else None,
-        ref_logprobs=_pad(ref) if ref is not None else None,
+        ref_logprobs=_pad(ref) if ref is not None else None, values=_pad(values) if values is not None else None,
     )
     extras["advantages"] = [advantages[i, : s.response_length] for i, s in enumerate(samples)]
     if algo.distill_coef > 0:
@@ -129,6 +145,8 @@ def train_on_groups(
         items, functools.partial(rl_loss_fn, algo, from_forward), normalizer=normalizer,
         with_entropy=algo.entropy_coef > 0,
     )
+    if values is not None:
+        metrics.update(train_critic(trainer, samples, values, returns, mask, algo))
     if "train/mismatch_ratio_sq_mean" in metrics:  # the moments add up over micro-batches and ranks; ESS does not
         metrics["train/ess_ratio"] = ess_ratio_from_moments(
             metrics["train/mismatch_ratio_mean"], metrics["train/mismatch_ratio_sq_mean"]
@@ -147,12 +165,32 @@ def teacher_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
         raise ValueError(f"algorithm.distill_coef > 0, but samples {missing[:8]} (of {len(samples)}) carry no "
                          "teacher_logprobs: the rollout fn must return samples the teacher scored")
     return [s.teacher_logprobs for s in samples]
+def train_critic(
+    trainer: TrainBackend, samples: Sequence[Sample], values: Sequence[torch.Tensor], returns: torch.Tensor,
+    mask: torch.Tensor, algo: AlgorithmConfig,
+) -> dict[str, float]:
+    """One optimizer step of PPO's critic towards the GAE `returns` [batch, max_resp] of `samples`, whose
+    `values` it gave before the step; its loss metrics, `train/value_mean` and `train/explained_variance`."""
+    from verst.algo import aggregation_normalizer, explained_variance
+    from verst.trainer import make_items
+
+    items = make_items(samples, old_values=values,
+                       returns=[returns[i, : s.response_length] for i, s in enumerate(samples)])
+    metrics = trainer.train_critic(items, functools.partial(value_loss_fn, algo),
+                                   normalizer=functools.partial(aggregation_normalizer, algo.loss_aggregation))
+    padded = _pad(values)
+    metrics["train/value_mean"] = float((padded * mask).sum() / mask.sum().clamp(min=1))
+    explained = explained_variance(padded, returns, mask)
+    if explained is not None:
+        metrics["train/explained_variance"] = explained
+    return metrics
 
 
 @dataclasses.dataclass
 class _KeptBatch:
     groups: list[Group]
     old: OldLogprobs  # the whole batch's, when it gets several steps; else None (each step takes its own)
+    values: Sequence[torch.Tensor] | None = None  # the critic's, on the same terms (PPO)
 
 
 # The rollout batch each backend is training on, kept between its optimizer steps: in an RL run each
@@ -165,22 +203,24 @@ def train_rollout_step(
 ) -> dict[str, float]:
     """One optimizer step on groups [first, first + groups_per_train_step) of a rollout batch. Its first
     step passes the `batch`, kept here for the later ones (which pass None) with, when it gets more than
-    one step, the old policy's logprobs taken now, before the first."""
+    one step, the old policy's logprobs (and with PPO the critic's values) taken now, before the first:
+    PPO's value clip then bounds the critic's move over the whole batch."""
     per_step, start = batch_plan(cfg).groups_per_train_step, time.perf_counter()
     if batch is not None:
         groups = list(batch)
-        _kept[trainer] = _KeptBatch(groups, old_logprobs(trainer, groups, cfg) if len(groups) > per_step else None)
+        several = len(groups) > per_step
+        values = trainer.values([s for g in groups for s in g]) if several and cfg.algorithm.needs_critic else None
+        _kept[trainer] = _KeptBatch(groups, old_logprobs(trainer, groups, cfg) if several else None, values)
     kept = _kept.get(trainer)
     if kept is None:
         raise RuntimeError(f"train_rollout_step: no rollout batch kept for the step at group {first}; "
                            "the batch's first step passes it")
     old_s = time.perf_counter() - start
     step_groups = kept.groups[first : first + per_step]
-    rows = None
-    if kept.old is not None:
-        offset = sum(len(g) for g in kept.groups[:first])
-        rows = kept.old[offset : offset + sum(len(g) for g in step_groups)]
-    metrics = train_on_groups(trainer, step_groups, cfg, rows)
+    offset = sum(len(g) for g in kept.groups[:first])
+    rows = slice(offset, offset + sum(len(g) for g in step_groups))
+    metrics = train_on_groups(trainer, step_groups, cfg, None if kept.old is None else kept.old[rows],
+                              None if kept.values is None else kept.values[rows])
     metrics["time/logprob_s"] += old_s
     if first + per_step >= len(kept.groups):
         del _kept[trainer]  # the batch's last step

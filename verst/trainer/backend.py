@@ -57,6 +57,16 @@ class TrainBackend(Protocol):
         `train/lr`, `perf/train_tokens_per_s` and the loss fn's metrics under `train/`."""
         ...
 
+    def values(self, batch: Batch) -> list[torch.Tensor]:
+        """PPO's critic: forward-only V(s_t) per item, `[response_length]` each, in batch order (a backend
+        built without a critic raises)."""
+        ...
+
+    def train_critic(self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer = ...) -> dict[str, float]:
+        """One optimizer step of PPO's critic; `loss_fn` reads `outputs.values`. Returns the loss fn's
+        metrics and `train/value_grad_norm`, `train/value_lr`."""
+        ...
+
     def named_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Full, HF-named weights in buckets of about `bucket_bytes` (a bigger tensor goes alone)."""
         ...
@@ -70,7 +80,8 @@ class TrainBackend(Protocol):
     def sync_adapter(self) -> tuple[str, dict] | None: ...
 
     def save(self, directory: str | Path) -> None:
-        """Model, optimizer, lr schedule, RNG state and step: everything `load` needs to resume."""
+        """Model, optimizer, lr schedule, RNG state and step (and PPO's critic with its optimizer and lr
+        schedule): everything `load` needs to resume."""
         ...
 
     def load(self, directory: str | Path) -> None: ...
@@ -129,6 +140,14 @@ class CollectiveCalls:
         """`normalizer` None: the backend's default (policy tokens)."""
         options = {"with_entropy": with_entropy} | ({"normalizer": normalizer} if normalizer is not None else {})
         return self.call("train_step", list(batch), loss_fn, **options)[0]
+
+    def values(self, batch: Batch) -> list[torch.Tensor]:
+        return self.call("values", list(batch))[0]
+
+    def train_critic(self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer | None = None
+                     ) -> dict[str, float]:
+        options = {"normalizer": normalizer} if normalizer is not None else {}
+        return self.call("train_critic", list(batch), loss_fn, **options)[0]
 
     def save(self, directory: str | Path) -> None:
         self.call("save", str(directory))

@@ -65,10 +65,12 @@ class MicroBatch:
 
 @dataclasses.dataclass
 class ForwardOutputs:
-    """What a loss fn receives as `outputs`: response-aligned like the micro-batch's tensors."""
+    """What a loss fn receives as `outputs`: response-aligned like the micro-batch's tensors. The policy's
+    forward fills `logprobs` (and `entropy`), PPO's value model's forward `values`."""
 
-    logprobs: torch.Tensor  # [n_seq, max_resp] log π(response token), 0 on padding
+    logprobs: torch.Tensor | None = None  # [n_seq, max_resp] log π(response token), 0 on padding
     entropy: torch.Tensor | None = None  # [n_seq, max_resp] when asked for
+    values: torch.Tensor | None = None  # [n_seq, max_resp] the critic's V(s_t), 0 on padding
 
 
 def balance_across_ranks(lengths: list[int], world_size: int) -> list[list[int]]:

@@ -1,5 +1,5 @@
-"""Checkpoints of a sharded trainer: resumable state (DCP shards of model and optimizer, lr schedule,
-step, per-rank RNG) and Hugging Face exports gathered on rank 0.
+"""Checkpoints of a sharded trainer: resumable state (DCP shards of model and optimizer, and of PPO's
+critic and its optimizer; lr schedules, step, per-rank RNG) and Hugging Face exports gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+
+if TYPE_CHECKING:
+    from verst.trainer.critic import Critic
 
 SHARDS_DIR = "dcp"
 STATE_FILE = "trainer_state.pt"
@@ -60,22 +64,26 @@ def background_stager() -> DefaultStager:
 def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, step: int, *,
          background_group: dist.ProcessGroup | None = None,
-         stager: DefaultStager | None = None) -> BackgroundSave | None:
+         stager: DefaultStager | None = None, critic: Critic | None = None) -> BackgroundSave | None:
     """Collective. `directory/COMPLETE` is written last, so a half-written checkpoint is never loaded.
 
     With `background_group` (a process group used for nothing else) and `stager` (`background_stager()`)
     the shards are copied and written by background threads (`torch.distributed.checkpoint.async_save`):
     the call returns at once; the model and optimizer must not change before `staged` is done. Each rank
     writes `done_rank<R>` (or `failed_rank<R>` with the error) when its write has ended; whoever waits for
-    those writes COMPLETE (`mark_complete`)."""
+    those writes COMPLETE (`mark_complete`). `critic`: PPO's value model, saved in the same shards."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optim_state = _trained_state(model, optimizer)
     torch.save(_rng_state(), directory / f"rng_rank{rank}.pt")
     if rank == 0:
         state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size}
+        if critic is not None:
+            state["critic_scheduler"] = critic.scheduler.state_dict()
         torch.save(state, directory / STATE_FILE)
     shards = {"model": model_state, "optimizer": optim_state}
+    if critic is not None:
+        shards["critic"], shards["critic_optimizer"] = _trained_state(critic.model, critic.optimizer)
     if background_group is not None:
         response = dcp.async_save(shards, checkpoint_id=directory / SHARDS_DIR, process_group=background_group,
                                   async_stager=stager or background_stager())
@@ -109,8 +117,9 @@ def _record_write(directory: Path, rank: int, writing: Future) -> None:
 
 
 def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
-    """Collective. Restores everything `save` wrote and returns the step."""
+         scheduler: torch.optim.lr_scheduler.LRScheduler, critic: Critic | None = None) -> int:
+    """Collective. Restores everything `save` wrote and returns the step; with `critic`, also PPO's value
+    model and its optimizer (a checkpoint without them is refused)."""
     if not (directory / COMPLETE_MARKER).exists():
         raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint (no {COMPLETE_MARKER} file)")
     state = torch.load(directory / STATE_FILE, weights_only=False)
@@ -120,14 +129,23 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             f"checkpoint {directory} was saved by {state['world_size']} ranks, this trainer has {world_size}; "
             "per-rank RNG state cannot be restored exactly"
         )
+    if critic is not None and "critic_scheduler" not in state:
+        raise ValueError(f"checkpoint {directory} holds no value model (it was not saved by a PPO run); "
+                         "algorithm.advantage_estimator = 'ppo' resumes only from a PPO run's checkpoint")
     model_state, optim_state = _trained_state(model, optimizer)
     shards = {"model": model_state, "optimizer": optim_state}
+    if critic is not None:
+        shards["critic"], shards["critic_optimizer"] = _trained_state(critic.model, critic.optimizer)
     dcp.load(shards, checkpoint_id=directory / SHARDS_DIR)
     # Not strict about the frozen parameters `_trained_state` leaves out; dcp.load has checked the rest.
     frozen = any(not p.requires_grad for p in model.parameters())
     set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"],
                    options=StateDictOptions(strict=not frozen))
     scheduler.load_state_dict(state["scheduler"])
+    if critic is not None:
+        set_state_dict(critic.model, critic.optimizer, model_state_dict=shards["critic"],
+                       optim_state_dict=shards["critic_optimizer"])
+        critic.scheduler.load_state_dict(state["critic_scheduler"])
     _set_rng_state(torch.load(directory / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     dist.barrier()
     return int(state["step"])

@@ -6,9 +6,10 @@ default process group; dynamic micro-batches, AdamW, clipping, an optional froze
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from verst.config.schema import LoraConfig, ModelConfig, TrainerConfig
+from verst.config.schema import CriticConfig, LoraConfig, ModelConfig, TrainerConfig
 from verst.models.native import load_causal_lm
 from verst.trainer import checkpoint, lora
 from verst.trainer.backend import Batch
@@ -32,6 +33,7 @@ from verst.trainer.batching import (
     pad_right,
     split_to_count,
 )
+from verst.trainer.critic import Critic, add_value_head, check_same_vocabulary, critic_optimizer, value_forward
 from verst.trainer.distributed import ensure_single_process_group, resolve_device
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
@@ -54,6 +56,10 @@ class FSDP2Backend:
     checkpoints); `named_weights` gives the merged weights under the base's names, `synced_weights` what
     weight sync pushes (with `lora.sync = "adapter"` the adapter alone), and a reference at the
     model's own path is the same model with its adapters disabled (no second copy of the weights).
+
+    With `critic` (PPO), a value model (`verst.trainer.critic`) is sharded next to the policy on the same
+    ranks, initialised from `critic.model_path` or the policy's checkpoint, with full weights whatever
+    `lora` says; `values` and `train_critic` run it, checkpoints hold it, exports and weight sync leave it out.
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class FSDP2Backend:
         packing: bool | None = None,
         device: str = "auto",
         lora: LoraConfig | None = None,
+        critic: CriticConfig | None = None,
     ):
         if temperature <= 0:
             raise ValueError(f"logprob temperature must be positive, got {temperature}")
@@ -92,23 +99,31 @@ class FSDP2Backend:
             self.ref_model = self._build(ref_model_path, trainable=False)
         self._base_is_reference = bool(ref_model_path) and self.ref_model is None
         self.optimizer, self.scheduler = build_optimizer(self.model, trainer, total_steps)
+        self.critic: Critic | None = None
+        if critic is not None:
+            value_model = self._build(critic.model_path or model.path, trainable=True, value_head=True)
+            check_same_vocabulary(value_model, self.model, critic.model_path or model.path)
+            self.critic = critic_optimizer(value_model, trainer, critic, total_steps)
         if packing is None:
             packing = self.model.config._attn_implementation.startswith("flash_attention")
         self.packed = packing
 
     # ---- model construction ------------------------------------------------------------
-    def _build(self, path: str, trainable: bool) -> torch.nn.Module:
+    def _build(self, path: str, trainable: bool, value_head: bool = False) -> torch.nn.Module:
         # Every rank reads the checkpoint and keeps only its shard after fully_shard. Parameters are
         # float32 master weights whatever the compute dtype. `impl` auto on CUDA keeps transformers' model,
         # whose flash attention takes packed sequences; on CPU the native one skips transformers' import.
+        # `value_head`: PPO's critic, trained in full (LoRA adapts the policy only).
         impl = self.model_config.impl
         if impl == "auto" and self.device.type != "cpu":
             impl = "transformers"
         model = load_causal_lm(path, impl, dtype="float32", device="cpu",
                                trust_remote_code=self.model_config.trust_remote_code, trainable=trainable)
+        if value_head:
+            model = add_value_head(model)
         if trainable and self.config.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if trainable and self.lora:
+        if trainable and self.lora and not value_head:
             model = lora.add_adapters(model, self.lora)  # the base frozen; FSDP2 shards the adapted model
         compute = _DTYPES[self.model_config.dtype]
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
@@ -175,19 +190,38 @@ class FSDP2Backend:
         self, model: torch.nn.Module, items: list[TrainItem], with_entropy: bool
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         model.eval()
-        mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        fields = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+        rows = self._per_item(items, functools.partial(self._forward, model, with_entropy=with_entropy), fields)
+        logprobs = [row[0] for row in rows]
+        if with_entropy:
+            return logprobs, [row[1] for row in rows]
+        return logprobs
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> list[torch.Tensor]:
+        """Forward-only: PPO's value model's V(s_t) per item, `[response_length]` each, in batch order."""
+        critic = self._require_critic("values")
+        critic.model.eval()
+        rows = self._per_item(as_items(batch), functools.partial(value_forward, critic.model), ("values",))
+        return [row[0] for row in rows]
+
+    def _per_item(self, items: list[TrainItem], forward: Callable[[MicroBatch], ForwardOutputs],
+                  fields: tuple[str, ...]) -> list[tuple[torch.Tensor, ...]]:
+        """`fields` of `forward`'s outputs cut to each item's response, gathered from every rank, by item."""
+        mine: dict[int, tuple[torch.Tensor, ...]] = {}
         for indices in self._my_micro_batches(items):
             micro = self._micro_batch(items, indices)
-            outputs = self._forward(model, micro, with_entropy)
+            outputs = forward(micro)
             for row, index in enumerate(micro.indices):
                 n = items[index].response_length
-                ent = outputs.entropy[row, :n].cpu() if with_entropy else None
-                mine[index] = (outputs.logprobs[row, :n].cpu(), ent)
+                mine[index] = tuple(getattr(outputs, name)[row, :n].cpu() for name in fields)
         merged = {k: v for part in self._gather_objects(mine) for k, v in part.items()}
-        logprobs = [merged[i][0] for i in range(len(items))]
-        if with_entropy:
-            return logprobs, [merged[i][1] for i in range(len(items))]
-        return logprobs
+        return [merged[i] for i in range(len(items))]
+
+    def _require_critic(self, what: str) -> Critic:
+        if self.critic is None:
+            raise ValueError(f"{what}() needs PPO's value model, but the backend was built without a critic")
+        return self.critic
 
     # ---- training ------------------------------------------------------------------------
     def train_step(
@@ -198,21 +232,43 @@ class FSDP2Backend:
         normalizer: Normalizer = count_policy_tokens,
         with_entropy: bool = False,
     ) -> dict[str, float]:
+        forward = functools.partial(self._forward, self.model, with_entropy=with_entropy)
+        metrics = self._optimizer_step(self.model, self.optimizer, self.scheduler, self.config.grad_clip,
+                                       as_items(batch), loss_fn, normalizer, forward)
+        self._step += 1
+        return metrics
+
+    def train_critic(self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer = count_policy_tokens
+                     ) -> dict[str, float]:
+        """One optimizer step of PPO's value model; `loss_fn` gets `ForwardOutputs.values`. Returns the loss
+        fn's metrics (`train/value_loss`, ...) and `train/value_grad_norm`, `train/value_lr`."""
+        critic = self._require_critic("train_critic")
+        metrics = self._optimizer_step(critic.model, critic.optimizer, critic.scheduler, critic.grad_clip,
+                                       as_items(batch), loss_fn, normalizer,
+                                       functools.partial(value_forward, critic.model))
+        step_keys = ("train/loss", "train/grad_norm", "train/lr", "perf/train_tokens_per_s")
+        return {**{k: v for k, v in metrics.items() if k not in step_keys},
+                "train/value_grad_norm": metrics["train/grad_norm"], "train/value_lr": metrics["train/lr"]}
+
+    def _optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip: float, items: list[TrainItem],
+                        loss_fn: LossFn, normalizer: Normalizer,
+                        forward: Callable[[MicroBatch], ForwardOutputs]) -> dict[str, float]:
+        """One optimizer step of `model` over the global batch (the policy's or the critic's)."""
         start = time.perf_counter()
         self._wait_staged()  # a background save's copy of the weights and optimizer state is made first
-        items = as_items(batch)
         total = float(normalizer(pad_right([it.loss_mask for it in items])))
         if not total > 0:
             raise ValueError(f"the global batch's normaliser is {total}: no policy tokens (loss_mask all 0)")
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         metric_sums: dict[str, float] = {}
         for indices in self._my_micro_batches(items):
             micro = self._micro_batch(items, indices)
-            outputs = self._forward(self.model, micro, with_entropy)
+            outputs = forward(micro)
             if not indices:  # a dummy keeps this rank in step with the collectives
-                (outputs.logprobs.sum() * 0.0).backward()
+                (_any_output(outputs).sum() * 0.0).backward()
                 continue
             loss, metrics = loss_fn(outputs, micro, total)
             # FSDP averages gradients over ranks; the losses are already global sums, so undo it.
@@ -221,11 +277,10 @@ class FSDP2Backend:
             weight = float(normalizer(micro.loss_mask)) / total
             for key, value in metrics.items():
                 combine_metric(metric_sums, key, float(value), weight)
-        grad_norm = self._clip_gradients()
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self._step += 1
+        grad_norm = self._clip_gradients(model, grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
         # The summed micro-batch losses are the global loss, whatever a loss fn reports as its own.
         local = {**_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
         parts = self._gather_objects((local, time.perf_counter() - start))
@@ -236,9 +291,9 @@ class FSDP2Backend:
         tokens_per_s = sum(it.length for it in items) / max(elapsed for _, elapsed in parts)
         return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr, "perf/train_tokens_per_s": tokens_per_s}
 
-    def _clip_gradients(self) -> float:
-        trained = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(trained, self.config.grad_clip)
+    def _clip_gradients(self, model: torch.nn.Module, grad_clip: float) -> float:
+        trained = [p for p in model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         value = float(norm.item())
@@ -280,7 +335,7 @@ class FSDP2Backend:
                 self._stager = checkpoint.background_stager()
             group = self._checkpoint_group
         self._writing = checkpoint.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
-                                        background_group=group, stager=self._stager)
+                                        background_group=group, stager=self._stager, critic=self.critic)
 
     def wait_saves(self) -> None:
         """Wait for a background save's write (its error is raised here)."""
@@ -295,7 +350,7 @@ class FSDP2Backend:
 
     def load(self, directory: str | Path) -> None:
         self.wait_saves()
-        self._step = checkpoint.load(Path(directory), self.model, self.optimizer, self.scheduler)
+        self._step = checkpoint.load(Path(directory), self.model, self.optimizer, self.scheduler, critic=self.critic)
 
     def export_hf(self, directory: str | Path, *, merge_lora: bool = False) -> None:
         """A Hugging Face checkpoint; with LoRA, the PEFT adapter directory, and with `merge_lora` the merged
@@ -317,6 +372,11 @@ class FSDP2Backend:
 
 def _same_path(a: str, b: str) -> bool:
     return Path(a).resolve() == Path(b).resolve()
+
+
+def _any_output(outputs: ForwardOutputs) -> torch.Tensor:
+    """A tensor of the forward's graph (a dummy micro-batch's zero loss reaches every parameter through it)."""
+    return outputs.logprobs if outputs.logprobs is not None else outputs.values
 
 
 def _namespaced(metrics: dict[str, float]) -> dict[str, float]:
