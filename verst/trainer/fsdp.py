@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from verst.config.schema import LoraConfig, ModelConfig, TrainerConfig
 from verst.models.native import load_causal_lm
+from verst.models.scoring import token_logprobs
 from verst.trainer import checkpoint, lora
 from verst.trainer.backend import Batch
 from verst.trainer.batching import (
@@ -54,6 +55,10 @@ class FSDP2Backend:
     checkpoints); `named_weights` gives the merged weights under the base's names, `synced_weights` what
     weight sync pushes (with `lora.sync = "adapter"` the adapter alone), and a reference at the
     model's own path is the same model with its adapters disabled (no second copy of the weights).
+
+    `per_sequence` (`algorithm.true_on_policy`) runs every sequence alone in its own micro-batch, without
+    padding: each logprob then comes from the same forward, shapes and reduction order as the engine's
+    scoring pass (`verst.models.scoring.sequence_logprobs`), bit for bit.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class FSDP2Backend:
         packing: bool | None = None,
         device: str = "auto",
         lora: LoraConfig | None = None,
+        per_sequence: bool = False,
     ):
         if temperature <= 0:
             raise ValueError(f"logprob temperature must be positive, got {temperature}")
@@ -95,6 +101,9 @@ class FSDP2Backend:
         if packing is None:
             packing = self.model.config._attn_implementation.startswith("flash_attention")
         self.packed = packing
+        if per_sequence and packing:
+            raise ValueError("per_sequence micro-batches hold one sequence each; they cannot be packed")
+        self.per_sequence = per_sequence
 
     # ---- model construction ------------------------------------------------------------
     def _build(self, path: str, trainable: bool) -> torch.nn.Module:
@@ -133,7 +142,10 @@ class FSDP2Backend:
         """This rank's share in micro-batches; every rank ends with the same number of them."""
         lengths = [it.length for it in items]
         share = balance_across_ranks(lengths, self.world_size)[self.rank]
-        bins = pack_micro_batches(share, lengths, self.config.max_tokens_per_micro_batch, self.packed)
+        if self.per_sequence:  # each sequence alone, unpadded: the forward the engine scores with
+            bins = [[index] for index in share]
+        else:
+            bins = pack_micro_batches(share, lengths, self.config.max_tokens_per_micro_batch, self.packed)
         count = torch.tensor([len(bins)], dtype=torch.long)
         if self.world_size > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._object_group)
@@ -150,15 +162,12 @@ class FSDP2Backend:
             logits_to_keep=batch.logits_to_keep,
             use_cache=False,
         )
-        logits = out.logits.float()  # [n_resp_tokens, vocab]
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        log_probs = torch.log_softmax(logits, dim=-1)  # [n_resp_tokens, vocab]
-        token_logprobs = log_probs.gather(-1, batch.targets[:, None])[:, 0]  # [n_resp_tokens]
+        # [n_resp_tokens], [n_resp_tokens, vocab]
+        chosen, log_probs = token_logprobs(out.logits, batch.targets, self.temperature)
         entropy = None
         if with_entropy:
             entropy = batch.pad_responses(-(log_probs.exp() * log_probs).sum(-1))
-        return ForwardOutputs(logprobs=batch.pad_responses(token_logprobs), entropy=entropy)
+        return ForwardOutputs(logprobs=batch.pad_responses(chosen), entropy=entropy)
 
     # ---- forward-only logprobs -----------------------------------------------------------
     @torch.no_grad()
