@@ -36,6 +36,7 @@ from verst.trainer.batching import (
 from verst.trainer.distributed import ensure_single_process_group, resolve_device
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
+from verst.trainer.routing import ROUTING_MODES, RoutingReplay
 from verst.trainer.schedule import build_optimizer
 from verst.types import WeightBucket
 
@@ -59,6 +60,10 @@ class FSDP2Backend:
     `per_sequence` (`algorithm.true_on_policy`) runs every sequence alone in its own micro-batch, without
     padding: each logprob then comes from the same forward, shapes and reduction order as the engine's
     scoring pass (`verst.models.scoring.sequence_logprobs`), bit for bit.
+
+    `routing` (`algorithm.routing_replay`, MoE): "measure" counts the policy routers' disagreements with the
+    items' `routed_experts` (`train/routing_mismatch_rate`), "replay" also routes every recorded token to
+    the recorded experts (`verst.trainer.routing`).
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class FSDP2Backend:
         device: str = "auto",
         lora: LoraConfig | None = None,
         per_sequence: bool = False,
+        routing: str = "off",
     ):
         if temperature <= 0:
             raise ValueError(f"logprob temperature must be positive, got {temperature}")
@@ -104,6 +110,9 @@ class FSDP2Backend:
         if per_sequence and packing:
             raise ValueError("per_sequence micro-batches hold one sequence each; they cannot be packed")
         self.per_sequence = per_sequence
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {list(ROUTING_MODES)}, got {routing!r}")
+        self._routing = None if routing == "off" else RoutingReplay(self.model, replay=routing == "replay")
 
     # ---- model construction ------------------------------------------------------------
     def _build(self, path: str, trainable: bool) -> torch.nn.Module:
@@ -156,12 +165,15 @@ class FSDP2Backend:
         return batch.to(self.device)
 
     def _forward(self, model: torch.nn.Module, batch: MicroBatch, with_entropy: bool) -> ForwardOutputs:
-        out = model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            logits_to_keep=batch.logits_to_keep,
-            use_cache=False,
-        )
+        routing = self._routing.forward(batch.routed_experts) if self._routing and model is self.model \
+            else contextlib.nullcontext()
+        with routing:
+            out = model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                logits_to_keep=batch.logits_to_keep,
+                use_cache=False,
+            )
         # [n_resp_tokens], [n_resp_tokens, vocab]
         chosen, log_probs = token_logprobs(out.logits, batch.targets, self.temperature)
         entropy = None
@@ -183,6 +195,7 @@ class FSDP2Backend:
     def _logprobs(
         self, model: torch.nn.Module, items: list[TrainItem], with_entropy: bool
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        self._check_routed(items)
         model.eval()
         mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for indices in self._my_micro_batches(items):
@@ -210,6 +223,9 @@ class FSDP2Backend:
         start = time.perf_counter()
         self._wait_staged()  # a background save's copy of the weights and optimizer state is made first
         items = as_items(batch)
+        self._check_routed(items)
+        if self._routing is not None:
+            self._routing.take_counts()  # this step's forwards only
         total = float(normalizer(pad_right([it.loss_mask for it in items])))
         if not total > 0:
             raise ValueError(f"the global batch's normaliser is {total}: no policy tokens (loss_mask all 0)")
@@ -243,7 +259,25 @@ class FSDP2Backend:
             for key, value in part.items():
                 combine_metric(metrics, key, value, 1.0)  # each rank's part is already weighted
         tokens_per_s = sum(it.length for it in items) / max(elapsed for _, elapsed in parts)
+        metrics |= self._routing_metrics()
         return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr, "perf/train_tokens_per_s": tokens_per_s}
+
+    def _check_routed(self, items: list[TrainItem]) -> None:
+        if self._routing is None or not self._routing.replay:
+            return
+        missing = [it.index for it in items if it.routed_experts is None]
+        if missing:
+            raise ValueError(f"algorithm.routing_replay = 'replay': train items {missing[:5]} carry no routed_experts "
+                             "(the generate fn records them on the samples when the run asks the engines for them)")
+
+    def _routing_metrics(self) -> dict[str, float]:
+        """`train/routing_mismatch_rate`: the share of recorded token-expert choices the policy's own routers
+        did not make in this step's forwards, over all ranks (collective)."""
+        if self._routing is None:
+            return {}
+        counts = self._gather_objects(self._routing.take_counts())
+        mismatched, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        return {"train/routing_mismatch_rate": mismatched / total} if total else {}
 
     def _clip_gradients(self) -> float:
         trained = [p for p in self.model.parameters() if p.requires_grad]
