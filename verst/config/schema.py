@@ -455,6 +455,11 @@ class VerstConfig(Section):
             raise ValueError(
                 f"algorithm.routing_replay = {self.algorithm.routing_replay!r} needs engines that return routed "
                 f"experts on every reply; cluster.engine = {self.cluster.engine!r} is not wired for it, use 'embedded'")
+        if self.algorithm.routing_replay != "off" and self.rollout.agent_fn:
+            raise ValueError(
+                f"algorithm.routing_replay = {self.algorithm.routing_replay!r} records routed experts in the "
+                f"single-turn generate fn; the multi-turn rollout.agent_fn = {self.rollout.agent_fn!r} does not "
+                "record them: set algorithm.routing_replay = 'off'")
         if self.reward.type == "custom" and not self.reward.path:
             raise ValueError("reward.type = 'custom' needs reward.path (an import path)")
         if self.reward.type == "remote" and not self.reward.url:

@@ -26,6 +26,8 @@ from verst.models.scoring import sequence_logprobs
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
+_NO_LORA = ("the engine runs true on-policy, whose scoring pass is the base model's forward; LoRA adapters are "
+            "not served in this mode")
 
 
 class EngineCore:
@@ -84,11 +86,10 @@ class EngineCore:
         self.validate(req)
         if req.rid in self.requests:
             raise InvalidRequest("rid", req.rid, "a request with this rid is still in flight")
+        if (req.lora is not None or req.lora_path is not None) and self.config.true_on_policy:
+            raise InvalidRequest("lora_path", req.lora_path, _NO_LORA)
         if req.lora is None:  # the HTTP layer resolves the name already; direct callers may give it alone
             req.lora = self.loras.get(req.lora_path)
-        if req.lora is not None and self.config.true_on_policy:
-            raise InvalidRequest("lora_path", req.lora_path, "the engine runs true on-policy, whose scoring pass "
-                                 "is the base model's forward; LoRA adapters are not served in this mode")
         if req.sampling.max_new_tokens == 0:
             req.cached_tokens = 0
             self._finish(req, FinishReason("length", length=0))
@@ -215,6 +216,8 @@ class EngineCore:
         """Make `adapter` the one its name serves; the prefix cache forgets the KV of the adapter it replaces.
         Requests in flight on the replaced adapter keep it and finish on it, unless `update_in_flight` (a
         weight sync): then they go on with the new one from their next token, as after a full-weight update."""
+        if self.config.true_on_policy:
+            raise InvalidRequest("lora_name", adapter.name, _NO_LORA)
         old = self.loras.add(adapter)
         if old is not None:
             self.prefix_cache.drop(old.cache_key)
