@@ -246,7 +246,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
             fsdp2_backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
             temperature=temperature, device=orch.device,
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None, lora=cfg.lora,
-            per_sequence=cfg.algorithm.true_on_policy,
+            per_sequence=cfg.algorithm.true_on_policy, routing=cfg.algorithm.routing_replay,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
         engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False)
         rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
