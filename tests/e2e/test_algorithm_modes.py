@@ -9,7 +9,8 @@ from tests.e2e.test_rl_schedules import check_run, ray_session, rl_config, run_s
 from tests.moe_models import near_tie_moe
 
 
-def test_true_on_policy_sync_run_has_exactly_equal_logprobs(ray_session, tiny_model_dir, addition_data_dir, tmp_path):
+def test_true_on_policy_sync_run_has_exactly_equal_logprobs(
+        ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
     """Every step: the trainer's old logprobs (the step's own forward) equal the engine's bit for bit, so
     the mismatch ratio is exactly 1 on every token; the second step's weights reached the engine by sync."""
     cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "sync", "--sync.transport", "disk",
@@ -26,7 +27,7 @@ def near_tie_moe_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", [pytest.param("measure", marks=pytest.mark.slow), "replay"])
-def test_routing_replay_sync_run(ray_session, near_tie_moe_dir, addition_data_dir, tmp_path, mode):
+def test_routing_replay_sync_run(ray_session, near_tie_moe_dir, addition_data_dir, tmp_path, mode):  # noqa: F811
     """The engines' routed experts reach the trainer on the samples; its routers disagree with them on some
     choices (train/routing_mismatch_rate) and, replayed, its logprobs equal the engines' within 1e-6."""
     cfg = rl_config(tmp_path, near_tie_moe_dir, addition_data_dir, "--schedule", "sync", "--sync.transport", "disk",

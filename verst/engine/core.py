@@ -449,7 +449,7 @@ class EngineCore:
         req.phase, req.slot = Phase.FINISHED, None
         req.weight_version = self.weight_version
         req.finished_at = time.monotonic()
-        if self.config.true_on_policy and req.output_ids:
+        if self.config.true_on_policy and req.output_ids and req.finish.type != "abort":
             self._score(req)
         req.text = self._final_text(req)
         self.requests.pop(req.rid, None)
@@ -459,7 +459,7 @@ class EngineCore:
     def _score(self, req: Request) -> None:
         """True on-policy: the output's logprobs from the trainer's forward over the whole sequence alone, at
         the trainer's temperature (greedy: 1). The tokens were sampled from the decode path's logits, which
-        differ from these only by float32 rounding."""
+        differ from these only by float32 rounding. Aborted requests are not scored: they are not trained on."""
         temperature = req.sampling.temperature or 1.0
         req.output_logprobs = sequence_logprobs(self.model, req.prompt_ids + req.output_ids, len(req.output_ids),
                                                 temperature)

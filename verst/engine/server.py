@@ -429,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
         context_length=args.context_length, prefix_cache_tokens=args.prefix_cache_tokens,
         return_routed_experts=args.return_routed_experts, seed=args.seed, model_impl=args.model_impl,
-        true_on_policy=args.true_on_policy, priority_preemption=not args.disable_priority_preemption, max_loaded_loras=args.max_loaded_loras,
+        priority_preemption=not args.disable_priority_preemption, max_loaded_loras=args.max_loaded_loras,
+        true_on_policy=args.true_on_policy,
     )
     core = EngineCore(model, tokenizer, config, weight_version=args.weight_version)
     for spec in args.lora_paths:

@@ -48,8 +48,9 @@ async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
     rid = ctx.state.new_rid(sample)
     ctx.state.in_flight[rid] = sample.index
     try:
-        result = await ctx.engine.generate(prompt_ids, params, rid=rid, return_logprob=True,
-                                           return_routed_experts=ctx.routed_experts_top_k is not None)
+        # asked only when recorded: engines (and test doubles) need not know the option otherwise
+        experts = {"return_routed_experts": True} if ctx.routed_experts_top_k is not None else {}
+        result = await ctx.engine.generate(prompt_ids, params, rid=rid, return_logprob=True, **experts)
     finally:
         ctx.state.in_flight.pop(rid, None)
     record_result(ctx, sample, prompt_ids, result)
