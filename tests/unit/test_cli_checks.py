@@ -199,3 +199,20 @@ def test_resume_takes_the_runs_config_and_passes_preflight(tmp_path, tiny_model_
         preflight(changed, rl=True)
     with pytest.raises(SystemExit):
         parse_config_command("train", ["--resume"], "")
+
+
+def test_preflight_refuses_the_model_modes_the_checkpoint_cannot_carry(tmp_path, tiny_model_dir, addition_data_dir):
+    from verst.models.factory import init_model
+
+    cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir, "--algorithm.routing-replay", "measure")
+    with pytest.raises(PreflightError) as error:
+        preflight(cfg, rl=True)
+    assert [line.strip() for line in str(error.value).splitlines()[1:]] == [
+        f"algorithm.routing_replay = 'measure' needs an MoE model; model.path = {str(tiny_model_dir)!r} "
+        "(model_type 'qwen3') has no expert router"]
+    moe = init_model("qwen3-moe", "tiny", tmp_path / "moe")
+    preflight(good_config(tmp_path, moe, addition_data_dir, "--algorithm.routing-replay", "replay"), rl=True)
+    cfg = good_config(tmp_path, moe, addition_data_dir, "--algorithm.true-on-policy", "true")
+    with pytest.raises(PreflightError, match="algorithm.true_on_policy = true needs a model the native class covers; "
+                       f"model.path = {str(moe)!r}: model_type 'qwen3_moe' is not one of"):
+        preflight(cfg, rl=True)

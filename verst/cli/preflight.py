@@ -6,10 +6,12 @@ its field and path. Fast (no torch, no transformers), so `--dry-run` runs them t
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from verst.config import VerstConfig
 from verst.models.loader import check_checkpoint_dir, check_same_tokenizer
+from verst.models.native_config import native_config_reason
 from verst.monitor import RunDirError, check_run_dir
 from verst.monitor.checkpoints import CheckpointError, check_resume_config, resolve
 
@@ -58,6 +60,7 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
         if cfg.reward.type == "custom":
             imports["reward.path"] = cfg.reward.path
         algo = cfg.algorithm
+        problems += _model_mode_problems(cfg)
         imports |= {"algorithm.mismatch_fn": algo.mismatch_fn, "algorithm.policy_loss_fn": algo.policy_loss_fn,
                     "algorithm.loss_reducer": algo.loss_reducer}
     for field, path in imports.items():
@@ -69,6 +72,24 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
         problems.append(str(error))
     if problems:
         raise PreflightError("the config names things that are not there:\n  " + "\n  ".join(problems))
+
+
+def _model_mode_problems(cfg: VerstConfig) -> list[str]:
+    """`algorithm.routing_replay` needs an MoE checkpoint; `algorithm.true_on_policy` one the native model
+    class covers (the engine's scoring pass is the trainer's native forward)."""
+    algo, config_file = cfg.algorithm, Path(cfg.model.path) / "config.json"
+    if (algo.routing_replay == "off" and not algo.true_on_policy) or not config_file.is_file():
+        return []  # a missing checkpoint is reported by check_checkpoint_dir
+    config = json.loads(config_file.read_text())
+    problems = []
+    if algo.routing_replay != "off" and not config.get("num_experts_per_tok"):
+        problems.append(f"algorithm.routing_replay = {algo.routing_replay!r} needs an MoE model; model.path = "
+                        f"{cfg.model.path!r} (model_type {config.get('model_type')!r}) has no expert router")
+    reason = native_config_reason(config) if algo.true_on_policy else None
+    if reason is not None:
+        problems.append(f"algorithm.true_on_policy = true needs a model the native class covers; model.path = "
+                        f"{cfg.model.path!r}: {reason}")
+    return problems
 
 
 def _missing_file(field: str, path: str | None) -> list[str]:

@@ -172,6 +172,14 @@ class AlgorithmConfig(Section):
         None, description="Import path of a custom loss reducer (docs/plugins.md); replaces loss_aggregation's "
         "reduction of every loss term (metrics keep it).",
     )
+    routing_replay: Literal["off", "measure", "replay"] = Field(
+        "off", description="MoE (R3): the engines record each token's routed experts on the samples; measure "
+        "logs train/routing_mismatch_rate, replay also makes the trainer's MoE layers use exactly those experts.",
+    )
+    true_on_policy: bool = Field(
+        False, description="The engines report logprobs from the trainer's own forward (each sequence alone), "
+        "bitwise equal to the trainer's; CPU float32, native model, embedded engines, no LoRA (docs/algorithms.md).",
+    )
 
     @property
     def needs_reference(self) -> bool:
@@ -411,6 +419,25 @@ class FaultConfig(Section):
 Schedule = Literal["sync", "one_step_off", "fully_async"]
 
 
+def _check_true_on_policy(cfg: VerstConfig) -> None:
+    """`algorithm.true_on_policy` holds only where engine and trainer can run the same CPU float32 forward."""
+    if not cfg.algorithm.true_on_policy:
+        return
+    refusals = {
+        "model.dtype": (cfg.model.dtype, cfg.model.dtype != "float32", "float32"),
+        "model.impl": (cfg.model.impl, cfg.model.impl == "transformers", "'native' or 'auto'"),
+        "cluster.engine": (cfg.cluster.engine, cfg.cluster.engine != "embedded", "'embedded'"),
+        "cluster.device": (cfg.cluster.device, cfg.cluster.device == "cuda", "'cpu' or 'auto'"),
+        "lora.enabled": (cfg.lora.enabled, cfg.lora.enabled, "false"),
+        "algorithm.routing_replay": (cfg.algorithm.routing_replay, cfg.algorithm.routing_replay != "off", "'off'"),
+    }
+    for field, (value, refused, needed) in refusals.items():
+        if refused:
+            raise ValueError(
+                f"algorithm.true_on_policy = true needs {field} = {needed} (the engine and the trainer run the same "
+                f"CPU float32 native forward); got {field} = {value!r}")
+
+
 class VerstConfig(Section):
     name: str = Field("run", min_length=1, description="Run name; the run directory is runs/<name> by default.")
     run_dir: str | None = Field(None, description="Run directory; default runs/<name>.")
@@ -468,6 +495,16 @@ class VerstConfig(Section):
                 f"lora.sync = 'adapter' with sync.transport = {self.sync.transport!r}: only the embedded engine loads "
                 f"an adapter from pushed tensors, not cluster.engine = {self.cluster.engine!r}; use sync.transport = "
                 "'disk' (an adapter directory loaded with /load_lora_adapter) or lora.sync = 'merged'")
+        _check_true_on_policy(self)
+        if self.algorithm.routing_replay != "off" and self.cluster.engine != "embedded":
+            raise ValueError(
+                f"algorithm.routing_replay = {self.algorithm.routing_replay!r} needs engines that return routed "
+                f"experts on every reply; cluster.engine = {self.cluster.engine!r} is not wired for it, use 'embedded'")
+        if self.algorithm.routing_replay != "off" and self.rollout.agent_fn:
+            raise ValueError(
+                f"algorithm.routing_replay = {self.algorithm.routing_replay!r} records routed experts in the "
+                f"single-turn generate fn; the multi-turn rollout.agent_fn = {self.rollout.agent_fn!r} does not "
+                "record them: set algorithm.routing_replay = 'off'")
         if self.reward.type == "custom" and not self.reward.path:
             raise ValueError("reward.type = 'custom' needs reward.path (an import path)")
         if self.reward.type == "remote" and not self.reward.url:

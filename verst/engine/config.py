@@ -30,6 +30,9 @@ class EngineConfig:
     priority_preemption: bool = True
     # LoRA adapters resident at once (SGLang's max_loaded_loras); the base model is always served besides.
     max_loaded_loras: int = 8
+    # True on-policy: a finished request's logprobs are recomputed by the trainer's forward over the whole
+    # sequence alone (`verst.models.scoring`), so they equal the trainer's bit for bit. CPU float32 native only.
+    true_on_policy: bool = False
 
     def __post_init__(self) -> None:
         if self.min_prefill_batch is None:

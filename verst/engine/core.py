@@ -22,9 +22,12 @@ from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, Phase, Request
 from verst.engine.sampling import RowSampling, sample
 from verst.inference_client.protocol import InvalidRequest
+from verst.models.scoring import sequence_logprobs
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
+_NO_LORA = ("the engine runs true on-policy, whose scoring pass is the base model's forward; LoRA adapters are "
+            "not served in this mode")
 
 
 class EngineCore:
@@ -54,6 +57,8 @@ class EngineCore:
         self.weight_version = weight_version
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.counters = collections.Counter()
+        if self.config.true_on_policy:
+            _check_true_on_policy(self.model)
 
     # ---- requests ------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -81,6 +86,8 @@ class EngineCore:
         self.validate(req)
         if req.rid in self.requests:
             raise InvalidRequest("rid", req.rid, "a request with this rid is still in flight")
+        if (req.lora is not None or req.lora_path is not None) and self.config.true_on_policy:
+            raise InvalidRequest("lora_path", req.lora_path, _NO_LORA)
         if req.lora is None:  # the HTTP layer resolves the name already; direct callers may give it alone
             req.lora = self.loras.get(req.lora_path)
         if req.logprob_start_len >= 0:
@@ -214,6 +221,8 @@ class EngineCore:
         """Make `adapter` the one its name serves; the prefix cache forgets the KV of the adapter it replaces.
         Requests in flight on the replaced adapter keep it and finish on it, unless `update_in_flight` (a
         weight sync): then they go on with the new one from their next token, as after a full-weight update."""
+        if self.config.true_on_policy:
+            raise InvalidRequest("lora_name", adapter.name, _NO_LORA)
         old = self.loras.add(adapter)
         if old is not None:
             self.prefix_cache.drop(old.cache_key)
@@ -445,10 +454,21 @@ class EngineCore:
         req.phase, req.slot = Phase.FINISHED, None
         req.weight_version = self.weight_version
         req.finished_at = time.monotonic()
+        if self.config.true_on_policy and req.output_ids and req.finish.type != "abort":
+            self._score(req)
         req.text = self._final_text(req)
         self.requests.pop(req.rid, None)
         self.counters[f"finished_{req.finish.type}"] += 1
         self._notify(req.on_finish, req)
+
+    def _score(self, req: Request) -> None:
+        """True on-policy: the output's logprobs from the trainer's forward over the whole sequence alone, at
+        the trainer's temperature (greedy: 1). The tokens were sampled from the decode path's logits, which
+        differ from these only by float32 rounding. Aborted requests are not scored: they are not trained on."""
+        temperature = req.sampling.temperature or 1.0
+        req.output_logprobs = sequence_logprobs(self.model, req.prompt_ids + req.output_ids, len(req.output_ids),
+                                                temperature)
+        self.counters["scored_tokens"] += len(req.output_ids) + len(req.prompt_ids)
 
     def _notify(self, callback: Any, req: Request) -> None:
         """A listener that fails (its HTTP client is gone) must not stop the batch; counted, then dropped."""
@@ -499,6 +519,17 @@ class EngineCore:
             req.tokens()[:length], lambda: self.runner.cache.read_row(slot, length), req.experts_array(),
             _namespace(req),
         )
+
+
+def _check_true_on_policy(model: Any) -> None:
+    """True on-policy needs the trainer's own forward in float32 on the CPU: the native model class."""
+    from verst.models.native import NativeCausalLM
+
+    param = next(model.parameters())
+    if not isinstance(model, NativeCausalLM) or param.dtype != torch.float32 or param.device.type != "cpu":
+        raise ValueError(
+            f"EngineConfig.true_on_policy needs the native model class in float32 on the CPU (the trainer's "
+            f"forward); got {type(model).__name__} in {param.dtype} on {param.device.type}")
 
 
 def _namespace(req: Request) -> str | None:

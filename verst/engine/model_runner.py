@@ -173,12 +173,15 @@ class ModelRunner:
         return {"full_attention": full, "sliding_attention": sliding}
 
     def _routed_experts(
-        self, router_logits: list[torch.Tensor], batch: int, width: int, lengths: list[int]
+        self, router_outputs: list[torch.Tensor], batch: int, width: int, lengths: list[int]
     ) -> list[np.ndarray]:
-        if len(router_logits) != self.moe_layers:
-            raise RuntimeError(f"captured {len(router_logits)} router outputs, expected {self.moe_layers} MoE layers")
-        stacked = torch.stack([r.reshape(batch, width, -1) for r in router_logits], dim=2)  # [b, seq, layers, E]
-        chosen = stacked.topk(self.moe_top_k, dim=-1).indices.to(torch.int32).cpu().numpy()
+        if len(router_outputs) != self.moe_layers:
+            raise RuntimeError(f"captured {len(router_outputs)} router outputs, expected {self.moe_layers} MoE layers")
+        stacked = torch.stack([r.reshape(batch, width, -1) for r in router_outputs], dim=2)  # [b, seq, layers, *]
+        if not stacked.dtype.is_floating_point:  # the routers' own choices
+            chosen = stacked.to(torch.int32).cpu().numpy()
+        else:  # router logits: their top-k
+            chosen = stacked.topk(self.moe_top_k, dim=-1).indices.to(torch.int32).cpu().numpy()
         return [chosen[i, width - n :] for i, n in enumerate(lengths)]
 
 
@@ -230,11 +233,13 @@ def _left_pad(pending: list[list[int]], starts: list[int], width: int) -> tuple[
 
 
 def _hook_routers(model: Any, sink: list[torch.Tensor]) -> int:
-    """Record every MoE router's logits into `sink` during forwards; returns the number of routers.
+    """Record what every MoE router chose into `sink` during forwards; returns the number of routers.
 
     transformers declares where router logits come from (`_can_record_outputs["router_logits"]`); hooking
     those modules directly avoids `output_router_logits=True`, whose auxiliary loss cannot take a 4-D mask.
-    Routed experts are then the top-k of these logits: exact for softmax top-k routers (Qwen3-MoE, Mixtral).
+    A router returning `(logits, weights, indices)` (Qwen3-MoE's) is recorded by its indices, the experts
+    its layer ran, even where two experts' probabilities tie in float32 while their logits do not; other
+    routers by their logits, whose top-k is then the choice of a softmax top-k router.
     """
     spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
     if spec is None:
@@ -244,7 +249,10 @@ def _hook_routers(model: Any, sink: list[torch.Tensor]) -> int:
     routers = [m for m in model.modules() if isinstance(target, type) and isinstance(m, target)]
 
     def record(module: Any, inputs: Any, output: Any) -> None:
-        sink.append(output[index] if isinstance(output, (tuple, list)) else output)
+        if isinstance(output, (tuple, list)):
+            sink.append(output[2] if len(output) == 3 else output[index])
+        else:
+            sink.append(output)
 
     for module in routers:
         module.register_forward_hook(record)

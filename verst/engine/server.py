@@ -367,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="0", help="version string of the loaded weights")
     p.add_argument("--return-routed-experts", action="store_true",
                    help="MoE: put routed experts in every reply (sglang-router drops the per-request field)")
+    p.add_argument("--true-on-policy", action="store_true",
+                   help="report each output's logprobs from the trainer's forward over the whole sequence alone "
+                        "(bitwise equal to the trainer's; native model, float32, CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--disable-priority-preemption", action="store_true",
@@ -428,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         context_length=args.context_length, prefix_cache_tokens=args.prefix_cache_tokens,
         return_routed_experts=args.return_routed_experts, seed=args.seed, model_impl=args.model_impl,
         priority_preemption=not args.disable_priority_preemption, max_loaded_loras=args.max_loaded_loras,
+        true_on_policy=args.true_on_policy,
     )
     core = EngineCore(model, tokenizer, config, weight_version=args.weight_version)
     for spec in args.lora_paths:

@@ -48,7 +48,9 @@ async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
     rid = ctx.state.new_rid(sample)
     ctx.state.in_flight[rid] = sample.index
     try:
-        result = await ctx.engine.generate(prompt_ids, params, rid=rid, return_logprob=True)
+        # asked only when recorded: engines (and test doubles) need not know the option otherwise
+        experts = {"return_routed_experts": True} if ctx.routed_experts_top_k is not None else {}
+        result = await ctx.engine.generate(prompt_ids, params, rid=rid, return_logprob=True, **experts)
     finally:
         ctx.state.in_flight.pop(rid, None)
     record_result(ctx, sample, prompt_ids, result)
@@ -91,6 +93,12 @@ def record_result(ctx: RolloutContext, sample: Sample, prompt_ids: list[int], re
     sample.response_length = n
     sample.loss_mask = [1] * n
     sample.rollout_logprobs = list(result.logprobs)
+    if ctx.routed_experts_top_k is not None:
+        experts = result.routed_experts(ctx.routed_experts_top_k)
+        if experts is None:
+            raise ValueError(f"engine reply for rid {result.rid!r} carries no routed_experts; algorithm.routing_replay "
+                             "needs engines that return them")
+        sample.routed_experts = experts.tolist()  # [len(tokens) - 1, moe_layers, top_k]: prompt and output
     # Staleness counts from the oldest weights behind any token, not the version that finished the call;
     # a weight sync inside the call adds the newest too, so `rollout/mixed_version_ratio` sees it.
     sample.weight_versions.append(result.oldest_weight_version)

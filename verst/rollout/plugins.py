@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import inspect
 import itertools
+import json
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -169,6 +170,17 @@ class RolloutState:
         return self._limiter[1]
 
 
+def routed_experts_top_k(cfg: VerstConfig) -> int | None:
+    """The policy's experts per token when `algorithm.routing_replay` records routed experts, else None."""
+    if cfg.algorithm.routing_replay == "off":
+        return None
+    config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    if not config.get("num_experts_per_tok"):
+        raise ValueError(f"algorithm.routing_replay = {cfg.algorithm.routing_replay!r} needs an MoE model; "
+                         f"model.path = {cfg.model.path!r} has no num_experts_per_tok")
+    return int(config["num_experts_per_tok"])
+
+
 @dataclasses.dataclass
 class RolloutContext:
     """Everything a rollout fn, generate fn or reward hook needs; built once per run.
@@ -199,6 +211,9 @@ class RolloutContext:
     max_rounds: int = 32  # over-sampling rounds per step before a step that cannot fill its batch fails
     abort_timeout_s: float = 10.0  # end of step: wait this long for aborted requests, then cancel them
     state: RolloutState = dataclasses.field(default_factory=RolloutState)
+    # MoE routing replay: the policy's experts per token (num_experts_per_tok) when the samples record the
+    # engines' routed experts (`algorithm.routing_replay`); None: they do not
+    routed_experts_top_k: int | None = None
     # what plug-ins build lazily and share across calls (the agentic generate fn's session server), by
     # name; `aclose` closes every value with an `aclose()`. Copies of the context share the dict.
     resources: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -236,7 +251,7 @@ class RolloutContext:
         cls, cfg: VerstConfig, engine: Any, tokenizer: Any, source: DataSource | None, **overrides: Any
     ) -> RolloutContext:
         settings = dict(max_rounds=cfg.rollout.max_over_sampling_rounds, abort_timeout_s=cfg.rollout.abort_timeout_s,
-                        dump_dir=cfg.rollout.dump_dir)
+                        dump_dir=cfg.rollout.dump_dir, routed_experts_top_k=routed_experts_top_k(cfg))
         return cls(engine=engine, tokenizer=tokenizer, rollout=cfg.rollout, data=cfg.data, reward=cfg.reward,
                    source=source, **{**settings, **overrides})
 

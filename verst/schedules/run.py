@@ -208,6 +208,20 @@ class RLRun(EvaluationSteps):
         return summary
 
 
+def engine_args(cfg: VerstConfig, device: str | None) -> list[str]:
+    """The engine servers' command line for a run: weights version 0, the model class, and the modes of
+    `algorithm` the engines carry out (true on-policy scoring, routed experts on every reply)."""
+    args = ["--weight-version", "0", "--model-impl", cfg.model.impl]
+    if cfg.algorithm.true_on_policy:
+        if device == "cuda":
+            raise ValueError("algorithm.true_on_policy = true holds on the CPU only (float32 CPU kernels on both "
+                             "sides); cluster.device = 'auto' chose cuda here: set cluster.device = 'cpu'")
+        args.append("--true-on-policy")
+    if cfg.algorithm.routing_replay != "off":
+        args.append("--return-routed-experts")
+    return args
+
+
 @contextlib.asynccontextmanager
 async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRun]:
     """Start every part of an RL run; stop all on exit. The engines, the rollout manager's process and the
@@ -238,9 +252,9 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
             temperature=temperature, device=orch.device,
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None, lora=cfg.lora,
             critic=cfg.critic if cfg.algorithm.needs_critic else None,
+            per_sequence=cfg.algorithm.true_on_policy, routing=cfg.algorithm.routing_replay,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
-        engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0", "--model-impl", cfg.model.impl],
-                                     wait=False)
+        engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False)
         teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=["--model-impl", cfg.model.impl],
                                              wait=False) if teachers else None
         rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),

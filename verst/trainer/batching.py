@@ -35,6 +35,8 @@ class MicroBatch:
     response_lengths: torch.Tensor  # [n_seq] int64
     loss_mask: torch.Tensor  # [n_seq, max_resp] float32
     extras: dict[str, torch.Tensor]  # each [n_seq, max_resp] float32
+    # MoE: the engine's expert choices aligned with input_ids, -1 where none (padding, last tokens)
+    routed_experts: torch.Tensor | None = None  # [rows, width, moe_layers, top_k] int64
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.extras:
@@ -60,6 +62,8 @@ class MicroBatch:
             if isinstance(value, torch.Tensor):
                 moved[name] = value.to(device, non_blocking=True)
         moved["extras"] = {k: v.to(device, non_blocking=True) for k, v in self.extras.items()}
+        if self.routed_experts is not None:
+            moved["routed_experts"] = self.routed_experts.to(device, non_blocking=True)
         return MicroBatch(**moved)
 
 
@@ -163,6 +167,7 @@ def collate(items: list[TrainItem], indices: list[int], packed: bool) -> MicroBa
         position_ids[r, offset:] = torch.arange(width - offset)
     chosen = [items[i] for i in indices]
     return MicroBatch(
+        routed_experts=_routed_experts(items, rows, width),
         indices=list(indices),
         input_ids=input_ids,
         position_ids=position_ids,
@@ -172,6 +177,23 @@ def collate(items: list[TrainItem], indices: list[int], packed: bool) -> MicroBa
         loss_mask=pad_right([it.loss_mask for it in chosen]),
         extras={name: pad_right([it.extras[name] for it in chosen]) for name in chosen[0].extras},
     )
+
+
+def _routed_experts(items: list[TrainItem], rows: list[list[int]], width: int) -> torch.Tensor | None:
+    """The items' recorded expert choices laid out like the input ids [rows, width, layers, top_k], -1
+    elsewhere; None when no item carries any."""
+    recorded = [items[i].routed_experts for row in rows for i in row if items[i].routed_experts is not None]
+    if not recorded:
+        return None
+    out = torch.full((len(rows), width, *recorded[0].shape[1:]), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            experts = items[i].routed_experts
+            if experts is not None:
+                out[r, offset : offset + len(experts)] = experts
+            offset += items[i].length
+    return out
 
 
 def dummy_micro_batch(like: TrainItem) -> MicroBatch:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from verst.config.schema import CriticConfig, LoraConfig, ModelConfig, TrainerConfig
 from verst.models.native import load_causal_lm
+from verst.models.scoring import token_logprobs
 from verst.trainer import checkpoint, lora
 from verst.trainer.backend import Batch
 from verst.trainer.batching import (
@@ -37,6 +38,7 @@ from verst.trainer.critic import Critic, add_value_head, check_same_vocabulary, 
 from verst.trainer.distributed import ensure_single_process_group, resolve_device
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
+from verst.trainer.routing import ROUTING_MODES, RoutingReplay
 from verst.trainer.schedule import build_optimizer
 from verst.types import WeightBucket
 
@@ -60,6 +62,14 @@ class FSDP2Backend:
     With `critic` (PPO), a value model (`verst.trainer.critic`) is sharded next to the policy on the same
     ranks, initialised from `critic.model_path` or the policy's checkpoint, with full weights whatever
     `lora` says; `values` and `train_critic` run it, checkpoints hold it, exports and weight sync leave it out.
+
+    `per_sequence` (`algorithm.true_on_policy`) runs every sequence alone in its own micro-batch, without
+    padding: each logprob then comes from the same forward, shapes and reduction order as the engine's
+    scoring pass (`verst.models.scoring.sequence_logprobs`), bit for bit.
+
+    `routing` (`algorithm.routing_replay`, MoE): "measure" counts the policy routers' disagreements with the
+    items' `routed_experts` (`train/routing_mismatch_rate`), "replay" also routes every recorded token to
+    the recorded experts (`verst.trainer.routing`).
     """
 
     def __init__(
@@ -74,6 +84,8 @@ class FSDP2Backend:
         device: str = "auto",
         lora: LoraConfig | None = None,
         critic: CriticConfig | None = None,
+        per_sequence: bool = False,
+        routing: str = "off",
     ):
         if temperature <= 0:
             raise ValueError(f"logprob temperature must be positive, got {temperature}")
@@ -107,6 +119,12 @@ class FSDP2Backend:
         if packing is None:
             packing = self.model.config._attn_implementation.startswith("flash_attention")
         self.packed = packing
+        if per_sequence and packing:
+            raise ValueError("per_sequence micro-batches hold one sequence each; they cannot be packed")
+        self.per_sequence = per_sequence
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {list(ROUTING_MODES)}, got {routing!r}")
+        self._routing = None if routing == "off" else RoutingReplay(self.model, replay=routing == "replay")
 
     # ---- model construction ------------------------------------------------------------
     def _build(self, path: str, trainable: bool, value_head: bool = False) -> torch.nn.Module:
@@ -148,7 +166,10 @@ class FSDP2Backend:
         """This rank's share in micro-batches; every rank ends with the same number of them."""
         lengths = [it.length for it in items]
         share = balance_across_ranks(lengths, self.world_size)[self.rank]
-        bins = pack_micro_batches(share, lengths, self.config.max_tokens_per_micro_batch, self.packed)
+        if self.per_sequence:  # each sequence alone, unpadded: the forward the engine scores with
+            bins = [[index] for index in share]
+        else:
+            bins = pack_micro_batches(share, lengths, self.config.max_tokens_per_micro_batch, self.packed)
         count = torch.tensor([len(bins)], dtype=torch.long)
         if self.world_size > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._object_group)
@@ -159,21 +180,21 @@ class FSDP2Backend:
         return batch.to(self.device)
 
     def _forward(self, model: torch.nn.Module, batch: MicroBatch, with_entropy: bool) -> ForwardOutputs:
-        out = model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            logits_to_keep=batch.logits_to_keep,
-            use_cache=False,
-        )
-        logits = out.logits.float()  # [n_resp_tokens, vocab]
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        log_probs = torch.log_softmax(logits, dim=-1)  # [n_resp_tokens, vocab]
-        token_logprobs = log_probs.gather(-1, batch.targets[:, None])[:, 0]  # [n_resp_tokens]
+        routing = self._routing.forward(batch.routed_experts) if self._routing and model is self.model \
+            else contextlib.nullcontext()
+        with routing:
+            out = model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                logits_to_keep=batch.logits_to_keep,
+                use_cache=False,
+            )
+        # [n_resp_tokens], [n_resp_tokens, vocab]
+        chosen, log_probs = token_logprobs(out.logits, batch.targets, self.temperature)
         entropy = None
         if with_entropy:
             entropy = batch.pad_responses(-(log_probs.exp() * log_probs).sum(-1))
-        return ForwardOutputs(logprobs=batch.pad_responses(token_logprobs), entropy=entropy)
+        return ForwardOutputs(logprobs=batch.pad_responses(chosen), entropy=entropy)
 
     # ---- forward-only logprobs -----------------------------------------------------------
     @torch.no_grad()
@@ -189,6 +210,7 @@ class FSDP2Backend:
     def _logprobs(
         self, model: torch.nn.Module, items: list[TrainItem], with_entropy: bool
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        self._check_routed(items)
         model.eval()
         fields = ("logprobs", "entropy") if with_entropy else ("logprobs",)
         rows = self._per_item(items, functools.partial(self._forward, model, with_entropy=with_entropy), fields)
@@ -232,11 +254,15 @@ class FSDP2Backend:
         normalizer: Normalizer = count_policy_tokens,
         with_entropy: bool = False,
     ) -> dict[str, float]:
+        items = as_items(batch)
+        self._check_routed(items)
+        if self._routing is not None:
+            self._routing.take_counts()  # this step's forwards only
         forward = functools.partial(self._forward, self.model, with_entropy=with_entropy)
         metrics = self._optimizer_step(self.model, self.optimizer, self.scheduler, self.config.grad_clip,
-                                       as_items(batch), loss_fn, normalizer, forward)
+                                       items, loss_fn, normalizer, forward)
         self._step += 1
-        return metrics
+        return metrics | self._routing_metrics()
 
     def train_critic(self, batch: Batch, loss_fn: LossFn, *, normalizer: Normalizer = count_policy_tokens
                      ) -> dict[str, float]:
@@ -290,6 +316,23 @@ class FSDP2Backend:
                 combine_metric(metrics, key, value, 1.0)  # each rank's part is already weighted
         tokens_per_s = sum(it.length for it in items) / max(elapsed for _, elapsed in parts)
         return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr, "perf/train_tokens_per_s": tokens_per_s}
+
+    def _check_routed(self, items: list[TrainItem]) -> None:
+        if self._routing is None or not self._routing.replay:
+            return
+        missing = [it.index for it in items if it.routed_experts is None]
+        if missing:
+            raise ValueError(f"algorithm.routing_replay = 'replay': train items {missing[:5]} carry no routed_experts "
+                             "(the generate fn records them on the samples when the run asks the engines for them)")
+
+    def _routing_metrics(self) -> dict[str, float]:
+        """`train/routing_mismatch_rate`: the share of recorded token-expert choices the policy's own routers
+        did not make in this step's forwards, over all ranks (collective)."""
+        if self._routing is None:
+            return {}
+        counts = self._gather_objects(self._routing.take_counts())
+        mismatched, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        return {"train/routing_mismatch_rate": mismatched / total} if total else {}
 
     def _clip_gradients(self, model: torch.nn.Module, grad_clip: float) -> float:
         trained = [p for p in model.parameters() if p.requires_grad]

@@ -29,6 +29,8 @@ class TrainItem:
     of length `response_length` (tensor or list; a scalar is broadcast to every token), stored as
     float32; the loss fn reads them as `batch[name]`, padded to `[mb, resp_len]`.
     `index` is the item's position in the caller's list (results come back in that order).
+    `routed_experts`: MoE, the engine's expert choices for every token but the last (the sample's
+    `routed_experts`), which routing replay feeds to the trainer's routers.
     """
 
     tokens: torch.Tensor  # [len] int64: prompt + response ids
@@ -36,9 +38,12 @@ class TrainItem:
     loss_mask: torch.Tensor  # [response_length] float32: 1 on policy tokens, 0 on env/tool tokens
     extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # each [response_length]
     index: int = 0
+    routed_experts: torch.Tensor | None = None  # [len - 1, moe_layers, top_k] int64
 
     def __post_init__(self) -> None:
         self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
+        if self.routed_experts is not None:
+            self.routed_experts = torch.as_tensor(self.routed_experts, dtype=torch.long)
         self.loss_mask = torch.as_tensor(self.loss_mask, dtype=torch.float32)
         self.extras = {k: _per_token(self.index, k, v, self.response_length) for k, v in self.extras.items()}
         self.validate()
@@ -64,13 +69,17 @@ class TrainItem:
             raise TrainItemError(
                 f"{where}: loss_mask has shape {tuple(self.loss_mask.shape)}, expected ({self.response_length},)"
             )
+        experts = self.routed_experts
+        if experts is not None and (experts.dim() != 3 or experts.shape[0] != self.length - 1):
+            raise TrainItemError(f"{where}: routed_experts has shape {tuple(experts.shape)}, expected "
+                                 f"({self.length - 1}, moe_layers, top_k): one row per token but the last")
         return self
 
     @classmethod
     def from_sample(cls, sample: Sample, index: int, **extras: Any) -> TrainItem:
         """An item from a Sample; `extras` values are per-token arrays or scalars (broadcast)."""
         merged = {ROLLOUT_LOGPROBS: sample.rollout_logprobs, **extras}
-        return cls(sample.tokens, sample.response_length, sample.loss_mask, merged, index)
+        return cls(sample.tokens, sample.response_length, sample.loss_mask, merged, index, sample.routed_experts)
 
 
 def make_items(samples: Sequence[Sample], **extras: Sequence[Any]) -> list[TrainItem]:

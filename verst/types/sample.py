@@ -33,7 +33,8 @@ class Sample:
     tokens the policy sampled, 0 / 0.0 on environment and tool tokens inserted between turns.
     `weight_versions` gets one entry per engine call (the oldest version behind its tokens), and the
     single-turn generate fn adds the call's newest when a weight sync fell inside it; staleness is
-    measured from the oldest one. `routed_experts` (MoE) is `[len(tokens) - 1][layers][top_k]`.
+    measured from the oldest one. `routed_experts` (MoE) is `[len(tokens) - 1][layers][top_k]`: the experts
+    the engine ran for every token but the last, prompt included (`algorithm.routing_replay`).
     `teacher_logprobs` (on-policy distillation) are a teacher model's logprobs of the response tokens,
     aligned with the response like `rollout_logprobs` (0.0 on environment tokens); None without a teacher.
     """
