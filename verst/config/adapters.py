@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 if TYPE_CHECKING:
-    from verst.config.schema import LoraAdapterConfig, VerstConfig
+    from verst.config.schema import LoraAdapterConfig, LoraConfig, VerstConfig
 
 MULTI_LORA_SCHEDULES = ("sync", "fully_async")
 MAX_ADAPTERS = 8  # the embedded engine's default --max-loaded-loras: every adapter stays resident
@@ -83,3 +83,14 @@ def _find(cfg: VerstConfig, name: str) -> LoraAdapterConfig:
         if adapter.name == name:
             return adapter
     raise KeyError(f"lora.adapters has no adapter {name!r}; its adapters: {adapter_names(cfg)}")
+
+
+def adapter_lora_configs(lora: LoraConfig) -> dict[str, LoraConfig]:
+    """Each adapter of `lora.adapters` as a single-adapter `LoraConfig` (its overrides on `lora`'s settings),
+    by name, in order; empty without adapters."""
+    out = {}
+    for adapter in lora.adapters:
+        overrides = {key: value for key in ("rank", "alpha", "dropout", "target_modules")
+                     if (value := getattr(adapter, key)) is not None}
+        out[adapter.name] = lora.model_copy(update={"name": adapter.name, "adapters": [], **overrides})
+    return out
