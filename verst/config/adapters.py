@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from verst.config.arithmetic import batch_plan
+
 if TYPE_CHECKING:
     from verst.config.schema import LoraAdapterConfig, LoraConfig, VerstConfig
 
@@ -68,14 +70,22 @@ def check_adapters(cfg: VerstConfig) -> None:
     if cfg.eval.backend is not None:
         raise ValueError(f"eval.backend = {cfg.eval.backend!r} with lora.adapters: evaluation snapshots hold one "
                          "policy; multi-LoRA runs evaluate each adapter on the rollout engines")
+    if cfg.sync.interval != 1:
+        raise ValueError(f"sync.interval = {cfg.sync.interval} with lora.adapters: each adapter's step is pushed "
+                         "under its own name right after it; use sync.interval = 1")
     for index, adapter in enumerate(lora.adapters):
         if isinstance(adapter.target_modules, list) and not [m for m in adapter.target_modules if m.strip()]:
             raise ValueError(f"lora.adapters[{index}].target_modules = {adapter.target_modules} names no module")
         try:
-            adapter_run_config(cfg, adapter.name)
+            own = adapter_run_config(cfg, adapter.name)
         except ValidationError as error:
             problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in error.errors())
             raise ValueError(f"lora.adapters[{index}] ({adapter.name!r}): {problems}") from None
+        steps = batch_plan(own).train_steps_per_rollout
+        if cfg.schedule == "sync" and steps != 1:
+            raise ValueError(f"lora.adapters[{index}] ({adapter.name!r}): {steps} optimizer steps per rollout batch; "
+                             "the sync schedule interleaves adapters one step per rollout batch: set its "
+                             "global_batch_size to its batch_size x n_samples_per_prompt")
 
 
 def _find(cfg: VerstConfig, name: str) -> LoraAdapterConfig:

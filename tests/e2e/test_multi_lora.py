@@ -1,0 +1,92 @@
+"""Multi-LoRA end to end on the tiny model: two adapters on two tasks (addition, reversal) in one fully async
+run on shared engines, each with its own data, reward and optimizer; metrics under lora/<name>/, each sync
+the adapter's own bytes, every adapter in the checkpoint and the export, and a resume that goes on."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.e2e.test_rl_schedules import ray_session, rl_args, run_schedule  # noqa: F401  (the module's Ray session)
+from tests.metrics_doc import undocumented
+from verst.config import load_config
+from verst.monitor import read_metrics
+
+NAMES = ("add", "rev")
+
+
+@pytest.fixture(scope="module")
+def reversal_data_dir(tmp_path_factory):
+    from verst.data import make_splits, write_jsonl
+
+    out = tmp_path_factory.mktemp("data") / "reversal"
+    train, test = make_splits("reversal", n_train=500, n_test=50, seed=0)
+    write_jsonl(train, out / "train.jsonl")
+    write_jsonl(test, out / "test.jsonl")
+    return out
+
+
+def recipe(path: Path, rev_data: Path) -> Path:
+    """Two adapters: add on the run's data (addition, numeric_match), rev on reversal with exact_match, a
+    smaller rank on fewer modules and its own lr."""
+    path.write_text(f"""
+[lora]
+enabled = true
+rank = 4
+target_modules = ["q_proj", "v_proj", "up_proj"]
+
+[[lora.adapters]]
+name = "add"
+
+[[lora.adapters]]
+name = "rev"
+rank = 2
+target_modules = ["q_proj"]
+lr = 2e-2
+data = {{ train_path = "{rev_data / 'train.jsonl'}", test_path = "{rev_data / 'test.jsonl'}", apply_chat_template = false }}
+reward = {{ type = "exact_match" }}
+""")
+    return path
+
+
+def multi_config(tmp_path, model_dir, data_dir, rev_data, *overrides):
+    args = rl_args(tmp_path, model_dir, data_dir, "--schedule", "fully_async", "--trainer.lr", "1e-2",
+                   "--algorithm.entropy-coef", "0.1", "--sync.check-weights", "true", *overrides)
+    return load_config(recipe(tmp_path / "multi.toml", rev_data), args)
+
+
+def test_two_adapters_train_in_one_fully_async_run_and_resume(ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
+                                                              reversal_data_dir, tmp_path):
+    first = multi_config(tmp_path, tiny_model_dir, addition_data_dir, reversal_data_dir, "--rollout.num-rollouts", "1",
+                         "--checkpoint.interval", "1")
+    summary = run_schedule(first)
+    assert summary["train/steps"] == 2 and all(summary[f"lora/{n}/train/steps"] == 1 for n in NAMES)
+    resumed = multi_config(tmp_path, tiny_model_dir, addition_data_dir, reversal_data_dir, "--rollout.num-rollouts",
+                           "2", "--checkpoint.load", first.run_dir)
+    summary = run_schedule(resumed)
+    assert summary["train/steps"] == 4 and all(summary[f"lora/{n}/train/steps"] == 2 for n in NAMES)
+
+    run_dir = Path(first.run_dir)
+    records = read_metrics(run_dir)
+    assert undocumented(records) == []  # every logged key has its line in docs/metrics.md
+    for name in NAMES:
+        steps = [r for r in records if f"lora/{name}/train/loss" in r]
+        assert [r[f"lora/{name}/train/steps"] for r in steps] == [1, 2]
+        assert all(math.isfinite(r[f"lora/{name}/train/loss"]) for r in steps)
+        # each push is that adapter alone, under its name: its bytes are its export's (float32)
+        export = load_file(run_dir / "hf" / name / "adapter_model.safetensors")
+        size = sum(t.numel() * t.element_size() for t in export.values())
+        assert all(r[f"lora/{name}/sync/bytes"] == size for r in steps), ([r[f"lora/{name}/sync/bytes"] for r in steps], size)
+        # the engines sampled with the adapter the trainer trained: their logprobs agree
+        assert all(r[f"lora/{name}/train/rollout_logprob_abs_diff"] < 1e-4 for r in steps)
+        evals = [r for r in records if f"lora/{name}/eval/accuracy" in r]
+        assert [r["step"] for r in evals] == [0, 2, 4]  # at the start, the first run's end, the resumed end
+        assert json.loads((run_dir / "hf" / name / "adapter_config.json").read_text())["r"] == (4 if name == "add" else 2)
+    checks = [r[k] for r in records for k in r if k.endswith("sync/check_max_abs_diff")]
+    assert checks and max(checks) < 1e-4, checks
+    assert [r["step"] for r in records if "lora/add/train/loss" in r or "lora/rev/train/loss" in r] == [1, 2, 3, 4]
+    assert {p.name for p in (run_dir / "checkpoints" / "step_4").iterdir()} >= {"rollout_add.pkl", "rollout_rev.pkl"}
