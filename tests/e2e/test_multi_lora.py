@@ -17,6 +17,7 @@ from verst.config import load_config
 from verst.monitor import read_metrics
 
 NAMES = ("add", "rev")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +93,35 @@ def test_two_adapters_train_in_one_fully_async_run_and_resume(ray_session, tiny_
     assert checks and max(checks) < 1e-4, checks
     assert [r["step"] for r in records if "lora/add/train/loss" in r or "lora/rev/train/loss" in r] == [1, 2, 3, 4]
     assert {p.name for p in (run_dir / "checkpoints" / "step_4").iterdir()} >= {"rollout_add.pkl", "rollout_rev.pkl"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_both_adapters_raise_their_held_out_accuracy(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    """recipes/grpo_multi_lora.toml shortened, on an SFT warm start made here (recipes/sft_addition.toml on
+    the addition labels): `add` (addition) and `chain` (chain addition) both improve in one run."""
+    from tests.e2e.test_sft import sft_args
+    from verst.cli.main import main
+    from verst.data import make_splits, write_jsonl
+
+    sft = tmp_path / "sft"
+    assert main(sft_args(tiny_model_dir, addition_data_dir, sft, "--eval.max-prompts", "50",
+                         recipe=str(REPO / "recipes" / "sft_addition.toml"))) == 0
+    chain = tmp_path / "chain"
+    train, test = make_splits("chain_addition", n_train=2000, n_test=100, seed=0)
+    write_jsonl(train, chain / "train.jsonl")
+    write_jsonl(test, chain / "test.jsonl")
+    args = ["--model.path", str(sft / "hf"), "--run-dir", str(tmp_path / "run"),
+            "--data.train-path", str(addition_data_dir / "train.jsonl"),
+            "--data.test-path", str(addition_data_dir / "test.jsonl"),
+            "--rollout.num-rollouts", "24", "--eval.max-prompts", "100", "--eval.interval", "0",
+            "--logging.progress", "false", "--logging.tensorboard", "false"]
+    cfg = load_config(REPO / "recipes" / "grpo_multi_lora.toml", args)
+    adapters = [a.model_copy(update={"data": a.data.model_copy(update={"train_path": str(chain / "train.jsonl"),
+                                                                        "test_path": str(chain / "test.jsonl")})})
+                if a.name == "chain" else a for a in cfg.lora.adapters]
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"adapters": adapters})})
+    summary = run_schedule(cfg)
+    for name in ("add", "chain"):
+        before, after = summary[f"lora/{name}/eval/accuracy_before"], summary[f"lora/{name}/eval/accuracy_after"]
+        assert after > before, (name, before, after)

@@ -241,6 +241,8 @@ class RLRun(EvaluationSteps):
         report = write_report(self.run_dir)
         scores = "no evaluation" if before is None else \
             f"held-out greedy {self.score_key[5:]} {before:.1%} (version {v0}) -> {after:.1%} (version {v1})"
+        if self.multi_lora:  # the scores are the adapters', printed above
+            scores = f"{len(self.lanes)} adapters, {self.version} steps"
         for lane in self.lanes if self.multi_lora else []:
             before, after = summary[f"{lane.prefix}{self.score_key}_before"], summary[f"{lane.prefix}{self.score_key}_after"]
             moved = "no evaluation" if before is None else f"{before:.1%} -> {after:.1%}"
