@@ -1,6 +1,7 @@
-"""Multi-LoRA end to end on the tiny model: two adapters on two tasks (addition, reversal) in one fully async
-run on shared engines, each with its own data, reward and optimizer; metrics under lora/<name>/, each sync
-the adapter's own bytes, every adapter in the checkpoint and the export, and a resume that goes on."""
+"""Multi-LoRA end to end on the tiny model: two adapters on two tasks (addition, reversal) in one run (fully
+async and sync) on shared engines, each with its own data, reward and optimizer; metrics under lora/<name>/,
+each sync the adapter's own bytes, every adapter in the export; under `slow`, a resume that goes on with
+every adapter, and both adapters improving (addition and chain addition on an SFT warm start)."""
 
 from __future__ import annotations
 
@@ -60,8 +61,50 @@ def multi_config(tmp_path, model_dir, data_dir, rev_data, *overrides):
     return load_config(recipe(tmp_path / "multi.toml", rev_data), args)
 
 
-def test_two_adapters_train_in_one_fully_async_run_and_resume(ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
-                                                              reversal_data_dir, tmp_path):
+def check_adapters(run_dir: Path, steps_each: int) -> list[dict]:
+    """Both adapters took `steps_each` steps in turn, each pushed alone under its name (its own bytes, the
+    weight check within 1e-4), with documented metrics and an export each; returns the metric records."""
+    records = read_metrics(run_dir)
+    assert undocumented(records) == []  # every logged key has its line in docs/metrics.md
+    for name in NAMES:
+        steps = [r for r in records if f"lora/{name}/train/loss" in r]
+        assert [r[f"lora/{name}/train/steps"] for r in steps] == list(range(1, steps_each + 1))
+        assert all(math.isfinite(r[f"lora/{name}/train/loss"]) for r in steps)
+        # each push is that adapter alone, under its name: its bytes are its export's (float32)
+        export = load_file(run_dir / "hf" / name / "adapter_model.safetensors")
+        size = sum(t.numel() * t.element_size() for t in export.values())
+        assert all(r[f"lora/{name}/sync/bytes"] == size for r in steps), ([r[f"lora/{name}/sync/bytes"] for r in steps], size)
+        # each adapter's first step trains on samples from before its own first update (rev's: of version 0
+        # fully async, of version 1 in the sync schedule, after add's push): the engines sampled with the
+        # adapter the trainer holds, whatever the other adapter's update
+        assert steps[0][f"lora/{name}/rollout/weight_version_mean"] <= steps[0]["step"] - 1
+        assert steps[0][f"lora/{name}/train/rollout_logprob_abs_diff"] < 1e-4
+        assert json.loads((run_dir / "hf" / name / "adapter_config.json").read_text())["r"] == (4 if name == "add" else 2)
+    checks = [r[k] for r in records for k in r if k.endswith("sync/check_max_abs_diff")]
+    assert checks and max(checks) < 1e-4, checks
+    trained = [r["step"] for r in records if "lora/add/train/loss" in r or "lora/rev/train/loss" in r]
+    assert trained == list(range(1, 2 * steps_each + 1))  # one adapter per run version, in turn
+    assert [r for r in records if "lora/add/train/loss" in r][0]["step"] == 1
+    return records
+
+
+@pytest.mark.parametrize("schedule", ["fully_async", "sync"])
+def test_two_adapters_train_in_one_run(schedule, ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
+                                       reversal_data_dir, tmp_path):
+    cfg = multi_config(tmp_path, tiny_model_dir, addition_data_dir, reversal_data_dir, "--schedule", schedule,
+                       "--rollout.num-rollouts", "1")
+    summary = run_schedule(cfg)
+    assert summary["train/steps"] == 2 and all(summary[f"lora/{n}/train/steps"] == 1 for n in NAMES)
+    assert all(f"lora/{n}/eval/accuracy_after" in summary for n in NAMES)
+    records = check_adapters(Path(cfg.run_dir), 1)
+    for name in NAMES:
+        assert [r["step"] for r in records if f"lora/{name}/eval/accuracy" in r] == [0, 2]
+        assert f"lora/{name}/rollout/reward_mean" in [r for r in records if f"lora/{name}/train/loss" in r][0]
+
+
+@pytest.mark.slow
+def test_a_multi_lora_run_resumes_every_adapter(ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
+                                                reversal_data_dir, tmp_path):
     first = multi_config(tmp_path, tiny_model_dir, addition_data_dir, reversal_data_dir, "--rollout.num-rollouts", "1",
                          "--checkpoint.interval", "1")
     summary = run_schedule(first)
@@ -70,29 +113,13 @@ def test_two_adapters_train_in_one_fully_async_run_and_resume(ray_session, tiny_
                            "2", "--checkpoint.load", first.run_dir)
     summary = run_schedule(resumed)
     assert summary["train/steps"] == 4 and all(summary[f"lora/{n}/train/steps"] == 2 for n in NAMES)
-
     run_dir = Path(first.run_dir)
-    records = read_metrics(run_dir)
-    assert undocumented(records) == []  # every logged key has its line in docs/metrics.md
-    for name in NAMES:
-        steps = [r for r in records if f"lora/{name}/train/loss" in r]
-        assert [r[f"lora/{name}/train/steps"] for r in steps] == [1, 2]
-        assert all(math.isfinite(r[f"lora/{name}/train/loss"]) for r in steps)
-        # each push is that adapter alone, under its name: its bytes are its export's (float32)
-        export = load_file(run_dir / "hf" / name / "adapter_model.safetensors")
-        size = sum(t.numel() * t.element_size() for t in export.values())
-        assert all(r[f"lora/{name}/sync/bytes"] == size for r in steps), ([r[f"lora/{name}/sync/bytes"] for r in steps], size)
-        # each adapter's first step trains on samples of version 0, and rev's comes after add's first push: the
-        # engines sampled with the adapter the trainer holds (the other adapter's update not in it)
-        assert steps[0][f"lora/{name}/rollout/weight_version_mean"] == 0
-        assert steps[0][f"lora/{name}/train/rollout_logprob_abs_diff"] < 1e-4
-        evals = [r for r in records if f"lora/{name}/eval/accuracy" in r]
-        assert [r["step"] for r in evals] == [0, 2, 4]  # at the start, the first run's end, the resumed end
-        assert json.loads((run_dir / "hf" / name / "adapter_config.json").read_text())["r"] == (4 if name == "add" else 2)
-    checks = [r[k] for r in records for k in r if k.endswith("sync/check_max_abs_diff")]
-    assert checks and max(checks) < 1e-4, checks
-    assert [r["step"] for r in records if "lora/add/train/loss" in r or "lora/rev/train/loss" in r] == [1, 2, 3, 4]
+    records = check_adapters(run_dir, 2)
+    for name in NAMES:  # at the start, the first run's end, the resumed end
+        assert [r["step"] for r in records if f"lora/{name}/eval/accuracy" in r] == [0, 2, 4]
     assert {p.name for p in (run_dir / "checkpoints" / "step_4").iterdir()} >= {"rollout_add.pkl", "rollout_rev.pkl"}
+    manifest = json.loads((run_dir / "checkpoints" / "step_4" / "manifest.json").read_text())
+    assert {name: entry["steps"] for name, entry in manifest["adapters"].items()} == {"add": 2, "rev": 2}
 
 
 @pytest.mark.slow
