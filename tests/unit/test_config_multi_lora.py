@@ -68,3 +68,16 @@ def test_sft_refuses_adapters_and_rl_preflight_checks_each_adapters_files(tmp_pa
         preflight(cfg, rl=False)
     with pytest.raises(PreflightError, match=r"lora.adapters\[1\].data.train_path = 'rev/train.jsonl' does not exist"):
         preflight(cfg, rl=True)
+
+
+def test_the_multi_lora_recipe_loads_with_each_adapters_own_data():
+    from pathlib import Path
+
+    from verst.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "recipes" / "grpo_multi_lora.toml")
+    add, chain = (adapter_run_config(cfg, name) for name in ("add", "chain"))
+    assert (cfg.schedule, [a.name for a in cfg.lora.adapters]) == ("fully_async", ["add", "chain"])
+    assert add.data.train_path.endswith("addition/train.jsonl")
+    assert chain.data.train_path.endswith("chain_addition/train.jsonl") and chain.eval.path is None
+    assert batch_plan(add).total_train_steps == batch_plan(chain).total_train_steps == 30
