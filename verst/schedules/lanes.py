@@ -91,6 +91,16 @@ def summary(lanes: list[Lane], score_key: str) -> dict[str, Any]:
     return out
 
 
+def print_adapter_scores(lanes: list[Lane], summary: dict[str, Any], score_key: str, schedule: str) -> str:
+    """One line per adapter with its held-out score before and after; returns the run's own line."""
+    for lane in lanes:
+        before, after = summary[f"{lane.prefix}{score_key}_before"], summary[f"{lane.prefix}{score_key}_after"]
+        moved = "no evaluation" if before is None else f"{before:.1%} -> {after:.1%}"
+        print(f"[{schedule}] adapter {lane.adapter}: held-out greedy {score_key[5:]} {moved} in {lane.steps} steps",
+              flush=True)
+    return f"{len(lanes)} adapters, {sum(lane.steps for lane in lanes)} steps"
+
+
 async def push_adapters(run: Any, version: int) -> dict[str, float]:
     """Multi-LoRA: push every adapter, each under its name, as `version` (start-up: 0, the engines' base
     version; resume: the checkpoint's), before any rollout. The pushes after the first of a version carry

@@ -30,7 +30,7 @@ from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules import checkpointing
 from verst.schedules.checkpointing import RunCheckpointer
 from verst.schedules.evaluation import EvaluationSteps, _tokenizer
-from verst.schedules.lanes import Lane, push_adapters, rollout_ids, turns
+from verst.schedules.lanes import Lane, print_adapter_scores, push_adapters, rollout_ids, turns
 from verst.schedules.lanes import summary as lanes_summary
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts
 from verst.schedules.train_steps import train_adapter_step, train_rollout_step
@@ -241,13 +241,8 @@ class RLRun(EvaluationSteps):
         report = write_report(self.run_dir)
         scores = "no evaluation" if before is None else \
             f"held-out greedy {self.score_key[5:]} {before:.1%} (version {v0}) -> {after:.1%} (version {v1})"
-        if self.multi_lora:  # the scores are the adapters', printed above
-            scores = f"{len(self.lanes)} adapters, {self.version} steps"
-        for lane in self.lanes if self.multi_lora else []:
-            before, after = summary[f"{lane.prefix}{self.score_key}_before"], summary[f"{lane.prefix}{self.score_key}_after"]
-            moved = "no evaluation" if before is None else f"{before:.1%} -> {after:.1%}"
-            print(f"[{self.cfg.schedule}] adapter {lane.adapter}: held-out greedy {self.score_key[5:]} {moved} "
-                  f"in {lane.steps} steps", flush=True)
+        if self.multi_lora:  # the scores are the adapters'
+            scores = print_adapter_scores(self.lanes, summary, self.score_key, self.cfg.schedule)
         print(f"[{self.cfg.schedule}] {scores} in {summary['time/total_s']:.0f} s; report {report}", flush=True)
         return summary
 
@@ -309,7 +304,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                                           on_restart=syncer.engine_replaced)
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started, started_at=started_at,
-                        checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout),
+                        checkpointer=RunCheckpointer(cfg, run_dir, 1 if lanes else plan.train_steps_per_rollout),
                         watchdog=watchdog, supervisor=supervisor, trainer_restarts=restarts, lanes=lanes)
             if resume is not None:
                 await checkpointing.restore(run, resume)  # before any rollout: the engines serve its weights
