@@ -175,13 +175,14 @@ class RLRun(EvaluationSteps):
         return await self.guard(f"weight sync to version {self.version}", "sync_timeout_s", self._sync(adapter))
 
     async def _sync(self, adapter: str | None = None) -> dict[str, float]:
+        named = {"lora_path": adapter} if adapter is not None else {}  # multi-LoRA: the adapter the push carries
         if self.supervisor is None:
-            return await self.syncer.sync(self.version, lora_path=adapter)
+            return await self.syncer.sync(self.version, **named)
         for retry in (False, True):  # once more after an engine that failed during the push was restarted
             await self.supervisor.check_now()  # a dead engine is restarted before the push reaches it
             async with self.supervisor.lock:  # no push while an engine is being replaced
                 try:
-                    metrics = await self.syncer.sync(self.version, lora_path=adapter)
+                    metrics = await self.syncer.sync(self.version, **named)
                     await self.supervisor.admit_synced(self.version)  # engines restarted ahead of the others
                     return metrics
                 except WeightSyncError as error:
