@@ -10,11 +10,25 @@ ENVELOPE = {"step", "time"}
 def documented_patterns() -> list[re.Pattern]:
     """Each backticked key in the doc's tables; `<name>` matches one path segment or more."""
     keys = re.findall(r"`([a-z]+/[^`]+)`", DOC.read_text())
-    return [re.compile(re.sub(r"<[^>]+>", r"[^ ]+", re.escape(k).replace(r"\<", "<").replace(r"\>", ">")) + "$")
-            for k in keys]
+    return [re.compile(_pattern(k)) for k in keys]
+
+
+ADAPTER_KEY = re.compile(r"^lora/[^/]+/(.+)$")  # multi-LoRA: a documented key under its adapter's name
+CATCH_ALL = "lora/<name>/<key>"
 
 
 def undocumented(records: list[dict]) -> list[str]:
-    patterns = documented_patterns()
+    """Keys no row documents. `lora/<name>/<key>` stands for the documented keys under an adapter's name,
+    so such a key is checked by the key it carries."""
+    patterns = [p for p in documented_patterns() if p.pattern != _pattern(CATCH_ALL)]
     keys = {k for r in records for k in r} - ENVELOPE
-    return sorted(k for k in keys if not any(p.match(k) for p in patterns))
+
+    def known(key: str) -> bool:
+        inner = ADAPTER_KEY.match(key)
+        return any(p.match(key) or (inner and p.match(inner.group(1))) for p in patterns)
+
+    return sorted(k for k in keys if not known(k))
+
+
+def _pattern(key: str) -> str:
+    return re.sub(r"<[^>]+>", r"[^ ]+", re.escape(key).replace(r"\<", "<").replace(r"\>", ">")) + "$"

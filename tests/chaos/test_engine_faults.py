@@ -5,6 +5,7 @@ engine, how it ended, and its log."""
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -100,6 +101,33 @@ def test_a_killed_engine_of_a_lora_run_is_restarted_on_the_base_with_the_adapter
     records = read_metrics(run.run_dir)
     assert [r["fault/engine_restarts_total"] for r in records if "fault/engine_restarts_total" in r][-1] == 1
     assert [r["sync/version"] for r in records if "train/loss" in r] == list(range(1, 7))
+
+
+def test_a_killed_engine_of_a_multi_lora_run_is_restarted_with_every_adapter(ray_session, tiny_model_dir,
+                                                                              addition_data_dir, tmp_path):
+    """Two adapters, each with its own rollout manager and router in front of the two engines: the restarted
+    engine loads the base, then both adapters, and rejoins both routers; both adapters finish their steps."""
+    from verst.config import VerstConfig
+
+    cfg = two_engine_config(tmp_path, tiny_model_dir, addition_data_dir, "--fault.health-interval-s", "0.5",
+                            "--lora.enabled", "true", "--lora.rank", "4", "--rollout.num-rollouts", "5",
+                            transport="distributed")
+    tree = cfg.model_dump()
+    tree["lora"]["adapters"] = [{"name": "add"}, {"name": "more", "rank": 2}]
+    run = BackgroundRun(VerstConfig.model_validate(tree))
+    deadline = time.monotonic() + 180
+    while not (run.run_dir / "metrics.jsonl").exists() or not any(
+            "lora/add/train/loss" in r for r in read_metrics(run.run_dir)):  # add's first step
+        assert time.monotonic() < deadline and run.thread.is_alive(), run.error
+        time.sleep(0.2)
+    signal_quietly(run.pid_of("engine 1 "), signal.SIGKILL)
+    summary = run.result()
+    assert summary["train/steps"] == 10 and summary["lora/add/train/steps"] == summary["lora/more/train/steps"] == 5
+    records = read_metrics(run.run_dir)
+    assert [r["fault/engine_restarts_total"] for r in records if "fault/engine_restarts_total" in r][-1] == 1
+    trained = [r for r in records if any(k.endswith("train/loss") for k in r)]
+    assert [r["step"] for r in trained] == list(range(1, 11))
+    assert all(r[k] == r["step"] for r in trained for k in r if k.endswith("sync/version"))  # every push landed
 
 
 @pytest.mark.slow

@@ -138,3 +138,46 @@ def test_with_lora_adapter_sync_a_restarted_engine_loads_the_base_then_the_adapt
     restart = str(tmp_path / "weights" / "restart")
     assert weights("tensor", 0) == RestartWeights("MODEL", 5, ("policy", restart))  # the adapter export, no merge
     assert exported == [(export_at_step, restart)]
+
+
+def test_with_multi_lora_a_restarted_engine_loads_every_adapter_and_every_router_learns_of_it(tmp_path,
+                                                                                              monkeypatch):
+    from types import SimpleNamespace
+
+    from verst.config import VerstConfig
+    from verst.trainer.backend import export_at_step
+
+    exported = []
+
+    class Trainer:
+        def apply(self, fn, directory):
+            exported.append((fn, directory))
+            return [6]
+
+    cfg = VerstConfig.model_validate({"schedule": "fully_async", "model": {"path": "MODEL"}, "sync": {"transport": "disk"},
+                                      "lora": {"enabled": True, "adapters": [{"name": "add"}, {"name": "rev"}]}})
+    restart = tmp_path / "weights" / "restart"
+    weights = asyncio.run(health.restart_weights(cfg, SimpleNamespace(version=4), Trainer(), tmp_path))
+    assert weights == RestartWeights("MODEL", 6, adapters=(("add", str(restart / "add")), ("rev", str(restart / "rev"))))
+    assert weights.loaded_adapters == [("add", str(restart / "add")), ("rev", str(restart / "rev"))]
+    assert exported == [(export_at_step, str(restart))]  # the trainer's adapters, whatever the transport
+
+    # one rollout manager per adapter: each one's router takes the engine out and back
+    monkeypatch.setattr(health, "_check_version", no_check)
+    loaded = []
+
+    async def load_adapter(url, name, path):
+        loaded.append((url, name))
+
+    monkeypatch.setattr(health, "_load_adapter", load_adapter)
+    first, second = StandIns(served=3, restart_at=3), StandIns(served=3, restart_at=3)
+
+    async def multi_weights():
+        return RestartWeights("MODEL", 3, adapters=(("add", "A"), ("rev", "R")))
+
+    supervisor = EngineSupervisor(FaultConfig(), first, [first, second], URLS, None, None, multi_weights,
+                                  served_version=lambda: 3)
+    assert asyncio.run(supervisor._recover(1, "dead"))
+    assert loaded == [(URLS[1], "add"), (URLS[1], "rev")]
+    for parts in (first, second):
+        assert ("remove", URLS[1]) in parts.calls and ("add", URLS[1]) in parts.calls

@@ -115,5 +115,12 @@ def print_dry_run(cfg: VerstConfig) -> None:
 
     print("# resolved config")
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
-    print("# batch arithmetic")
-    print(batch_plan(cfg).describe())
+    if not cfg.lora.adapters:
+        print("# batch arithmetic")
+        print(batch_plan(cfg).describe())
+        return
+    from verst.config.adapters import adapter_run_config
+
+    for adapter in cfg.lora.adapters:  # multi-LoRA: each adapter's own batch plan
+        print(f"# batch arithmetic of adapter {adapter.name!r}")
+        print(batch_plan(adapter_run_config(cfg, adapter.name)).describe())

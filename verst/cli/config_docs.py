@@ -63,7 +63,24 @@ def render() -> str:
             shown = "unset" if default is None else _code(_default(default))
             parts.append(f"| `{name}` | {_code(type_name)} | {shown} | {_cell(doc)} |")
         parts.append("")
+        if section == ("lora",):
+            parts += _adapter_entry()
     return "\n".join(parts)
+
+
+def _adapter_entry() -> list[str]:
+    """The fields of one `[[lora.adapters]]` entry (multi-LoRA), whose unset fields take the run's."""
+    from verst.config.schema import LoraAdapterConfig
+
+    parts = ["### `[[lora.adapters]]`: one adapter of a multi-LoRA run (docs/lora.md)\n",
+             "| field | type | default | meaning |", "|---|---|---|---|"]
+    for name, info in LoraAdapterConfig.model_fields.items():
+        annotation = info.annotation
+        type_name = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+        type_name = type_name.replace("typing.", "").replace("verst.config.schema.", "")
+        shown = "required" if info.is_required() else "unset" if info.default is None else _code(_default(info.default))
+        parts.append(f"| `{name}` | {_code(type_name)} | {shown} | {_cell(info.description or '')} |")
+    return [*parts, ""]
 
 
 def _default(value: Any) -> str:

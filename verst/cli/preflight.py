@@ -44,6 +44,16 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
         problems += _missing_file("data.train_path", cfg.data.train_path)
     eval_path = ("eval.path", cfg.eval.path) if cfg.eval.path else ("data.test_path", cfg.data.test_path)
     problems += _missing_file(*eval_path)
+    if cfg.lora.adapters and not rl:
+        problems.append(f"lora.adapters ({[a.name for a in cfg.lora.adapters]}): multi-LoRA trains with RL only; "
+                        "SFT trains one adapter (lora.enabled = true without lora.adapters)")
+    for index, adapter in enumerate(cfg.lora.adapters if rl else []):  # each adapter's own prompts
+        if adapter.data is not None and adapter.data.source is None:
+            problems += _missing_file(f"lora.adapters[{index}].data.train_path", adapter.data.train_path)
+        own_eval = adapter.eval_path or (adapter.data.test_path if adapter.data is not None else None)
+        if own_eval is not None:
+            field = "eval_path" if adapter.eval_path else "data.test_path"
+            problems += _missing_file(f"lora.adapters[{index}].{field}", own_eval)
     if cfg.checkpoint.load is not None:
         try:
             check_resume_config(resolve(cfg.checkpoint.load), cfg)

@@ -3,6 +3,7 @@
     verst serve engine --model DIR [--port P] [...]          one embedded inference engine (SGLang dialect)
     verst serve router --engine URL [--engine URL ...] [...]  sglang-router in front of running engines
     verst serve session --engine-url URL --model DIR [...]    the token-in-token-out session server
+                        [--lora-path NAME=DIR]                (every turn sampling with a LoRA adapter)
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 USAGE = __doc__.split("\n", 2)[2]
 
@@ -68,6 +71,9 @@ def _serve_session(argv: list[str]) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256, help="per-turn default when a request names none")
     p.add_argument("--context-length", type=int, default=None,
                    help="the model's context, to refuse requests beyond it (default: as the engine reports it)")
+    p.add_argument("--lora-path", default=None, metavar="NAME[=DIR]",
+                   help="every turn samples with this LoRA adapter: NAME=DIR loads the PEFT adapter directory DIR "
+                        "into the engine under NAME first; NAME alone names one the engine serves already")
     args = p.parse_args(argv)
     import asyncio
     import os
@@ -84,7 +90,9 @@ def _serve_session(argv: list[str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        async with EngineClient(args.engine_url) as engine:
+        async with EngineClient(args.engine_url) as control:
+            adapter = await session_adapter(control, args.lora_path)
+        async with EngineClient(args.engine_url, lora_path=adapter) as engine:
             manager = SessionManager(engine, tokenizer, max_context_tokens=args.max_context_tokens,
                                      max_new_tokens=args.max_new_tokens, context_length=args.context_length,
                                      model_name=os.path.basename(os.path.normpath(args.model)))
@@ -99,3 +107,24 @@ def _serve_session(argv: list[str]) -> int:
 
     asyncio.run(serve())
     return 0
+
+
+async def session_adapter(engine: Any, spec: str | None) -> str | None:
+    """`--lora-path NAME=DIR`: load DIR into the engine under NAME; `NAME`: check that the engine serves it.
+    Returns the name every turn's generation names (None: the base). A refusal names the option."""
+    if spec is None:
+        return None
+    name, _, directory = spec.partition("=")
+    if not name:
+        raise ValueError(f"--lora-path {spec!r}: give NAME=DIR (an adapter directory) or NAME (a loaded adapter)")
+    if directory:
+        try:
+            await engine.load_lora_adapter(name, str(Path(directory).resolve()))
+        except Exception as error:
+            raise ValueError(f"--lora-path {spec!r}: the engine refused the adapter: {error}") from None
+        return name
+    loaded = [lora["lora_name"] for lora in (await engine.get_server_info()).get("loaded_loras", [])]
+    if name not in loaded:
+        raise ValueError(f"--lora-path {name!r}: the engine serves no adapter of that name; it serves {loaded} "
+                         "(give NAME=DIR to load one)")
+    return name

@@ -259,6 +259,35 @@ class CriticConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="Clip the value model's global grad norm to this value.")
 
 
+class LoraAdapterConfig(Section):
+    """One adapter of a multi-LoRA run (`[[lora.adapters]]`): trained on the shared base with its own data,
+    reward, batch plan and optimizer, served by the engines under `name`. Unset fields take the run's."""
+
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$",
+                      description="The adapter's name: the engines serve it under it, its metrics are lora/<name>/..., "
+                      "its export is hf/<name>.")
+    rank: int | None = Field(None, ge=1, description="Rank r of this adapter; default lora.rank.")
+    alpha: float | None = Field(None, gt=0, description="Scale numerator of this adapter; default lora.alpha.")
+    dropout: float | None = Field(None, ge=0, lt=1, description="Input dropout of this adapter; default lora.dropout.")
+    target_modules: list[str] | Literal["all-linear"] | None = Field(
+        None, description="Linear layers this adapter targets; default lora.target_modules.")
+    data: DataConfig | None = Field(None, description="This adapter's prompts (train and held-out); default data.")
+    reward: RewardConfig | None = Field(None, description="This adapter's reward; default reward.")
+    eval_path: str | None = Field(None, description="This adapter's held-out prompts; default its data.test_path "
+                                  "(with its own data) or eval.path.")
+    batch_size: int | None = Field(None, ge=1, description="Prompts per rollout step; default rollout.batch_size.")
+    n_samples_per_prompt: int | None = Field(None, ge=1, description="Group size; default rollout.n_samples_per_prompt.")
+    num_rollouts: int | None = Field(None, ge=0, description="Rollout steps of this adapter; default rollout.num_rollouts.")
+    global_batch_size: int | None = Field(None, ge=1, description="Samples per optimizer step; default "
+                                          "trainer.global_batch_size.")
+    lr: float | None = Field(None, gt=0, description="Peak learning rate of this adapter's optimizer; default trainer.lr.")
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_name(cls, value: object) -> object:
+        return [value] if isinstance(value, str) and value != "all-linear" else value
+
+
 class LoraConfig(Section):
     """Low-rank adapters (PEFT's LoRA) on the trainer's model: only the adapters train. Weight sync sends
     the engines the adapter alone (served under `name`, on the base they keep) or the merged weights."""
@@ -278,6 +307,9 @@ class LoraConfig(Section):
     )
     name: str = Field("policy", min_length=1, description="The engines' name of the trained adapter "
                       "(`lora_path` of every generation request) with sync = adapter.")
+    adapters: list[LoraAdapterConfig] = Field(
+        default_factory=list, description="Multi-LoRA: several adapters trained in one run on the shared base, each "
+        "with its own data, reward, batch plan and optimizer ([[lora.adapters]]); empty: one adapter, `name`.")
 
     @property
     def served_adapter(self) -> str | None:
@@ -505,6 +537,10 @@ class VerstConfig(Section):
                 f"algorithm.routing_replay = {self.algorithm.routing_replay!r} records routed experts in the "
                 f"single-turn generate fn; the multi-turn rollout.agent_fn = {self.rollout.agent_fn!r} does not "
                 "record them: set algorithm.routing_replay = 'off'")
+        if self.lora.adapters:
+            from verst.config.adapters import check_adapters
+
+            check_adapters(self)
         if self.reward.type == "custom" and not self.reward.path:
             raise ValueError("reward.type = 'custom' needs reward.path (an import path)")
         if self.reward.type == "remote" and not self.reward.url:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from verst.monitor.run_dir import METRICS_FILE
 
-NAMESPACES = ("rollout", "buffer", "train", "sync", "eval", "perf", "time", "fault")
+NAMESPACES = ("rollout", "buffer", "train", "sync", "eval", "perf", "time", "fault", "lora")  # lora/<name>/...: multi-LoRA
 
 
 class MetricsSink(Protocol):

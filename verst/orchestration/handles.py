@@ -67,6 +67,7 @@ class WeightPush(Protocol):
         """Whether the weights of trainer step `step` are pushed (`sync.interval`)."""
         ...
 
-    async def sync(self, version: int) -> dict[str, float]:
-        """Push the trainer's weights as `version`; the `sync/` metrics."""
+    async def sync(self, version: int, **options: Any) -> dict[str, float]:
+        """Push the trainer's weights as `version`; the `sync/` metrics. Multi-LoRA passes `lora_path`, the
+        adapter the push carries, and at start-up or resume `first` (`TrainerWeightSync.sync`)."""
         ...

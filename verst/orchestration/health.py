@@ -27,11 +27,16 @@ from verst.trainer.backend import MERGED_LORA_DIR, export_at_step
 @dataclasses.dataclass(frozen=True)
 class RestartWeights:
     """What a restarted engine loads: a model directory, served as weight `version`, and with LoRA's
-    adapter sync the adapter `(name, PEFT directory)` it then loads beside it."""
+    adapter sync the adapter `(name, PEFT directory)` it then loads beside it (multi-LoRA: `adapters`, each)."""
 
     model: str
     version: int
     adapter: tuple[str, str] | None = None
+    adapters: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def loaded_adapters(self) -> list[tuple[str, str]]:
+        return ([self.adapter] if self.adapter is not None else []) + list(self.adapters)
 
 
 RestartSource = Callable[[], Awaitable[RestartWeights]]
@@ -81,13 +86,18 @@ class EngineSupervisor:
         """Whether a failed engine is restarted (rather than stopping the run)."""
         return self.fault.tolerate_engines
 
+    async def _routers(self, method: str, url: str) -> None:
+        """`method(url)` on every rollout manager's router (multi-LoRA: one manager per adapter)."""
+        for rollout in self.rollout if isinstance(self.rollout, (list, tuple)) else [self.rollout]:
+            await _ray(getattr(rollout.actor, method).remote(url))
+
     async def admit_synced(self, version: int) -> None:
         """After a push of `version` to every engine (under `lock`): restarted engines that waited for it
         (they were restarted at a newer version than the others served) join the router again."""
         for index, (restarted_at, started) in sorted(self._waiting.items()):
             if version >= restarted_at:
                 await _check_version(self.urls[index], version)
-                await _ray(self.rollout.actor.add_engine.remote(self.urls[index]))
+                await self._routers("add_engine", self.urls[index])
                 del self._waiting[index]
                 self._recovery_s = time.perf_counter() - started
                 print(f"[fault] engine {index} ({self.urls[index]}) serves version {version} with the others "
@@ -151,18 +161,18 @@ class EngineSupervisor:
         try:
             # Out of the router and killed first, without the lock: a push waiting on a hung engine fails
             # now instead of at its own timeout, and is made again after the restart.
-            await _ray(self.rollout.actor.remove_engine.remote(url))
+            await self._routers("remove_engine", url)
             await asyncio.to_thread(self.engines.halt, index)
             async with self.lock:
                 weights = await self.restart_weights()
                 await asyncio.to_thread(self.engines.restart, index, weights.model, weights.version)
-                if weights.adapter is not None:
-                    await _load_adapter(url, *weights.adapter)
+                for adapter in weights.loaded_adapters:
+                    await _load_adapter(url, *adapter)
                 self.on_restart()
                 await _check_version(url, weights.version)
                 served = self.served_version()
                 if weights.version == served:
-                    await _ray(self.rollout.actor.add_engine.remote(url))
+                    await self._routers("add_engine", url)
                 else:  # newer weights than the others serve: it joins them with the next push
                     self._waiting[index] = (weights.version, started)
         except Exception as error:
@@ -198,6 +208,12 @@ async def restart_weights(cfg: VerstConfig, syncer: Any, trainer: Any, run_dir: 
     (with LoRA: the merged model of that export). With LoRA's adapter sync, once the step-0 adapter is pushed:
     the base model, then the adapter (the disk snapshot, or the trainer's adapter export)."""
     version = syncer.version or 0
+    if cfg.lora.adapters and syncer.version is not None:  # multi-LoRA: every adapter, as the trainer holds it
+        directory = run_dir / "weights" / "restart"
+        shutil.rmtree(directory, ignore_errors=True)
+        steps = await asyncio.to_thread(trainer.apply, export_at_step, str(directory))
+        names = [adapter.name for adapter in cfg.lora.adapters]
+        return RestartWeights(cfg.model.path, int(steps[0]), adapters=tuple((n, str(directory / n)) for n in names))
     if cfg.lora.served_adapter and syncer.version is not None:
         if cfg.sync.transport == "disk":
             snapshot = str(snapshot_path(run_dir / "weights", version))

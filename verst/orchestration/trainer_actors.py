@@ -128,6 +128,11 @@ class TrainerRank:
             return {}
         if self.weight_sync is None:
             raise RuntimeError("sync_weights before open_weight_sync")
+        adapter = getattr(self.backend, "sync_adapter", None)
+        if adapter is not None:  # multi-LoRA: each push is the adapter trained last, under its own name
+            from verst.sync.transport import AdapterSpec
+
+            self.weight_sync.syncer.transport.adapter = AdapterSpec(*adapter)
         buckets = _DrainOnClose(self._synced_weights(bucket_bytes))
         try:
             if reconnect:

@@ -128,12 +128,14 @@ class RunProcesses:
             out.append(ProcessStatus(f"engine {index}'s actor", f"engine-{index}-actor", info.get("actor_pid"), None, ""))
         for info in _safe(lambda: self.trainer.ready_infos, []):
             out.append(ProcessStatus(f"trainer rank {info['rank']}", f"trainer-{info['rank']}", info["pid"], None, ""))
-        pids = getattr(self.rollout, "pids", {}) or {}
-        if pids.get("manager"):
-            out.append(ProcessStatus("rollout manager", "rollout-manager", pids["manager"], None, ""))
-        if pids.get("router"):
-            out.append(ProcessStatus(f"router ({getattr(self.rollout, 'router_url', '')})", "router", pids["router"],
-                                     None, ""))
+        rollouts = self.rollout if isinstance(self.rollout, (list, tuple)) else [self.rollout]  # one per adapter
+        for index, rollout in enumerate(rollouts):
+            pids, tag = getattr(rollout, "pids", {}) or {}, f"-{index}" if index else ""
+            if pids.get("manager"):
+                out.append(ProcessStatus(f"rollout manager{tag}", f"rollout-manager{tag}", pids["manager"], None, ""))
+            if pids.get("router"):
+                out.append(ProcessStatus(f"router{tag} ({getattr(rollout, 'router_url', '')})", f"router{tag}",
+                                         pids["router"], None, ""))
         return out
 
 

@@ -41,10 +41,11 @@ class TrainerWeightSync:
     def due(self, step: int) -> bool:
         return sync_due(step, self.interval)
 
-    async def sync(self, version: int, *, first: bool = False) -> dict[str, float]:
+    async def sync(self, version: int, *, first: bool = False, lora_path: str | None = None) -> dict[str, float]:
         """Push the trainer's current weights as `version`; returns the `sync/` metrics (and `sync/check_*`
         after the first sync when checking). `first`: a LoRA run's step-0 adapter, pushed before any
-        rollout under the version the engines serve (the base's), which do not hold it yet; not checked."""
+        rollout under the version the engines serve (the base's), which do not hold it yet; not checked.
+        `lora_path` (multi-LoRA): the adapter this push carries, which the weight check's probes name."""
         if not self._opened:
             sync, urls, options = self._opening
             await asyncio.to_thread(self.trainer.open_weight_sync, sync, urls, **options)
@@ -58,6 +59,8 @@ class TrainerWeightSync:
         self._version = version
         if self.checker is not None and not first:
             checker, self.checker = self.checker, None  # once
+            if lora_path is not None:
+                checker.lora_path = lora_path
             metrics.update(await checker.check(self.fleet, version))
         return metrics
 

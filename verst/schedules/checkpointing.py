@@ -21,12 +21,12 @@ from verst.config import VerstConfig
 from verst.models.loader import drop_chat_template
 from verst.monitor import checkpoints as layout
 from verst.monitor.run_dir import resumes_here, run_dir_of
+from verst.schedules.lanes import push_adapters
 from verst.trainer.backend import MERGED_LORA_DIR, export_backend, load_backend, save_backend
 
 if TYPE_CHECKING:
     from verst.schedules.run import RLRun
 
-ROLLOUT_FILE = "rollout.pkl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +77,20 @@ class RunCheckpointer:
         start, version = time.perf_counter(), run.version
         tmp = layout.new_tmp_dir(self.run_dir, version)
         pending_eval = run.evaluation_in_flight()
-        _, rollout_counts = await asyncio.gather(
+        _, *counts = await asyncio.gather(
             asyncio.to_thread(run.trainer.apply, save_backend, str(tmp / layout.TRAINER_DIR), True),
-            asyncio.to_thread(run.rollout.save_state, str(tmp / ROLLOUT_FILE)),
+            *(asyncio.to_thread(lane.rollout.save_state, str(tmp / lane.rollout_file)) for lane in run.lanes),
         )
+        rollout_counts = counts[0] if not run.multi_lora else {lane.adapter: c for lane, c in zip(run.lanes, counts)}
         manifest = {
             "step": version, "version": version, "schedule": self.cfg.schedule,
             "eval_history": [list(entry) for entry in run.eval_history],
             "pending_eval_step": version if pending_eval else None,
             "rollout": rollout_counts, "config": self.cfg.model_dump(mode="json"),
         }
+        if run.multi_lora:  # each adapter's steps and scores
+            manifest["adapters"] = {lane.adapter: {"steps": lane.steps, "eval_history": [list(e) for e in lane.eval_history]}
+                                    for lane in run.lanes}
         self._committing = self._pool.submit(self._commit, tmp, manifest)
         self.last_step = version
         return time.perf_counter() - start
@@ -126,7 +130,8 @@ async def save_checkpoint(run: RLRun) -> None:
 
 async def restore(run: RLRun, point: ResumePoint) -> dict[str, float]:
     """Trainer state on the ranks, the rollout side's state, version, eval history; then the engines get
-    the checkpoint's weights as its version before any rollout. Returns the push's metrics."""
+    the checkpoint's weights as its version before any rollout (multi-LoRA: every adapter's, by name, with
+    each adapter's steps and scores). Returns the push's metrics."""
     wait_ready = getattr(run.trainer, "wait_ready", None)
     if wait_ready is not None:
         await asyncio.to_thread(wait_ready)  # the load waits behind the ranks' start-up
@@ -134,12 +139,24 @@ async def restore(run: RLRun, point: ResumePoint) -> dict[str, float]:
     if steps[0] != point.version:
         raise layout.CheckpointError(f"{point.step_dir}: trainer state is at step {steps[0]}, the manifest says "
                                      f"version {point.version}")
-    await asyncio.to_thread(run.rollout.load_state, str(point.step_dir / ROLLOUT_FILE))
+    for lane in run.lanes:
+        await asyncio.to_thread(lane.rollout.load_state, str(point.step_dir / lane.rollout_file))
     run.version = point.version
     run.eval_history = [(int(step), float(score)) for step, score in point.manifest["eval_history"]]
     run.checkpointer.last_step = point.version
     run.resumed_pending_eval = point.manifest.get("pending_eval_step") == point.version
-    metrics = await run.syncer.sync(run.version)
+    if not run.multi_lora:
+        run.lanes[0].steps = point.version
+        metrics = await run.syncer.sync(run.version)
+    else:
+        saved = point.manifest.get("adapters") or {}
+        if set(saved) != {lane.adapter for lane in run.lanes}:
+            raise layout.CheckpointError(f"{point.step_dir} holds the adapters {sorted(saved)}; this run trains "
+                                         f"{sorted(lane.adapter for lane in run.lanes)} (lora.adapters)")
+        for lane in run.lanes:
+            lane.steps = int(saved[lane.adapter]["steps"])
+            lane.eval_history = [(int(step), float(score)) for step, score in saved[lane.adapter]["eval_history"]]
+        metrics = await push_adapters(run, run.version)
     print(f"[{run.cfg.schedule}] resumed from {point.step_dir} at step {run.version}", flush=True)
     return metrics
 

@@ -60,17 +60,26 @@ class EvaluationSteps:
 
     async def evaluate_on_engines(self: RLRun, step: int) -> dict[str, float]:
         """Held-out greedy accuracy (or agent success) through the engines; every reply must carry the
-        version the syncer pushed, which must be `step`."""
-        cfg, served = self.cfg, self.syncer.version or 0
+        version the syncer pushed, which must be `step`. Multi-LoRA: each adapter on its own held-out prompts
+        with its reward, under `lora/<name>/eval/...`."""
+        served = self.syncer.version or 0
         if served != step:  # the engines serve other weights (sync.interval): nothing to measure
             raise EvalSkip("pin_violation", f"the engines serve version {served}, not step {step}")
+        if not self.multi_lora:
+            return await self._score_on_engines(self.cfg, self.rollout, served)
+        metrics: dict[str, float] = {}
+        for lane in self.lanes:
+            metrics |= lane.namespaced(await self._score_on_engines(lane.cfg, lane.rollout, served))
+        return metrics | {"eval/weight_version": float(served), "eval/mixed_version_ratio": 0.0}
+
+    async def _score_on_engines(self: RLRun, cfg: Any, rollout: Any, served: int) -> dict[str, float]:
         tokenizer, prompts, version = _tokenizer(cfg.model.path), held_out_prompts(cfg), str(served)
         if cfg.rollout.agent_fn:  # a tool-using task: the first reply is a tool call, so run whole episodes
             async with EngineClient(self.router_url, affinity=True, lora_path=cfg.lora.served_adapter) as client:
                 return await evaluate_agentic(cfg, client, tokenizer, prompts, expect_version=version)
         max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
         generate = engine_greedy_generate(self.router_url, max_new, expect_version=version,
-                                          max_batch=request_batch(cfg, self.rollout.router_url),
+                                          max_batch=request_batch(cfg, rollout.router_url),
                                           lora_path=cfg.lora.served_adapter)
         metrics = await asyncio.to_thread(evaluate_greedy, prompts, generate, tokenizer, cfg.reward, cfg.data, max_new)
         # every reply carried `version` (else MixedVersionError): the mean is it, none mixed
@@ -122,6 +131,9 @@ class EvaluationSteps:
             metrics["eval/displaced_engine_seconds"] = duration * self.cfg.cluster.num_engines
         if self.score_key in metrics:  # in step order (backend scores may arrive out of it)
             bisect.insort(self.eval_history, (step, metrics[self.score_key]))
+        for lane in self.lanes if self.multi_lora else []:
+            if lane.prefix + self.score_key in metrics:
+                bisect.insort(lane.eval_history, (step, metrics[lane.prefix + self.score_key]))
         return metrics
 
     def _skip_or_raise(self: RLRun, step: int, error: Exception) -> dict[str, float]:

@@ -65,8 +65,9 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
     parts = RolloutParts(generate_batch=generate_batch, source=source, close=close, metrics=metrics,
                          batch_metrics=functools.partial(batch_metrics, key=cfg.reward.key))
     if cfg.logging.sample_groups_per_step and cfg.run_dir:
-        parts.record_batch = functools.partial(record_samples, cfg.run_dir, cfg.logging.sample_groups_per_step,
-                                               batch_plan(cfg).train_steps_per_rollout)
+        # one step off: a batch is generated a step ahead of its first train step; else the next step takes it
+        ahead = batch_plan(cfg).train_steps_per_rollout if cfg.schedule == "one_step_off" else None
+        parts.record_batch = functools.partial(record_samples, cfg.run_dir, cfg.logging.sample_groups_per_step, ahead)
     if cfg.schedule == "fully_async":
         plan = batch_plan(cfg)
         on_discard = discard_handler(cfg.buffer.unused, source.return_prompts)
@@ -85,12 +86,13 @@ def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:
     return {**sample_metrics(samples, key), **prefix_cache_metrics(samples)}
 
 
-def record_samples(run_dir: str, n_groups: int, steps_per_rollout: int, groups: list[Group], rollout_id: int | None,
-                   version: int) -> None:
+def record_samples(run_dir: str, n_groups: int, steps_per_rollout: int | None, groups: list[Group],
+                   rollout_id: int | None, version: int) -> None:
     """The samples of the first `n_groups` groups of a train batch, to the run's samples.jsonl, under the
-    first train step that consumes them: rollout step k feeds steps k * steps_per_rollout + 1 onwards (also
-    one step off, where it was generated earlier); a fully async batch is taken for the step after `version`."""
-    step = version + 1 if rollout_id is None else rollout_id * steps_per_rollout + 1
+    first train step that consumes them. With `steps_per_rollout` (one step off, where a batch is generated
+    a step ahead), rollout step k feeds steps k * steps_per_rollout + 1 onwards; otherwise the batch is
+    trained on at the step after `version` (sync: the version it was generated at; fully async: taken at)."""
+    step = version + 1 if rollout_id is None or steps_per_rollout is None else rollout_id * steps_per_rollout + 1
     append_samples(run_dir, step, [s for g in groups[:n_groups] for s in g])
 
 

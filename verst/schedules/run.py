@@ -11,11 +11,12 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
+from verst.config.adapters import adapter_names, adapter_run_config
 from verst.eval.agentic import score_key
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
@@ -30,8 +31,10 @@ from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules import checkpointing
 from verst.schedules.checkpointing import RunCheckpointer
 from verst.schedules.evaluation import EvaluationSteps, _tokenizer
+from verst.schedules.lanes import Lane, print_adapter_scores, push_adapters, rollout_ids, turns
+from verst.schedules.lanes import summary as lanes_summary
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts
-from verst.schedules.train_steps import train_rollout_step
+from verst.schedules.train_steps import train_adapter_step, train_rollout_step
 from verst.sync.syncer import WeightSyncError
 from verst.trainer.backend import TrainerRanks, fsdp2_backend
 
@@ -68,6 +71,15 @@ class RLRun(EvaluationSteps):
     _evaluations: list[asyncio.Task] = dataclasses.field(default_factory=list, init=False, repr=False)
     _evaluating: dict[int, asyncio.Task] = dataclasses.field(default_factory=dict, init=False, repr=False)
     _last_eval_step: int | None = dataclasses.field(default=None, init=False, repr=False)
+    lanes: list[Lane] = dataclasses.field(default_factory=list)  # multi-LoRA: one per adapter; else the run's own
+
+    def __post_init__(self) -> None:
+        if not self.lanes:
+            self.lanes = [Lane(self.cfg, self.plan, self.rollout)]
+
+    @property
+    def multi_lora(self) -> bool:
+        return self.lanes[0].adapter is not None
 
     # -- named steps ---------------------------------------------------------------------------
     async def begin(self) -> None:
@@ -83,38 +95,58 @@ class RLRun(EvaluationSteps):
         """The rollout batch the loop starts at (past those of a resumed checkpoint)."""
         return self.version // self.plan.train_steps_per_rollout
 
+    def turns(self) -> Iterator[Lane]:
+        """Fully async: the lane of each train step left (multi-LoRA: the adapters in turn)."""
+        return turns(self.lanes)
+
+    def rollout_turns(self) -> Iterator[tuple[int, Lane]]:
+        """Sync: each rollout batch left, with its lane (multi-LoRA: every adapter's batch k, then k + 1)."""
+        return rollout_ids(self.lanes)
+
+    def start_async(self) -> None:
+        for lane in self.lanes:
+            lane.rollout.start_async()
+
+    def stop_async(self) -> None:
+        for lane in self.lanes:
+            lane.rollout.stop_async()
+
     async def checkpoint_if_due(self) -> None:
         """Save a checkpoint every `checkpoint.interval` steps (see `checkpointing`)."""
         if self.checkpointer is not None and self.checkpointer.due(self.version):
             await checkpointing.save_checkpoint(self)
 
-    async def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+    async def generate(self, rollout_id: int, lane: Lane | None = None) -> tuple[RolloutBatch, dict[str, float]]:
         """One rollout batch (its groups stay on the rollout side until the ranks fetch them) and its metrics."""
+        lane = lane or self.lanes[0]
         return await self.guard(f"rollout step {rollout_id}", "rollout_timeout_s",
-                                asyncio.to_thread(self.rollout.generate_train_batch, rollout_id, self.version))
+                                asyncio.to_thread(lane.rollout.generate_train_batch, rollout_id, self.version))
 
-    async def take(self) -> tuple[RolloutBatch, dict[str, float]]:
+    async def take(self, lane: Lane | None = None) -> tuple[RolloutBatch, dict[str, float]]:
         """Fully async: one train step's groups from the buffer (stale ones are dropped there)."""
         return await self.guard(f"taking the groups of train step {self.version + 1}", "rollout_timeout_s",
-                                self._take())
+                                self._take(lane or self.lanes[0]))
 
-    async def _take(self) -> tuple[RolloutBatch, dict[str, float]]:
-        start, need, have = time.perf_counter(), self.plan.groups_per_train_step, 0
+    async def _take(self, lane: Lane) -> tuple[RolloutBatch, dict[str, float]]:
+        start, need, have = time.perf_counter(), lane.plan.groups_per_train_step, 0
         while have < need:
-            got = await asyncio.to_thread(self.rollout.take_into_batch, need - have, self.version, TAKE_TIMEOUT_S)
+            got = await asyncio.to_thread(lane.rollout.take_into_batch, need - have, self.version, TAKE_TIMEOUT_S)
             if not got:
                 print(f"[rl] no finished group for {TAKE_TIMEOUT_S:.0f} s (have {have}/{need}); waiting", flush=True)
             have += got
-        batch, metrics = await asyncio.to_thread(self.rollout.taken_batch)
+        batch, metrics = await asyncio.to_thread(lane.rollout.taken_batch)
         metrics["perf/trainer_wait_s"] = time.perf_counter() - start
         return batch, metrics
 
-    async def train(self, batch: RolloutBatch) -> AsyncIterator[dict[str, float]]:
+    async def train(self, batch: RolloutBatch, lane: Lane | None = None) -> AsyncIterator[dict[str, float]]:
         """The optimizer steps on one rollout batch, `plan.groups_per_train_step` groups each, yielding each
         step's metrics (the caller pushes weights in between). Each runs in the trainer ranks, which fetch
         the batch at its first step and keep it, with the old policy's logprobs taken before that step when
-        it gets more than one (see `train_steps`). Colocated engines free memory meanwhile."""
-        for first in range(0, batch.num_groups, self.plan.groups_per_train_step):
+        it gets more than one (see `train_steps`). Colocated engines free memory meanwhile. Multi-LoRA: the
+        steps train `lane`'s adapter, with its run config."""
+        lane = lane or self.lanes[0]
+        step_fn, args = (train_rollout_step, ()) if lane.adapter is None else (train_adapter_step, (lane.adapter,))
+        for first in range(0, batch.num_groups, lane.plan.groups_per_train_step):
             if self.cfg.cluster.placement == "colocated":
                 await self.settle_engine_evaluation()  # it needs the engines' memory
                 await asyncio.to_thread(self.engines.release_memory)
@@ -123,7 +155,7 @@ class RLRun(EvaluationSteps):
                 groups = batch.groups if first == 0 else None  # later steps use the ranks' copy
                 # Tensors are built, and advantages computed, next to the model.
                 metrics = await self.guard(f"train step {self.version + 1}", "step_timeout_s", asyncio.to_thread(
-                    on_ranks, self.trainer, train_rollout_step, groups, first, self.cfg))
+                    on_ranks, self.trainer, step_fn, *args, groups, first, lane.cfg))
                 metrics["time/train_s"] = time.perf_counter() - start  # with the trips to the ranks
             finally:
                 if self.cfg.cluster.placement == "colocated":
@@ -131,23 +163,27 @@ class RLRun(EvaluationSteps):
             if self.version == 0:
                 metrics.update(trainer_startup_metrics(self.trainer, self.started_at))
             self.version += 1
+            lane.steps += 1
             yield metrics
 
-    async def sync_weights(self) -> dict[str, float]:
-        """Push the trainer's weights as `version` when the interval says so (pause → push → continue)."""
+    async def sync_weights(self, lane: Lane | None = None) -> dict[str, float]:
+        """Push the trainer's weights as `version` when the interval says so (pause → push → continue);
+        multi-LoRA: `lane`'s adapter, the one its step trained, under its name."""
         if not self.syncer.due(self.version):
             return {}
         await self.settle_engine_evaluation()  # an evaluation in flight scores the weights the engines serve now
-        return await self.guard(f"weight sync to version {self.version}", "sync_timeout_s", self._sync())
+        adapter = lane.adapter if lane is not None else None
+        return await self.guard(f"weight sync to version {self.version}", "sync_timeout_s", self._sync(adapter))
 
-    async def _sync(self) -> dict[str, float]:
+    async def _sync(self, adapter: str | None = None) -> dict[str, float]:
+        named = {"lora_path": adapter} if adapter is not None else {}  # multi-LoRA: the adapter the push carries
         if self.supervisor is None:
-            return await self.syncer.sync(self.version)
+            return await self.syncer.sync(self.version, **named)
         for retry in (False, True):  # once more after an engine that failed during the push was restarted
             await self.supervisor.check_now()  # a dead engine is restarted before the push reaches it
             async with self.supervisor.lock:  # no push while an engine is being replaced
                 try:
-                    metrics = await self.syncer.sync(self.version)
+                    metrics = await self.syncer.sync(self.version, **named)
                     await self.supervisor.admit_synced(self.version)  # engines restarted ahead of the others
                     return metrics
                 except WeightSyncError as error:
@@ -171,11 +207,13 @@ class RLRun(EvaluationSteps):
     def eval_due(self) -> bool:
         return bool(self.cfg.eval.interval) and self.version % self.cfg.eval.interval == 0
 
-    async def log(self, metrics: dict[str, float], step_start: float) -> None:
+    async def log(self, metrics: dict[str, float], step_start: float, lane: Lane | None = None) -> None:
         """Log one train step's metrics (adding step time and the engines' idle fraction since the
         previous step) and show it on the progress display. An evaluation still in flight on the engines is
         logged first: rows stay in step order (`eval.backend` scores are logged when they arrive)."""
         await (self.settle_engine_evaluation() if self.on_engines else self._harvest())
+        if lane is not None and lane.adapter is not None:  # multi-LoRA: the step's metrics are its adapter's
+            metrics = {**lane.namespaced(metrics), f"{lane.prefix}train/steps": float(lane.steps)}
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
         metrics["train/weight_version"] = float(self.version)
         idle = await self.guard("reading the engines' busy time (get_server_info)", "engine_call_timeout_s",
@@ -199,11 +237,14 @@ class RLRun(EvaluationSteps):
             "eval/version_before": v0, "eval/version_after": v1,
             "train/steps": self.version, "time/total_s": time.perf_counter() - self.started,
             "schedule": self.cfg.schedule, "sync/transport": self.cfg.sync.transport,
+            **lanes_summary(self.lanes, self.score_key),
         }
         write_summary(self.run_dir, summary)
         report = write_report(self.run_dir)
         scores = "no evaluation" if before is None else \
             f"held-out greedy {self.score_key[5:]} {before:.1%} (version {v0}) -> {after:.1%} (version {v1})"
+        if self.multi_lora:  # the scores are the adapters'
+            scores = print_adapter_scores(self.lanes, summary, self.score_key, self.cfg.schedule)
         print(f"[{self.cfg.schedule}] {scores} in {summary['time/total_s']:.0f} s; report {report}", flush=True)
         return summary
 
@@ -237,6 +278,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     run_dir = prepare_run_dir(cfg)
     (run_dir / "logs").mkdir(exist_ok=True)
     plan = batch_plan(cfg)
+    lane_cfgs = {name: absolute_paths(adapter_run_config(cfg, name)) for name in adapter_names(cfg)}  # multi-LoRA
+    adapter_steps = {name: batch_plan(own).total_train_steps for name, own in lane_cfgs.items()}
     temperature = cfg.rollout.sampling.temperature or 1.0  # greedy rollouts: logprobs of the raw distribution
     logger = MetricsLogger.for_run(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                    wandb_project=cfg.logging.wandb_project, name=cfg.name)
@@ -253,35 +296,44 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None, lora=cfg.lora,
             critic=cfg.critic if cfg.algorithm.needs_critic else None,
             per_sequence=cfg.algorithm.true_on_policy, routing=cfg.algorithm.routing_replay,
+            adapter_steps=adapter_steps or None,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
         engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False)
         teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=["--model-impl", cfg.model.impl],
                                              wait=False) if teachers else None
-        rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
-                                             router=router_spec(cfg, cfg.cluster.num_engines),
-                                             prepare=functools.partial(prepare_rollout_parts, cfg))
+        # one rollout manager per policy trained (multi-LoRA: per adapter, each with its data, reward, buffer)
+        rollouts = {name: orch.start_rollout_manager(None, functools.partial(build_rollout_parts, own),
+                                                     router=router_spec(own, cfg.cluster.num_engines),
+                                                     prepare=functools.partial(prepare_rollout_parts, own))
+                    for name, own in (lane_cfgs or {None: cfg}).items()}
+        rollout = next(iter(rollouts.values()))
         urls = engines.wait_ready().urls
         teacher_urls = teacher.wait_ready().urls if teacher is not None else []
         clock.lap("engines")
-        rollout.start(urls, teacher_urls)
+        for manager in rollouts.values():
+            manager.start(urls, teacher_urls)
         clock.lap("rollout_manager")  # router, data source and rollout fn, once the engines are up
-        progress = RunProgress(cfg.schedule, plan.total_train_steps, mode="auto" if cfg.logging.progress else "off")
-        processes = RunProcesses(run_dir, engines, trainer, rollout, run_dir / "logs")
+        lanes = [Lane(own, batch_plan(own), rollouts[name], adapter=name) for name, own in lane_cfgs.items()]
+        total_steps = sum(adapter_steps.values()) or plan.total_train_steps
+        progress = RunProgress(cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off")
+        processes = RunProcesses(run_dir, engines, trainer, list(rollouts.values()), run_dir / "logs")
         async with EngineFleet(urls, timeouts=Timeouts(control=cfg.fault.engine_call_timeout_s)) as fleet:
             syncer = TrainerWeightSync(trainer, cfg.sync, urls, checker=weight_checker(cfg, trainer, temperature),
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
                                        source_model=cfg.model.path, control_timeout_s=cfg.fault.engine_call_timeout_s)
             watchdog = Watchdog(run_dir, processes)
-            supervisor = EngineSupervisor(cfg.fault, engines, rollout, urls, processes, watchdog,
+            supervisor = EngineSupervisor(cfg.fault, engines, list(rollouts.values()), urls, processes, watchdog,
                                           functools.partial(restart_weights, cfg, syncer, trainer, run_dir),
                                           served_version=lambda: syncer.version or 0,
                                           on_restart=syncer.engine_replaced)
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started, started_at=started_at,
-                        checkpointer=RunCheckpointer(cfg, run_dir, plan.train_steps_per_rollout),
-                        watchdog=watchdog, supervisor=supervisor, trainer_restarts=restarts)
+                        checkpointer=RunCheckpointer(cfg, run_dir, 1 if lanes else plan.train_steps_per_rollout),
+                        watchdog=watchdog, supervisor=supervisor, trainer_restarts=restarts, lanes=lanes)
             if resume is not None:
                 await checkpointing.restore(run, resume)  # before any rollout: the engines serve its weights
+            elif run.multi_lora:  # every adapter's step-0 weights, under its name, before any rollout
+                await push_adapters(run, 0)
             elif cfg.lora.served_adapter:  # every request names the adapter: the engines load the step-0 one
                 await syncer.sync(0, first=True)
             await run.idle_meter.read()  # the baseline of the first step's idle fraction

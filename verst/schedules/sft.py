@@ -26,6 +26,9 @@ from verst.types import Sample, Status
 
 
 def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
+    if cfg.lora.adapters:
+        raise ValueError(f"lora.adapters ({[a.name for a in cfg.lora.adapters]}): multi-LoRA trains with RL only; "
+                         "SFT trains one adapter (lora.enabled = true without lora.adapters)")
     resume = checkpointing.prepare_resume(cfg)  # refused before anything starts
     run_dir = prepare_run_dir(cfg)
     tokenizer = load_tokenizer(cfg.model.path)

@@ -16,13 +16,13 @@ from verst.schedules.run import open_rl_run
 async def run_sync(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
     async with open_rl_run(cfg, restarts) as run:
         await run.begin()  # the step-0 evaluation, while the first rollouts generate
-        for rollout_id in range(run.first_rollout, cfg.rollout.num_rollouts):
+        for rollout_id, lane in run.rollout_turns():  # multi-LoRA: each adapter's batch k in turn
             start = time.perf_counter()
-            batch, rollout_metrics = await run.generate(rollout_id)
-            async for step_metrics in run.train(batch):
+            batch, rollout_metrics = await run.generate(rollout_id, lane)
+            async for step_metrics in run.train(batch, lane):
                 metrics = {**rollout_metrics, **step_metrics}
-                metrics.update(await run.sync_weights())
-                await run.log(metrics, start)
+                metrics.update(await run.sync_weights(lane))
+                await run.log(metrics, start, lane)
                 if run.eval_due():
                     await run.start_evaluation()  # overlaps the next step
                 await run.checkpoint_if_due()

@@ -225,3 +225,17 @@ def train_rollout_step(
     if first + per_step >= len(kept.groups):
         del _kept[trainer]  # the batch's last step
     return metrics
+
+
+def use_adapter(trainer: TrainBackend, adapter: str) -> None:
+    """Multi-LoRA: make `adapter` the one the trainer's next forwards, steps and weight pushes use."""
+    trainer.use_adapter(adapter)  # type: ignore[attr-defined]
+
+
+def train_adapter_step(
+    trainer: TrainBackend, adapter: str, batch: Sequence[Group] | None, first: int, cfg: VerstConfig
+) -> dict[str, float]:
+    """Multi-LoRA: `train_rollout_step` with `adapter` active; `cfg` is that adapter's run config (its
+    reward key, batch plan, algorithm). Its rollout batch's steps run back to back, so the kept batch is its."""
+    use_adapter(trainer, adapter)
+    return train_rollout_step(trainer, batch, first, cfg)

@@ -64,7 +64,8 @@ def background_stager() -> DefaultStager:
 def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, step: int, *,
          background_group: dist.ProcessGroup | None = None,
-         stager: DefaultStager | None = None, critic: Critic | None = None) -> BackgroundSave | None:
+         stager: DefaultStager | None = None, critic: Critic | None = None,
+         extra: dict | None = None) -> BackgroundSave | None:
     """Collective. `directory/COMPLETE` is written last, so a half-written checkpoint is never loaded.
 
     With `background_group` (a process group used for nothing else) and `stager` (`background_stager()`)
@@ -77,7 +78,7 @@ def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     model_state, optim_state = _trained_state(model, optimizer)
     torch.save(_rng_state(), directory / f"rng_rank{rank}.pt")
     if rank == 0:
-        state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size}
+        state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size, "extra": extra or {}}
         if critic is not None:
             state["critic_scheduler"] = critic.scheduler.state_dict()
         torch.save(state, directory / STATE_FILE)
@@ -149,6 +150,11 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     _set_rng_state(torch.load(directory / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     dist.barrier()
     return int(state["step"])
+
+
+def saved_extra(directory: Path) -> dict:
+    """The `extra` a trainer checkpoint was saved with (a backend's own counters); {} when none."""
+    return torch.load(directory / STATE_FILE, weights_only=False).get("extra", {})
 
 
 def export_hf(directory: Path, model: torch.nn.Module, source_path: str, dtype: str) -> None:

@@ -19,10 +19,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from verst.config.adapters import adapter_lora_configs
 from verst.config.schema import CriticConfig, LoraConfig, ModelConfig, TrainerConfig
 from verst.models.native import load_causal_lm
 from verst.models.scoring import token_logprobs
-from verst.trainer import checkpoint, lora
+from verst.trainer import checkpoint
+from verst.trainer import lora as lora_mod
 from verst.trainer.backend import Batch
 from verst.trainer.batching import (
     ForwardOutputs,
@@ -39,7 +41,7 @@ from verst.trainer.distributed import ensure_single_process_group, resolve_devic
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
 from verst.trainer.routing import ROUTING_MODES, RoutingReplay
-from verst.trainer.schedule import build_optimizer
+from verst.trainer.schedule import build_adapter_optimizer, build_optimizer
 from verst.types import WeightBucket
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,11 +88,17 @@ class FSDP2Backend:
         critic: CriticConfig | None = None,
         per_sequence: bool = False,
         routing: str = "off",
+        adapter_steps: dict[str, int | None] | None = None,
     ):
         if temperature <= 0:
             raise ValueError(f"logprob temperature must be positive, got {temperature}")
         self.model_config, self.config, self.temperature = model, trainer, temperature
         self.lora = lora if lora is not None and lora.enabled else None
+        # Multi-LoRA (`lora.adapters`): one PEFT adapter per name, each with its own optimizer state, lr and
+        # schedule (`adapter_steps`: its total optimizer steps); `use_adapter` picks the one trained and synced.
+        self.adapters = adapter_lora_configs(self.lora) if self.lora else {}
+        self.active_adapter = next(iter(self.adapters), lora_mod.ADAPTER)
+        self.adapter_step = dict.fromkeys(self.adapters, 0)
         self.device = resolve_device(device)
         ensure_single_process_group(self.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -110,7 +118,11 @@ class FSDP2Backend:
         if ref_model_path and not (self.lora and _same_path(ref_model_path, model.path)):
             self.ref_model = self._build(ref_model_path, trainable=False)
         self._base_is_reference = bool(ref_model_path) and self.ref_model is None
-        self.optimizer, self.scheduler = build_optimizer(self.model, trainer, total_steps)
+        if self.adapters:
+            self.optimizer, self.scheduler, self._adapter_group = build_adapter_optimizer(
+                self.model, self._adapter_trainers(), adapter_steps or {}, self.adapter_step)
+        else:
+            self.optimizer, self.scheduler = build_optimizer(self.model, trainer, total_steps)
         self.critic: Critic | None = None
         if critic is not None:
             value_model = self._build(critic.model_path or model.path, trainable=True, value_head=True)
@@ -142,7 +154,7 @@ class FSDP2Backend:
         if trainable and self.config.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if trainable and self.lora and not value_head:
-            model = lora.add_adapters(model, self.lora)  # the base frozen; FSDP2 shards the adapted model
+            model = lora_mod.add_adapters(model, self.lora, self.adapters)  # the base frozen; FSDP2 shards it
         compute = _DTYPES[self.model_config.dtype]
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -160,6 +172,20 @@ class FSDP2Backend:
     @property
     def step(self) -> int:
         return self._step
+
+    # ---- multi-LoRA ----------------------------------------------------------------------
+    def _adapter_trainers(self) -> dict[str, TrainerConfig]:
+        """Each adapter's optimizer settings: the run's, with its own lr where it sets one."""
+        lrs = {adapter.name: adapter.lr for adapter in self.lora.adapters}
+        return {name: self.config.model_copy(update={"lr": lrs[name] or self.config.lr}) for name in self.adapters}
+
+    def use_adapter(self, name: str) -> None:
+        """Multi-LoRA: the adapter the next forwards apply, the next train step trains and weight sync pushes;
+        the others are untouched (no gradient, so their optimizer state and lr schedule do not move)."""
+        if name not in self.adapters:
+            raise ValueError(f"use_adapter: no adapter {name!r}; this trainer has {sorted(self.adapters)}")
+        lora_mod.activate(self.model, name)
+        self.active_adapter = name
 
     # ---- batching ------------------------------------------------------------------------
     def _my_micro_batches(self, items: list[TrainItem]) -> list[list[int]]:
@@ -260,7 +286,7 @@ class FSDP2Backend:
             self._routing.take_counts()  # this step's forwards only
         forward = functools.partial(self._forward, self.model, with_entropy=with_entropy)
         metrics = self._optimizer_step(self.model, self.optimizer, self.scheduler, self.config.grad_clip,
-                                       items, loss_fn, normalizer, forward)
+                                       items, loss_fn, normalizer, forward, policy=True)
         self._step += 1
         return metrics | self._routing_metrics()
 
@@ -271,7 +297,7 @@ class FSDP2Backend:
         critic = self._require_critic("train_critic")
         metrics = self._optimizer_step(critic.model, critic.optimizer, critic.scheduler, critic.grad_clip,
                                        as_items(batch), loss_fn, normalizer,
-                                       functools.partial(value_forward, critic.model))
+                                       functools.partial(value_forward, critic.model), policy=False)
         step_keys = ("train/loss", "train/grad_norm", "train/lr", "perf/train_tokens_per_s")
         return {**{k: v for k, v in metrics.items() if k not in step_keys},
                 "train/value_grad_norm": metrics["train/grad_norm"], "train/value_lr": metrics["train/lr"]}
@@ -279,8 +305,9 @@ class FSDP2Backend:
     def _optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip: float, items: list[TrainItem],
                         loss_fn: LossFn, normalizer: Normalizer,
-                        forward: Callable[[MicroBatch], ForwardOutputs]) -> dict[str, float]:
-        """One optimizer step of `model` over the global batch (the policy's or the critic's)."""
+                        forward: Callable[[MicroBatch], ForwardOutputs], *, policy: bool) -> dict[str, float]:
+        """One optimizer step of `model` over the global batch: the policy's (multi-LoRA: the active
+        adapter's lr group and step count) or the critic's."""
         start = time.perf_counter()
         self._wait_staged()  # a background save's copy of the weights and optimizer state is made first
         total = float(normalizer(pad_right([it.loss_mask for it in items])))
@@ -304,8 +331,10 @@ class FSDP2Backend:
             for key, value in metrics.items():
                 combine_metric(metric_sums, key, float(value), weight)
         grad_norm = self._clip_gradients(model, grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        lr = scheduler.get_last_lr()[self._active_group() if policy else 0]
+        optimizer.step()  # parameters without a gradient (inactive adapters) are left as they are
+        if policy and self.adapters:
+            self.adapter_step[self.active_adapter] += 1  # the schedules' lambdas read it
         scheduler.step()
         # The summed micro-batch losses are the global loss, whatever a loss fn reports as its own.
         local = {**_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
@@ -334,6 +363,10 @@ class FSDP2Backend:
         mismatched, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
         return {"train/routing_mismatch_rate": mismatched / total} if total else {}
 
+    def _active_group(self) -> int:
+        """The optimizer's first param group of the active adapter (multi-LoRA: one lr per adapter)."""
+        return self._adapter_group[self.active_adapter] if self.adapters else 0
+
     def _clip_gradients(self, model: torch.nn.Module, grad_clip: float) -> float:
         trained = [p for p in model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip)
@@ -348,7 +381,9 @@ class FSDP2Backend:
     def named_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Collective: every rank gathers every tensor in the same order (tied weights appear once). With
         LoRA: the merged weights, under the base's names (the model itself is not changed)."""
-        tensors = lora.merged_tensors(self.model) if self.lora else checkpoint.named_tensors(self.model)
+        if self.adapters:
+            raise ValueError("named_weights: a multi-LoRA model has no one merged policy; sync its adapters by name")
+        tensors = lora_mod.merged_tensors(self.model) if self.lora else checkpoint.named_tensors(self.model)
         yield from _buckets(tensors, bucket_bytes)
 
     @property
@@ -357,7 +392,9 @@ class FSDP2Backend:
         adapter_config.json content, which every push carries; None when weight sync sends full weights."""
         if self.lora is None or self.lora.served_adapter is None:
             return None
-        return self.lora.served_adapter, lora.adapter_config(self.model, self.model_config.path)
+        if self.adapters:  # multi-LoRA: the active adapter, under its own name
+            return self.active_adapter, lora_mod.adapter_config(self.model, self.model_config.path, self.active_adapter)
+        return self.lora.served_adapter, lora_mod.adapter_config(self.model, self.model_config.path)
 
     def synced_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Collective: what weight sync pushes. With LoRA's adapter sync, the adapter's tensors under PEFT's
@@ -365,7 +402,7 @@ class FSDP2Backend:
         if self.lora is None or self.lora.served_adapter is None:
             yield from self.named_weights(bucket_bytes)
             return
-        yield from _buckets(lora.adapter_tensors(self.model), bucket_bytes)
+        yield from _buckets(lora_mod.adapter_tensors(self.model, self.active_adapter), bucket_bytes)
 
     def save(self, directory: str | Path, *, background: bool = False) -> None:
         """With `background`, the shards are copied now and written by a thread; the directory is complete
@@ -378,7 +415,8 @@ class FSDP2Backend:
                 self._stager = checkpoint.background_stager()
             group = self._checkpoint_group
         self._writing = checkpoint.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
-                                        background_group=group, stager=self._stager, critic=self.critic)
+                                        background_group=group, stager=self._stager, critic=self.critic,
+                                        extra={"adapter_step": dict(self.adapter_step)})
 
     def wait_saves(self) -> None:
         """Wait for a background save's write (its error is raised here)."""
@@ -394,12 +432,19 @@ class FSDP2Backend:
     def load(self, directory: str | Path) -> None:
         self.wait_saves()
         self._step = checkpoint.load(Path(directory), self.model, self.optimizer, self.scheduler, critic=self.critic)
+        if self.adapters:
+            saved = checkpoint.saved_extra(Path(directory)).get("adapter_step", {})
+            if set(saved) != set(self.adapters):
+                raise ValueError(f"checkpoint {directory} holds the adapters {sorted(saved)}, this run trains "
+                                 f"{sorted(self.adapters)} (lora.adapters)")
+            self.adapter_step.update(saved)  # the optimizer's param groups came back with their lrs
 
     def export_hf(self, directory: str | Path, *, merge_lora: bool = False) -> None:
         """A Hugging Face checkpoint; with LoRA, the PEFT adapter directory, and with `merge_lora` the merged
         model in its `merged/` (`lora.export`)."""
         if self.lora:
-            lora.export(Path(directory), self.model, self.model_config.path, self.model_config.dtype, merge_lora)
+            lora_mod.export(Path(directory), self.model, self.model_config.path, self.model_config.dtype, merge_lora,
+                            list(self.adapters) or None)
         else:
             checkpoint.export_hf(Path(directory), self.model, self.model_config.path, self.model_config.dtype)
 

@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,16 +22,52 @@ ADAPTER = "default"  # PEFT's adapter name; one adapter per model
 _ADAPTER_PART = re.compile(r"(^|\.)lora_")  # lora_A, lora_B, lora_dropout, ...: adapter modules, not base ones
 
 
-def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+def add_adapters(model: torch.nn.Module, cfg: LoraConfig, adapters: dict[str, LoraConfig] | None = None,
+                 ) -> torch.nn.Module:
     """`model` (native or transformers) as a PEFT model with fresh adapters (B = 0: the base's outputs),
-    every base parameter frozen. A target that names no linear layer of the model is refused by name."""
-    from peft import LoraConfig as PeftLoraConfig
+    every base parameter frozen. A target that names no linear layer of the model is refused by name.
+    `adapters` (multi-LoRA): one PEFT adapter per name, each with its own settings, every one trainable
+    (the one active in a forward is the one that gets gradients); else one adapter, `ADAPTER`."""
     from peft import get_peft_model
 
+    if not adapters:
+        return get_peft_model(model, _peft_config(model, cfg))
+    configs = {name: _peft_config(model, adapter_cfg) for name, adapter_cfg in adapters.items()}  # on the bare model
+    (first, first_config), *rest = configs.items()
+    peft_model = get_peft_model(model, first_config, adapter_name=first)
+    for name, config in rest:
+        peft_model.add_adapter(name, config)
+    for name, parameter in peft_model.named_parameters():
+        if _ADAPTER_PART.search(name):
+            parameter.requires_grad_(True)  # add_adapter leaves the added adapters frozen
+    return peft_model
+
+
+def _peft_config(model: torch.nn.Module, cfg: LoraConfig) -> Any:
+    from peft import LoraConfig as PeftLoraConfig
+
     targets = target_modules(model, cfg.target_modules)
-    config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                            bias="none")
-    return get_peft_model(model, config)
+    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                          bias="none")
+
+
+def adapter_parameters(model: torch.nn.Module, adapter: str) -> list[torch.nn.Parameter]:
+    """The parameters of one named adapter (its lora_A and lora_B of every targeted layer)."""
+    parts = (f".lora_A.{adapter}.", f".lora_B.{adapter}.")
+    params = [p for name, p in model.named_parameters() if any(part in name for part in parts)]
+    if not params:
+        raise ValueError(f"the model has no parameters of adapter {adapter!r}")
+    return params
+
+
+def activate(model: torch.nn.Module, adapter: str) -> None:
+    """Make `adapter` the one PEFT's forward applies. PEFT's `set_adapter` also freezes the others; they stay
+    trainable here (their parameters only get no gradient while inactive), so FSDP2 and the optimizer see
+    the same trainable set at every step."""
+    model.set_adapter(adapter)
+    for name, parameter in model.named_parameters():
+        if _ADAPTER_PART.search(name):
+            parameter.requires_grad_(True)
 
 
 def target_modules(model: torch.nn.Module, wanted: list[str] | str) -> list[str]:
@@ -79,18 +116,21 @@ def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         yield (f"{owner}.{leaf}" if owner else leaf), full
 
 
-def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective. The adapter's A and B of each targeted layer under the names PEFT saves them with
-    (`base_model.model.<module>.lora_A.weight`), full tensors (gathered from the shards); nothing of the base."""
+def adapter_tensors(model: torch.nn.Module, adapter: str = ADAPTER) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective. `adapter`'s A and B of each targeted layer under the names PEFT saves them with
+    (`base_model.model.<module>.lora_A.weight`), full tensors (gathered from the shards); nothing of the base
+    or of another adapter."""
+    parts = {f".lora_A.{adapter}.": ".lora_A.", f".lora_B.{adapter}.": ".lora_B."}
     for name, tensor in checkpoint.named_tensors(model.get_base_model()):
-        if ".lora_A." in name or ".lora_B." in name:
-            yield f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}", _full(tensor)
+        for part, saved in parts.items():
+            if part in name:
+                yield f"base_model.model.{name.replace(part, saved)}", _full(tensor)
 
 
-def adapter_config(model: torch.nn.Module, source_path: str) -> dict:
+def adapter_config(model: torch.nn.Module, source_path: str, adapter: str = ADAPTER) -> dict:
     """The adapter's adapter_config.json content (rank, alpha, target modules, ...) as PEFT writes it: plain
     JSON values (sets as sorted lists), so it travels over HTTP and loads with `PeftModel.from_pretrained`."""
-    config = model.peft_config[ADAPTER].to_dict()
+    config = model.peft_config[adapter].to_dict()
     config["base_model_name_or_path"] = str(source_path)
     plain = lambda value: sorted(value) if isinstance(value, (set, frozenset)) else str(value)  # noqa: E731
     return json.loads(json.dumps(config, default=plain))
@@ -109,27 +149,31 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-def export(directory: Path, model: torch.nn.Module, source_path: str, dtype: str, merge: bool) -> None:
+def export(directory: Path, model: torch.nn.Module, source_path: str, dtype: str, merge: bool,
+           adapters: list[str] | None = None) -> None:
     """Collective. Rank 0 writes the PEFT adapter directory (`adapter_config.json`,
     `adapter_model.safetensors`, the source's tokenizer files), which `peft.PeftModel.from_pretrained` loads
-    on the base; with `merge`, also the merged model as a full checkpoint in `directory/merged`."""
+    on the base; with `merge`, also the merged model as a full checkpoint in `directory/merged`. With
+    `adapters` (multi-LoRA): one such directory per adapter, `directory/<name>`, and no merged model."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    adapters = get_model_state_dict(model, options=options)
+    state = get_model_state_dict(model, options=options)
     if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        # No embedding layer is ever a target (linear layers only), so none is saved, and PEFT's check for a
-        # resized vocabulary (which reads the base's config, from the Hub if not local) is not needed.
-        weights = get_peft_model_state_dict(model, state_dict=adapters, adapter_name=ADAPTER,
-                                            save_embedding_layers=False)
-        save_file({name: t.to(getattr(torch, dtype)).contiguous() for name, t in weights.items()},
-                  str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = model.peft_config[ADAPTER]
-        config.base_model_name_or_path = str(source_path)
-        config.save_pretrained(str(directory))
-        checkpoint.copy_side_files(Path(source_path), directory)
+        for name in adapters or [ADAPTER]:
+            target = directory / name if adapters else directory
+            target.mkdir(parents=True, exist_ok=True)
+            # No embedding layer is ever a target (linear layers only), so none is saved, and PEFT's check for
+            # a resized vocabulary (which reads the base's config, from the Hub if not local) is not needed.
+            weights = get_peft_model_state_dict(model, state_dict=state, adapter_name=name,
+                                                save_embedding_layers=False)
+            save_file({key: t.to(getattr(torch, dtype)).contiguous() for key, t in weights.items()},
+                      str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+            config = model.peft_config[name]
+            config.base_model_name_or_path = str(source_path)
+            config.save_pretrained(str(target))
+            checkpoint.copy_side_files(Path(source_path), target)
     if merge:
         merged = {name: tensor.cpu() for name, tensor in merged_tensors(model)}
         checkpoint.write_hf(directory / MERGED_LORA_DIR, model.get_base_model(), merged, source_path, dtype)
