@@ -21,9 +21,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from verst.engine.config import IMPLS
 from verst.engine.request import generate_reply
+from verst.engine.schema import ERROR_RESPONSES, PEER_RESPONSES, UNHEALTHY, install_openapi
 from verst.engine.service import (
     ServerState,
     build_request,
@@ -36,6 +38,7 @@ from verst.inference_client import weights
 from verst.inference_client.protocol import (
     AbortRequest,
     BatchGenerateRequest,
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     InvalidRequest,
@@ -64,10 +67,11 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             await asyncio.to_thread(state.runner.stop)
 
-    app = FastAPI(title="verst engine", lifespan=lifespan)
+    app = FastAPI(title="verst engine", version=ENGINE_VERSION, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.engine = state
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(InvalidRequest, lambda request, exc: invalid_request_response(exc))
+    app.add_exception_handler(HTTPException, _http_error)
     _add_generate_routes(app, state)
     _add_info_routes(app, state)
     _add_control_routes(app, state)
@@ -76,6 +80,7 @@ def create_app(state: ServerState) -> FastAPI:
     from verst.engine.openai_api import add_openai_routes
 
     add_openai_routes(app, state)
+    install_openapi(app, state.core.vocab_size, state.core.context_length)
     return app
 
 
@@ -135,13 +140,13 @@ async def _stream(state: ServerState, req, text_fn):
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=UNHEALTHY)
     async def health() -> Response:
         if state.runner.alive():
             return Response(status_code=200)
         return error_response(503, "the engine thread is not running")
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response, responses=UNHEALTHY)
     async def health_generate() -> Response:
         try:
             ok = await asyncio.wait_for(state.runner.acall(lambda core: core.probe()), HEALTH_PROBE_TIMEOUT_S)
@@ -265,17 +270,19 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
 
-    @app.post("/init_weights_update_group")
+    @app.post("/init_weights_update_group", responses=PEER_RESPONSES)
     async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> Response:
         if body.group_name in state.weight_groups:
             return error_response(400, "a weight update group with this name exists", "group_name", body.group_name)
+        if body.backend == "nccl" and not state.on_cuda:
+            return error_response(400, "nccl needs the engine on a CUDA device; use gloo", "backend", body.backend)
         try:
             group = await asyncio.to_thread(
                 weights.open_weight_update_group, body.master_address, body.master_port, body.rank_offset,
                 body.world_size, body.group_name, body.backend, body.timeout_s,
             )
         except (RuntimeError, ValueError, OSError) as exc:
-            return error_response(500, f"joining weight update group {body.group_name!r} failed: {exc}")
+            return _peer_failed(body, exc)
         state.weight_groups[body.group_name] = group
         return JSONResponse({"success": True, "message": f"Joined {body.group_name!r} as rank {body.rank_offset}."})
 
@@ -298,10 +305,21 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
 
     @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(body: dict[str, Any] | None = None) -> dict[str, Any]:
-        name = (body or {}).get("group_name", "weight_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupRequest | None = None) -> dict[str, Any]:
+        name = (body or DestroyWeightsUpdateGroupRequest()).group_name
         state.weight_groups.pop(name, None)
         return {"success": True, "message": f"Left {name!r}."}
+
+
+def _peer_failed(body: InitWeightsUpdateGroupRequest, exc: Exception) -> Response:
+    """The group's master failed (502) or did not answer in time (504): the peer is named, the engine serves on."""
+    peer = f"{body.master_address}:{body.master_port}"
+    timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc) or "timeout" in type(exc).__name__.lower()
+    if timed_out:
+        return error_response(504, f"weight update group {body.group_name!r}: the master at {peer} did not answer "
+                              f"within timeout_s = {body.timeout_s:g} s ({type(exc).__name__})", "master_address", peer)
+    return error_response(502, f"weight update group {body.group_name!r}: joining the master at {peer} failed "
+                          f"({type(exc).__name__}: {exc})", "master_address", peer)
 
 
 def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
@@ -330,11 +348,21 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
         return await update(lambda: state.runner.acall(lambda core: core.unload_lora(body.lora_name)))
 
 
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Errors raised inside FastAPI itself (an unreadable body, an unknown route) in the engine's error shape."""
+    if exc.status_code < 400:
+        return Response(status_code=exc.status_code, headers=exc.headers)
+    field = "body" if exc.status_code == 400 else None
+    response = error_response(exc.status_code, str(exc.detail), field, None)
+    response.headers.update(exc.headers or {})
+    return response
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """422 naming the first offending field and its value, plus pydantic's full error list."""
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    first = _most_specific(errors)
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
     field = ".".join(loc) or "body"
     if first.get("type") == "json_invalid":
         field = "body"
@@ -349,6 +377,24 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     body = json.loads(response.body)
     body["detail"] = detail
     return JSONResponse(body, status_code=422)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+def _union_branch(part: Any) -> bool:
+    """Whether a loc part is pydantic's tag of a union member ('str', 'list[int]'), not a field name."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+
+
+def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first error, or the deepest one about the same field: a union's members each report, and the
+    member the value was meant for reports deepest (`prompt.0`, not `prompt` as a string)."""
+    if not errors:
+        return {}
+    field = errors[0].get("loc", ())[:2]
+    same = [e for e in errors if e.get("loc", ())[:2] == field]
+    return max(same, key=lambda e: len(e.get("loc", ())))
 
 
 def build_parser() -> argparse.ArgumentParser:
