@@ -83,7 +83,7 @@ def test_control_and_info_endpoints(http):
     server_info = http.get("/get_server_info").json()
     assert server_info["internal_states"][0]["num_running_reqs"] == 0 and server_info["dp_size"] == 1
     load = http.get("/get_load").json()
-    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "ts_tic"}
     assert http.post("/flush_cache").status_code == 200
     assert http.post("/abort_request", json={"rid": "unknown"}).json()["aborted"] == 0
     assert http.post("/pause_generation", json={"mode": "in_place"}).json()["success"] is True

@@ -184,8 +184,9 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         }
 
     @app.get("/get_load")
-    async def get_load() -> list[dict[str, int]]:
-        return [await state.runner.acall(lambda core: core.load())]
+    async def get_load() -> list[dict[str, float]]:
+        """SGLang's GetLoadReqOutput per data-parallel rank (one here); ts_tic is when it was taken."""
+        return [{**await state.runner.acall(lambda core: core.load()), "ts_tic": time.time()}]
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, str]:
