@@ -84,7 +84,8 @@ def _add_generate_body(doc: dict[str, Any]) -> None:
     operation["responses"]["200"] = {
         "description": "One reply (a list of replies for a batch); with stream = true, server-sent events of "
                        "cumulative replies ending in `data: [DONE]`.",
-        "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {
+            "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}},
     }
 
 

@@ -86,12 +86,13 @@ def check_default_only(data: Any, allowed: dict[str, tuple[Any, ...]], where: st
 
 
 class WireModel(BaseModel):
-    """Base of every request body: unknown fields are an error, never dropped.
+    """Base of every request body: unknown fields are an error, never dropped; values are taken strictly
+    (no 1 for true, "2" for 2 or false for 0.0), as the published JSON schema types them.
 
     The published JSON schema lists the fields accepted only at their default (`accepted_only_at`, as
     an enum of those values) and those accepted and ignored, so the schema is the whole contract."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     accepted_only_at: ClassVar[dict[str, tuple[Any, ...]]] = {}
     accepted_and_ignored: ClassVar[tuple[str, ...]] = ()
 
