@@ -131,6 +131,7 @@ def test_fuzzed_openapi_gets_no_5xx_and_the_engine_serves_after(engine):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_fuzzed_openapi_at_length(engine):
     findings = fuzz(engine, examples=150, budget_s=1200)
     assert not findings.failures, report(findings)
