@@ -76,7 +76,7 @@ def check_default_only(data: Any, allowed: dict[str, tuple[Any, ...]], where: st
     data = dict(data)
     for name, values in allowed.items():
         if name in data:
-            value = data.pop(name)
+            value = _integral(data.pop(name))
             if not any(value == v and type(value) is type(v) or value is v for v in values):
                 raise ValueError(
                     f"{where}{name} = {value!r} is not supported by the embedded engine "
@@ -85,9 +85,18 @@ def check_default_only(data: Any, allowed: dict[str, tuple[Any, ...]], where: st
     return data
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer: an integral float (also inside lists) is read as that int, which
+    a float field takes too; everything else stays as sent."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_integral(v) for v in value] if isinstance(value, list) else value
+
+
 class WireModel(BaseModel):
     """Base of every request body: unknown fields are an error, never dropped; values are taken strictly
-    (no 1 for true, "2" for 2 or false for 0.0), as the published JSON schema types them.
+    (no 1 for true, "2" for 2 or false for 0.0), as the published JSON schema types them, and an integral
+    float is an integer, as in JSON Schema.
 
     The published JSON schema lists the fields accepted only at their default (`accepted_only_at`, as
     an enum of those values) and those accepted and ignored, so the schema is the whole contract."""
@@ -95,6 +104,11 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     accepted_only_at: ClassVar[dict[str, tuple[Any, ...]]] = {}
     accepted_and_ignored: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        return {key: _integral(value) for key, value in data.items()} if isinstance(data, dict) else data
 
     @classmethod
     def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> JsonSchemaValue:
@@ -120,11 +134,6 @@ class TokenIds:
         schema = handler(core_schema)
         schema["x-token-ids"] = self.kind
         return schema
-
-
-def _integral(value: Any) -> Any:
-    """JSON Schema counts 3.0 as an integer: an integral float is read as that int; all else stays as sent."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 # Token ids are integers: JSON booleans and fractions are refused by name, never read as 0, 1 or rounded.
