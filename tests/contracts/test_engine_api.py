@@ -184,6 +184,10 @@ BAD_INPUTS = [
                                      "load_format": "shm"}, 400, "serialized_named_tensors"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]]}, 422, "shapes.0.0"),
     ("/destroy_weights_update_group", {"group_name": ["x"]}, 422, "group_name"),
+    ("/generate", {"input_ids": [1], "stream": 1}, 422, "stream"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"temperature": False}}, 422, "sampling_params.temperature"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "2"}}, 422,
+     "sampling_params.max_new_tokens"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
                                     "world_size": 2, "backend": "nccl"}, 400, "backend"),
 ]
@@ -201,6 +205,14 @@ def test_bad_input_gets_4xx_naming_the_field_and_the_engine_keeps_serving(http, 
     assert error["field"] == field and error["message"], error
     ok = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] >= 1
+
+
+def test_integral_floats_are_integers_as_in_json_schema(http):
+    body = {"input_ids": [5.0, 6, 7.0], "priority": 1.0, "sampling_params": {"max_new_tokens": 3.0, "n": 1.0,
+                                                                              "ignore_eos": True}}
+    reply = http.post("/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["meta_info"]["prompt_tokens"] == 3 and len(reply.json()["output_ids"]) == 3
 
 
 def test_unreachable_weight_group_master_is_named_within_the_timeout(http):
