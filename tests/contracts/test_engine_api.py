@@ -6,6 +6,8 @@ Runs the real server over loopback, in this process (`BackgroundServer`), on a t
 
 import base64
 import json
+import socket
+import time
 
 import httpx
 import numpy as np
@@ -102,7 +104,7 @@ def test_control_and_info_endpoints(http):
     server_info = http.get("/get_server_info").json()
     assert server_info["internal_states"][0]["num_running_reqs"] == 0 and server_info["dp_size"] == 1
     load = http.get("/get_load").json()
-    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "ts_tic"}
     assert http.post("/flush_cache").status_code == 200
     assert http.post("/abort_request", json={"rid": "unknown"}).json()["aborted"] == 0
     assert http.post("/pause_generation", json={"mode": "in_place"}).json()["success"] is True
@@ -194,6 +196,24 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "tiny-moe:nope"}, 400,
      "lora_path"),
     ("/v1/chat/completions", {"messages": []}, 422, "messages"),
+    ("/v1/chat/completions", {"messages": [{}]}, 422, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 422, "messages.0.content"),
+    ("/v1/completions", {"prompt": [False]}, 422, "prompt.0"),
+    ("/v1/completions", {"prompt": [1.5]}, 422, "prompt.0"),
+    ("/generate", {"input_ids": [1, True]}, 422, "input_ids.1"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [False]}}, 422,
+     "sampling_params.stop_token_ids.0"),
+    ("/update_weights_from_disk", {"model_path": "/tmp/nul\u0000byte"}, 400, "model_path"),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ['{"path": "/dev/shm/x", "tensors": [{"name": 1}]}'],
+                                     "load_format": "shm"}, 400, "serialized_named_tensors"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]]}, 422, "shapes.0.0"),
+    ("/destroy_weights_update_group", {"group_name": ["x"]}, 422, "group_name"),
+    ("/generate", {"input_ids": [1], "stream": 1}, 422, "stream"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"temperature": False}}, 422, "sampling_params.temperature"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "2"}}, 422,
+     "sampling_params.max_new_tokens"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                    "world_size": 2, "backend": "nccl"}, 400, "backend"),
 ]
 
 
@@ -211,6 +231,33 @@ def test_bad_input_gets_4xx_naming_the_field_and_the_engine_keeps_serving(http, 
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] >= 1
 
 
+def test_integral_floats_are_integers_as_in_json_schema(http):
+    body = {"input_ids": [5.0, 6, 7.0], "priority": 1.0, "sampling_params": {"max_new_tokens": 3.0, "n": 1.0,
+                                                                              "ignore_eos": True}}
+    reply = http.post("/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["meta_info"]["prompt_tokens"] == 3 and len(reply.json()["output_ids"]) == 3
+
+
+def test_unreachable_weight_group_master_is_named_within_the_timeout(http):
+    """A master that never answers is the peer's failure (504 naming it), reported once timeout_s is spent
+    (plus the store client's last retry); the engine serves on and no group is registered."""
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "timeout_s": 2}
+    start = time.monotonic()
+    response = http.post("/init_weights_update_group", json=body)
+    assert time.monotonic() - start < 2 + 10
+    assert response.status_code == 504, response.text
+    error = response.json()["error"]
+    assert error["field"] == "master_address" and error["value"] == f"127.0.0.1:{port}"
+    assert "did not answer within timeout_s = 2 s" in error["message"]
+    assert http.get("/health").status_code == 200
+    again = http.post("/update_weights_from_distributed", json={"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]})
+    assert again.status_code == 400 and again.json()["error"]["field"] == "group_name"
+
+
 def test_chat_to_a_model_without_chat_template_is_refused(tiny_model_dir):
     """A model trained on raw prompts is exported without a template; chat requests get a 400 saying so
     instead of an empty reply rendered through a format it never learnt."""
@@ -222,6 +269,7 @@ def test_chat_to_a_model_without_chat_template_is_refused(tiny_model_dir):
     with BackgroundServer(core, served_model_name="raw") as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         reply = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+2="}]})
         assert reply.status_code == 400
-        assert reply.json()["error"] == {"message": NO_CHAT_TEMPLATE, "field": "messages", "code": 400}
+        assert reply.json()["error"] == {"message": NO_CHAT_TEMPLATE, "type": "BadRequestError", "field": "messages",
+                                         "value": None, "code": 400}
         completion = http.post("/v1/completions", json={"prompt": "1+2=", "max_tokens": 2})
         assert completion.status_code == 200

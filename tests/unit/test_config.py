@@ -67,6 +67,11 @@ def test_bad_config_names_field_and_value(overrides, message):
     assert message in str(e.value)
 
 
+def test_tensor_transport_to_the_embedded_engine_on_cpu_is_accepted():
+    cfg = load_config(None, ["--sync.transport", "tensor", "--cluster.device", "cpu"])
+    assert (cfg.sync.transport, cfg.cluster.engine) == ("tensor", "embedded")
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -85,6 +90,8 @@ def test_bad_config_names_field_and_value(overrides, message):
         (["--schedule", "fully_async", "--cluster.placement", "colocated"], "'fully_async' with cluster.placement = 'colocated' is refused"),
         (["--fault.max-restarts", "1"], "fault.max_restarts = 1 restarts a run from its latest checkpoint, but "
                                         "checkpoint.interval = 0 saves none before the end"),
+        (["--sync.transport", "tensor", "--cluster.device", "cuda"],
+         "sync.transport = 'tensor' with cluster.engine = 'embedded' on cluster.device = 'cuda' (CUDA)"),
         (["--reward.type", "custom"], "reward.type = 'custom' needs reward.path"),
         (["--reward.type", "remote"], "reward.type = 'remote' needs reward.url"),
         (["--algorithm.mismatch-correction", "tis", "--algorithm.old-logprobs", "rollout"], "cannot be combined with algorithm.old_logprobs = 'rollout'"),

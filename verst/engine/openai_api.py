@@ -8,15 +8,21 @@ A LoRA adapter is named as SGLang takes it: `model = "<base>:<adapter>"`, or the
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from verst.engine.request import Request as EngineRequest
-from verst.engine.service import ServerState, build_request, run_to_completion
-from verst.inference_client.protocol import InvalidRequest, SamplingOptions, SamplingParams, check_default_only
+from verst.engine.service import ServerState, build_request, error_response, run_to_completion
+from verst.inference_client.protocol import (
+    InvalidRequest,
+    PromptIds,
+    SamplingOptions,
+    SamplingParams,
+    check_default_only,
+)
 
 # OpenAI fields accepted only at their "off" value; anything else is refused by name.
 _OFF_VALUES = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "stream": (False, None),
@@ -28,6 +34,7 @@ _OFF_VALUES = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "str
 class _OpenAIBase(SamplingOptions):
     """The shared sampling fields plus those OpenAI names its own way (seed, min_tokens, max_tokens)."""
 
+    accepted_only_at: ClassVar[dict[str, tuple[Any, ...]]] = _OFF_VALUES
     model: str | None = None
     seed: int | None = Field(None, ge=0)
     min_tokens: int = Field(0, ge=0)
@@ -63,14 +70,24 @@ class _OpenAIBase(SamplingOptions):
         )
 
 
+class ChatMessage(BaseModel):
+    """One chat message: a role the chat templates know and its content; other OpenAI message fields
+    (name, tool_calls, tool_call_id, reasoning_content) pass through to the template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
 class CompletionRequest(_OpenAIBase):
-    prompt: str | list[int]
+    prompt: str | PromptIds
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class ChatCompletionRequest(_OpenAIBase):
-    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
@@ -104,16 +121,17 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        from jinja2 import TemplateError
+
         from verst.models.loader import chat_prompt_ids
 
+        messages = [m.model_dump(exclude_unset=True) for m in body.messages]
         if not getattr(state.tokenizer, "chat_template", None):
-            return JSONResponse({"error": {"message": NO_CHAT_TEMPLATE, "field": "messages", "code": 400}},
-                                status_code=400)
+            return error_response(400, NO_CHAT_TEMPLATE, "messages")
         try:
-            ids = chat_prompt_ids(state.tokenizer, body.messages, tools=body.tools)
-        except (ValueError, KeyError, TypeError) as exc:
-            return JSONResponse({"error": {"message": f"messages: cannot apply the chat template ({exc})",
-                                           "field": "messages", "code": 400}}, status_code=400)
+            ids = chat_prompt_ids(state.tokenizer, messages, tools=body.tools)
+        except (ValueError, KeyError, TypeError, TemplateError) as exc:
+            return error_response(400, f"messages: cannot apply the chat template ({exc})", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         req = build_request(state, ids, body.sampling(max_tokens), return_logprob=body.logprobs,
                             top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0,

@@ -20,10 +20,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from verst.engine.config import IMPLS
+from verst.engine.http_errors import http_error, json_body, validated, validation_error
 from verst.engine.request import generate_reply
+from verst.engine.schema import ERROR_RESPONSES, PEER_RESPONSES, UNHEALTHY, install_openapi
 from verst.engine.service import (
     ServerState,
     build_request,
@@ -36,6 +38,7 @@ from verst.inference_client import weights
 from verst.inference_client.protocol import (
     AbortRequest,
     BatchGenerateRequest,
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     InvalidRequest,
@@ -64,10 +67,11 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             await asyncio.to_thread(state.runner.stop)
 
-    app = FastAPI(title="verst engine", lifespan=lifespan)
+    app = FastAPI(title="verst engine", version=ENGINE_VERSION, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.engine = state
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(InvalidRequest, lambda request, exc: invalid_request_response(exc))
+    app.add_exception_handler(HTTPException, http_error)
     _add_generate_routes(app, state)
     _add_info_routes(app, state)
     _add_control_routes(app, state)
@@ -76,15 +80,16 @@ def create_app(state: ServerState) -> FastAPI:
     from verst.engine.openai_api import add_openai_routes
 
     add_openai_routes(app, state)
+    install_openapi(app, state.core.vocab_size, state.core.context_length)
     return app
 
 
 def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        raw = await _json_body(request)
+        raw = await json_body(request)
         batch = is_batch(raw)
-        body = _validated(BatchGenerateRequest if batch else GenerateRequest, raw)
+        body = validated(BatchGenerateRequest if batch else GenerateRequest, raw)
         # Every prompt of a batch is validated before any is scheduled: a bad one fails the request whole.
         reqs = [_engine_request(state, one) for one in (body.prompts() if batch else [body])]
         text_fn = state.token_text if body.return_text_in_logprobs else None
@@ -96,24 +101,6 @@ def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
         replies = [generate_reply(req, req.text or "", return_text=text_fn) for req in done]
         return JSONResponse(replies if batch else replies[0])
 
-
-async def _json_body(request: Request) -> Any:
-    """The parsed JSON body; invalid JSON is answered as FastAPI answers it for a typed body (422)."""
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": str(exc)}}]) from None
-
-
-def _validated(model: type[BaseModel], raw: Any) -> Any:
-    """`model` from a raw body; errors answered as for a typed FastAPI body (422 naming the field)."""
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
-        raise RequestValidationError(errors) from None
 
 
 def _engine_request(state: ServerState, body: GenerateRequest):
@@ -136,13 +123,13 @@ async def _stream(state: ServerState, req, text_fn):
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=UNHEALTHY)
     async def health() -> Response:
         if state.runner.alive():
             return Response(status_code=200)
         return error_response(503, "the engine thread is not running")
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response, responses=UNHEALTHY)
     async def health_generate() -> Response:
         try:
             ok = await asyncio.wait_for(state.runner.acall(lambda core: core.probe()), HEALTH_PROBE_TIMEOUT_S)
@@ -180,8 +167,9 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         }
 
     @app.get("/get_load")
-    async def get_load() -> list[dict[str, int]]:
-        return [await state.runner.acall(lambda core: core.load())]
+    async def get_load() -> list[dict[str, float]]:
+        """SGLang's GetLoadReqOutput per data-parallel rank (one here); ts_tic is when it was taken."""
+        return [{**await state.runner.acall(lambda core: core.load()), "ts_tic": time.time()}]
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, str]:
@@ -266,17 +254,19 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
 
-    @app.post("/init_weights_update_group")
+    @app.post("/init_weights_update_group", responses=PEER_RESPONSES)
     async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> Response:
         if body.group_name in state.weight_groups:
             return error_response(400, "a weight update group with this name exists", "group_name", body.group_name)
+        if body.backend == "nccl" and not state.on_cuda:
+            return error_response(400, "nccl needs the engine on a CUDA device; use gloo", "backend", body.backend)
         try:
             group = await asyncio.to_thread(
                 weights.open_weight_update_group, body.master_address, body.master_port, body.rank_offset,
                 body.world_size, body.group_name, body.backend, body.timeout_s,
             )
         except (RuntimeError, ValueError, OSError) as exc:
-            return error_response(500, f"joining weight update group {body.group_name!r} failed: {exc}")
+            return _peer_failed(body, exc)
         state.weight_groups[body.group_name] = group
         return JSONResponse({"success": True, "message": f"Joined {body.group_name!r} as rank {body.rank_offset}."})
 
@@ -299,10 +289,21 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
 
     @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(body: dict[str, Any] | None = None) -> dict[str, Any]:
-        name = (body or {}).get("group_name", "weight_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupRequest | None = None) -> dict[str, Any]:
+        name = (body or DestroyWeightsUpdateGroupRequest()).group_name
         state.weight_groups.pop(name, None)
         return {"success": True, "message": f"Left {name!r}."}
+
+
+def _peer_failed(body: InitWeightsUpdateGroupRequest, exc: Exception) -> Response:
+    """The group's master failed (502) or did not answer in time (504): the peer is named, the engine serves on."""
+    peer = f"{body.master_address}:{body.master_port}"
+    timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc) or "timeout" in type(exc).__name__.lower()
+    if timed_out:
+        return error_response(504, f"weight update group {body.group_name!r}: the master at {peer} did not answer "
+                              f"within timeout_s = {body.timeout_s:g} s ({type(exc).__name__})", "master_address", peer)
+    return error_response(502, f"weight update group {body.group_name!r}: joining the master at {peer} failed "
+                          f"({type(exc).__name__}: {exc})", "master_address", peer)
 
 
 def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
@@ -330,26 +331,6 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
         return await update(lambda: state.runner.acall(lambda core: core.unload_lora(body.lora_name)))
 
-
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 naming the first offending field and its value, plus pydantic's full error list."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    field = ".".join(loc) or "body"
-    if first.get("type") == "json_invalid":
-        field = "body"
-        message = f"body: invalid JSON ({first.get('ctx', {}).get('error', first.get('msg'))})"
-        value = None
-    else:
-        value = first.get("input")
-        shown = f"{field} = {value!r}" if "input" in first else field
-        message = f"{shown}: {first.get('msg', 'invalid')}"
-    detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in errors]
-    response = error_response(422, message, field, value)
-    body = json.loads(response.body)
-    body["detail"] = detail
-    return JSONResponse(body, status_code=422)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,6 +33,11 @@ class ServerState:
     def core(self):
         return self.runner.core
 
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the model's weights are on a CUDA device (the NCCL weight broadcast needs that)."""
+        return next(self.core.model.parameters()).device.type == "cuda"
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""

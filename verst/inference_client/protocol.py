@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, WithJsonSchema, model_validator
+from pydantic.json_schema import JsonSchemaValue
 
 from verst.types.sampling import SamplingKnobs
 
@@ -75,7 +76,7 @@ def check_default_only(data: Any, allowed: dict[str, tuple[Any, ...]], where: st
     data = dict(data)
     for name, values in allowed.items():
         if name in data:
-            value = data.pop(name)
+            value = _integral(data.pop(name))
             if not any(value == v and type(value) is type(v) or value is v for v in values):
                 raise ValueError(
                     f"{where}{name} = {value!r} is not supported by the embedded engine "
@@ -84,10 +85,60 @@ def check_default_only(data: Any, allowed: dict[str, tuple[Any, ...]], where: st
     return data
 
 
-class WireModel(BaseModel):
-    """Base of every request body: unknown fields are an error, never dropped."""
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer: an integral float (also inside lists) is read as that int, which
+    a float field takes too; everything else stays as sent."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_integral(v) for v in value] if isinstance(value, list) else value
 
-    model_config = ConfigDict(extra="forbid")
+
+class WireModel(BaseModel):
+    """Base of every request body: unknown fields are an error, never dropped; values are taken strictly
+    (no 1 for true, "2" for 2 or false for 0.0), as the published JSON schema types them, and an integral
+    float is an integer, as in JSON Schema.
+
+    The published JSON schema lists the fields accepted only at their default (`accepted_only_at`, as
+    an enum of those values) and those accepted and ignored, so the schema is the whole contract."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    accepted_only_at: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    accepted_and_ignored: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        return {key: _integral(value) for key, value in data.items()} if isinstance(data, dict) else data
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> JsonSchemaValue:
+        schema = handler(core_schema)
+        target = handler.resolve_ref_schema(schema)
+        properties = target.setdefault("properties", {})
+        for name, values in cls.accepted_only_at.items():
+            unique = [v for i, v in enumerate(values) if all(v != w or type(v) is bool for w in values[:i])]
+            properties.setdefault(name, {"enum": unique, "description": "Accepted only at these values."})
+        for name in cls.accepted_and_ignored:
+            properties.setdefault(name, {"description": "Accepted and without effect."})
+        return schema
+
+
+class TokenIds:
+    """Schema marker of a token-id list: the served app fills in the vocabulary (and, for a prompt, the
+    context length) as bounds, so generated requests fit the model (`verst.engine.schema`)."""
+
+    def __init__(self, kind: Literal["prompt", "tokens"]):
+        self.kind = kind
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> JsonSchemaValue:
+        schema = handler(core_schema)
+        schema["x-token-ids"] = self.kind
+        return schema
+
+
+# Token ids are integers: JSON booleans and fractions are refused by name, never read as 0, 1 or rounded.
+TokenId = Annotated[StrictInt, BeforeValidator(_integral)]
+PromptIds = Annotated[list[TokenId], TokenIds("prompt")]
 
 
 def _as_list(value: Any) -> Any:
@@ -100,17 +151,37 @@ def _as_list(value: Any) -> Any:
 class SamplingOptions(WireModel, SamplingKnobs):
     """The sampling fields SGLang's `sampling_params` and the OpenAI routes share, under the same names."""
 
+    model_config = ConfigDict(json_schema_extra=lambda schema: schema["properties"]["top_k"].update(
+        {"not": {"const": 0}}))
+
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    stop: Annotated[list[str], BeforeValidator(_as_list)] = Field(default_factory=list)
-    stop_token_ids: Annotated[list[int], BeforeValidator(_as_list)] = Field(default_factory=list)
+    stop: Annotated[list[str], BeforeValidator(_as_list), WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}},
+        {"type": "null"}]})] = Field(default_factory=list, description="One stop string, a list, or null.")
+    stop_token_ids: Annotated[list[TokenId], TokenIds("tokens")] | None = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stop_not_empty(cls, data: Any) -> Any:
+        stop = data.get("stop") if isinstance(data, dict) else None
+        if stop == "" or isinstance(stop, list) and any(s == "" for s in stop):
+            raise ValueError(f"{cls.error_prefix}stop = {stop!r} contains an empty string")
+        return data
+
+    @model_validator(mode="after")
+    def _no_null_stop_ids(self) -> SamplingOptions:
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        return self
 
 
 class SamplingParams(SamplingOptions):
     """SGLang `sampling_params` of one /generate request; the engine samples each request by it."""
 
     error_prefix: ClassVar[str] = "sampling_params."
+    accepted_only_at: ClassVar[dict[str, tuple[Any, ...]]] = _SAMPLING_DEFAULT_ONLY
 
     max_new_tokens: int | None = Field(128, ge=0, description="None: up to the context length.")
     min_new_tokens: int = Field(0, ge=0)
@@ -120,11 +191,7 @@ class SamplingParams(SamplingOptions):
     @model_validator(mode="before")
     @classmethod
     def _default_only(cls, data: Any) -> Any:
-        data = check_default_only(data, _SAMPLING_DEFAULT_ONLY, "sampling_params.")
-        stop = data.get("stop") if isinstance(data, dict) else None
-        if stop == "" or isinstance(stop, list) and any(s == "" for s in stop):
-            raise ValueError(f"sampling_params.stop = {stop!r} contains an empty string")
-        return data
+        return check_default_only(data, _SAMPLING_DEFAULT_ONLY, "sampling_params.")
 
     @model_validator(mode="after")
     def _ranges(self) -> SamplingParams:
@@ -138,6 +205,8 @@ class SamplingParams(SamplingOptions):
 class _GenerateOptions(WireModel):
     """The fields of `POST /generate` that apply to every prompt of a request."""
 
+    accepted_only_at: ClassVar[dict[str, tuple[Any, ...]]] = _GENERATE_DEFAULT_ONLY
+    accepted_and_ignored: ClassVar[tuple[str, ...]] = _GENERATE_IGNORED
     return_logprob: bool = False
     logprob_start_len: int | None = Field(
         None, ge=-1, description="With return_logprob: the first prompt position whose logprob comes back in "
@@ -164,8 +233,13 @@ class _GenerateOptions(WireModel):
 class GenerateRequest(_GenerateOptions):
     """SGLang `POST /generate` with one prompt (text or token ids)."""
 
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string"}, "input_ids": {"type": "null"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}, "text": {"type": "null"}}},
+    ]})
+
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: PromptIds | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     rid: str | None = Field(None, min_length=1, max_length=256)
     lora_path: str | None = Field(None, min_length=1, description="The name of a loaded LoRA adapter; None: base.")
@@ -182,8 +256,18 @@ class BatchGenerateRequest(_GenerateOptions):
     """SGLang `POST /generate` with a batch of prompts: lists of texts or of token-id lists, one sampling
     params object for all or one per prompt, one rid per prompt; answered with a list of replies in order."""
 
+    model_config = ConfigDict(json_schema_extra={
+        "description": "Lists given per prompt (sampling_params, rid, lora_path) have one entry per prompt.",
+        "properties": {"stream": {"const": False, "description": "Streaming is for a single prompt."}},
+        "anyOf": [
+            {"required": ["text"], "properties": {"text": {"type": "array", "minItems": 1},
+                                                  "input_ids": {"type": "null"}}},
+            {"required": ["input_ids"], "properties": {"input_ids": {"type": "array", "minItems": 1},
+                                                       "text": {"type": "null"}}},
+        ]})
+
     text: list[str] | None = None
-    input_ids: list[list[int]] | None = None
+    input_ids: list[PromptIds] | None = None
     sampling_params: list[SamplingParams] | None = None
     rid: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = None
     # one adapter name for every prompt, or one per prompt (None: the base model), as SGLang takes it
@@ -297,10 +381,14 @@ class InitWeightsUpdateGroupRequest(WireModel):
         return self
 
 
+class DestroyWeightsUpdateGroupRequest(WireModel):
+    group_name: str = Field("weight_update_group", min_length=1)
+
+
 class UpdateWeightsFromDistributedRequest(AdapterPush):
     names: list[str] = Field(..., min_length=1)
     dtypes: list[str] = Field(..., min_length=1)
-    shapes: list[list[int]] = Field(..., min_length=1)
+    shapes: list[list[Annotated[int, Field(ge=0)]]] = Field(..., min_length=1)
     group_name: str = Field("weight_update_group", min_length=1)
     flush_cache: bool = True
     weight_version: str | None = Field(None, min_length=1)

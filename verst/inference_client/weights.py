@@ -19,9 +19,10 @@ import datetime
 import json
 import os
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, Field, ValidationError
 
 from verst.inference_client.protocol import InvalidRequest
 
@@ -79,25 +80,49 @@ def write_shm_bucket(named_tensors: list[tuple[str, torch.Tensor]], directory: s
     return ShmBucket(path=path, manifest=json.dumps({"path": path, "tensors": entries}), nbytes=offset)
 
 
+class _ShmEntry(BaseModel):
+    name: str
+    dtype: str
+    shape: list[Annotated[int, Field(ge=0)]]
+    offset: int = Field(ge=0)
+
+
+class _ShmManifest(BaseModel):
+    path: str
+    tensors: list[_ShmEntry]
+
+
 def read_shm_bucket(manifest: str) -> list[tuple[str, torch.Tensor]]:
     """Tensors of a shared-memory bucket, as read-only views of the mapped file (engine side)."""
     try:
-        spec = json.loads(manifest)
-        path, entries = spec["path"], spec["tensors"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidRequest("serialized_named_tensors", manifest, f"not a shm manifest ({exc})") from exc
-    if not isinstance(path, str) or not path.startswith(SHM_DIR + "/") or ".." in path:
+        spec = _ShmManifest.model_validate_json(manifest)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in error["loc"])
+        raise InvalidRequest("serialized_named_tensors", manifest,
+                             f"not a shm manifest ({where or 'manifest'}: {error['msg']})") from None
+    path = spec.path
+    if not path.startswith(SHM_DIR + "/") or ".." in path or "\0" in path:
         raise InvalidRequest("serialized_named_tensors.path", path, f"must be a file under {SHM_DIR}")
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         raise InvalidRequest("serialized_named_tensors.path", path, "no such shared-memory file")
     size = os.path.getsize(path)
-    buffer = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+    if size == 0:
+        raise InvalidRequest("serialized_named_tensors.path", path, "the shared-memory file is empty")
+    try:
+        buffer = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+    except RuntimeError as exc:
+        raise InvalidRequest("serialized_named_tensors.path", path, f"cannot be mapped ({exc})") from None
     out = []
-    for entry in entries:
+    for entry in (e.model_dump() for e in spec.tensors):
         dtype = dtype_of(entry["dtype"], "serialized_named_tensors.dtype")
-        end = entry["offset"] + _numel(entry["shape"]) * torch.empty((), dtype=dtype).element_size()
-        if entry["offset"] < 0 or end > size:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        end = entry["offset"] + _numel(entry["shape"]) * itemsize
+        if end > size:
             raise InvalidRequest("serialized_named_tensors.offset", entry["offset"], f"outside the {size}-byte file")
+        if entry["offset"] % itemsize:
+            raise InvalidRequest("serialized_named_tensors.offset", entry["offset"],
+                                 f"not aligned to the {itemsize}-byte elements of {entry['dtype']}")
         out.append((entry["name"], _view(buffer, entry)))
     return out
 
