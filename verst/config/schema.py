@@ -299,7 +299,12 @@ class ClusterConfig(Section):
     )
     num_engines: int = Field(1, ge=1, description="Rollout engines.")
     trainer_ranks: int = Field(1, ge=1, description="Trainer processes (FSDP2 ranks).")
-    engine: Literal["embedded", "sglang", "vllm"] = Field("embedded", description="Inference engine type.")
+    engine: Literal["embedded", "sglang", "vllm"] = Field(
+        "embedded", description="Inference engine: embedded (verst's own), vllm (a vLLM server; `make vllm` installs "
+        "it on CPU) or sglang (an SGLang server; CUDA only). docs/engines.md says which runs where.")
+    engine_python: str | None = Field(
+        None, description="Python of the environment that runs the engine server (vllm: default "
+        "$VERST_VLLM_PYTHON, else .venv-vllm/bin/python; sglang: verst's own Python).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device; auto picks cuda when available.")
     ray_address: str | None = Field(None, description="Join an existing Ray cluster; None starts one locally.")
     router: Literal["auto", "always"] = Field(
@@ -371,6 +376,8 @@ class FaultConfig(Section):
 
 
 Schedule = Literal["sync", "one_step_off", "fully_async"]
+# A value of an engine's pass-through flag (`[vllm]`, `[sglang]`): true is the bare flag, a list gives each.
+EngineFlag = str | int | float | bool | list[str | int | float]
 
 
 class VerstConfig(Section):
@@ -394,6 +401,12 @@ class VerstConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
     fault: FaultConfig = Field(default_factory=FaultConfig, description="Hang limits; engine and trainer restarts.")
+    vllm: dict[str, EngineFlag] = Field(
+        default_factory=dict, description="vLLM server flags, passed unchanged (`--vllm.max-num-seqs 64` is "
+        "`--max-num-seqs 64`; true: the bare flag). cluster.engine = 'vllm' only.")
+    sglang: dict[str, EngineFlag] = Field(
+        default_factory=dict, description="SGLang server flags, passed unchanged (`--sglang.mem-fraction-static "
+        "0.7`; true: the bare flag). cluster.engine = 'sglang' only.")
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> VerstConfig:
@@ -423,8 +436,18 @@ class VerstConfig(Section):
                 f"lora.sync = 'adapter' with sync.transport = {self.sync.transport!r}: only the embedded engine loads "
                 f"an adapter from pushed tensors, not cluster.engine = {self.cluster.engine!r}; use sync.transport = "
                 "'disk' (an adapter directory loaded with /load_lora_adapter) or lora.sync = 'merged'")
+        self._check_engine()
         if self.reward.type == "custom" and not self.reward.path:
             raise ValueError("reward.type = 'custom' needs reward.path (an import path)")
         if self.reward.type == "remote" and not self.reward.url:
             raise ValueError("reward.type = 'remote' needs reward.url")
         return self
+
+    def _check_engine(self) -> None:
+        """What cluster.engine cannot do (a transport, LoRA, model.impl, another engine's flags), by name."""
+        from verst.engines.kinds import config_problems
+
+        problems = config_problems(self.cluster.engine, transport=self.sync.transport, lora=self.lora.enabled,
+                                   model_impl=self.model.impl, flags={"vllm": self.vllm, "sglang": self.sglang})
+        if problems:
+            raise ValueError("; ".join(problems))
