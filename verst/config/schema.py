@@ -448,6 +448,7 @@ class VerstConfig(Section):
         from verst.engines.kinds import config_problems
 
         problems = config_problems(self.cluster.engine, transport=self.sync.transport, lora=self.lora.enabled,
-                                   model_impl=self.model.impl, flags={"vllm": self.vllm, "sglang": self.sglang})
+                                   model_impl=self.model.impl, flags={"vllm": self.vllm, "sglang": self.sglang},
+                                   placement=self.cluster.placement)
         if problems:
             raise ValueError("; ".join(problems))

@@ -65,7 +65,9 @@ def create_app(engine: EngineAPI, *, engine_name: str, server_info: dict[str, An
     async def _invalid(request: Request, exc: ValidationError) -> JSONResponse:
         first = exc.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or "body"
-        return error(400, f"{field}: {first['msg']}", field, first.get("input"))
+        # the wire models are shared with the embedded engine, whose refusals name it
+        message = first["msg"].replace("the embedded engine", f"cluster.engine = {engine_name!r}")
+        return error(400, f"{field}: {message}", field, first.get("input"))
 
     @app.exception_handler(Exception)
     async def _failed(request: Request, exc: Exception) -> JSONResponse:

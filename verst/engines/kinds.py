@@ -81,10 +81,14 @@ def _flag_value(value: Any) -> str:
 
 
 def config_problems(engine: str, *, transport: str, lora: bool, model_impl: str, flags: dict[str, dict[str, Any]],
-                    served_adapter: bool = False) -> list[str]:
+                    placement: str = "disaggregated") -> list[str]:
     """What a config asks of `cluster.engine` that the engine cannot do, each naming the field and value."""
     kind = engine_kind(engine)
     problems = []
+    if engine == "sglang" and placement == "colocated":
+        problems.append("cluster.placement = 'colocated' is not supported with cluster.engine = 'sglang': verst does "
+                        "not release SGLang's GPU memory while the trainer steps; use cluster.placement = "
+                        "'disaggregated'")
     if transport not in kind.transports:
         why = {"vllm": "vLLM takes new weights from disk here (collective_rpc reload_weights); its weight-transfer "
                        "API broadcasts over NCCL, which its CPU build does not have"}.get(engine, "")

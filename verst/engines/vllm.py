@@ -37,11 +37,11 @@ class VLLMAdapter:
     `model_path` and `vocab_size`, read from the checkpoint by the caller)."""
 
     def __init__(self, url: str, *, weight_version: str = "0", model_info: dict[str, Any] | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None):
         self.url = url.rstrip("/")
         self.version = str(weight_version)
         self.model_info = dict(model_info or {})
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=5.0),
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=5.0), transport=transport,
                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
         self._in_flight: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
@@ -174,8 +174,14 @@ def completion_reply(data: dict[str, Any], rid: str, input_ids: list[int] | None
     usage = data.get("usage") or {}
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
     finish = choice.get("finish_reason") or "abort"
+    reason: dict[str, Any] = {"type": finish}  # SGLang's shapes: length names the length, stop what matched
+    if finish == "length":
+        reason["length"] = len(ids)
+    elif finish == "stop":
+        stop = choice.get("stop_reason")
+        reason["matched"] = stop if stop is not None else (ids[-1] if ids else None)  # None: an EOS token
     meta: dict[str, Any] = {
-        "id": rid, "finish_reason": {"type": finish, "matched": choice.get("stop_reason")},
+        "id": rid, "finish_reason": reason,
         "prompt_tokens": int(usage.get("prompt_tokens", len(input_ids or []))),
         "completion_tokens": int(usage.get("completion_tokens", len(ids))), "cached_tokens": int(cached),
         "weight_version": version,
@@ -188,7 +194,7 @@ def completion_reply(data: dict[str, Any], rid: str, input_ids: list[int] | None
 
 
 def aborted_reply(rid: str, input_ids: list[int] | None, version: str, started_version: str) -> dict[str, Any]:
-    meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "abort", "matched": None},
+    meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "abort"},
                             "prompt_tokens": len(input_ids or []), "completion_tokens": 0, "cached_tokens": 0,
                             "weight_version": version, "output_token_logprobs": []}
     if started_version != version:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
+from verst.engines.kinds import engine_kind, resolve_engine_python
 from verst.eval.agentic import score_key
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
@@ -233,8 +234,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
             temperature=temperature, device=orch.device,
             ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None, lora=cfg.lora,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
-        engines = orch.start_engines(cfg.model.path, args=["--weight-version", "0", "--model-impl", cfg.model.impl],
-                                     wait=False)
+        engines = orch.start_engines(cfg.model.path, args=engine_server_args(cfg), wait=False)
         rollout = orch.start_rollout_manager(None, functools.partial(build_rollout_parts, cfg),
                                              router=router_spec(cfg, cfg.cluster.num_engines),
                                              prepare=functools.partial(prepare_rollout_parts, cfg))
@@ -286,6 +286,14 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+def engine_server_args(cfg: VerstConfig, version: int = 0) -> list[str]:
+    """The engine server's arguments for `cluster.engine`: verst's settings and the pass-through flags."""
+    kind = engine_kind(cfg.cluster.engine)
+    flags = {"vllm": cfg.vllm, "sglang": cfg.sglang}.get(kind.name, {})
+    return kind.server_args(version=version, model_impl=cfg.model.impl, dtype=cfg.model.dtype, flags=flags,
+                            engine_python=resolve_engine_python(kind.name, cfg.cluster.engine_python))
+
+
 class StartupClock:
     """Seconds spent in each start-up phase of a run, since `started` (perf_counter), as `time/startup/`
     metrics: the first thing to look at when a short run is slow."""
