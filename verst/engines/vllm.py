@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -34,11 +35,14 @@ class VLLMError(RuntimeError):
 
 class VLLMAdapter:
     """One vLLM server at `url`. `model_info`: what `get_model_info` reports besides the version (at least
-    `model_path` and `vocab_size`, read from the checkpoint by the caller)."""
+    `model_path` and `vocab_size`, read from the checkpoint by the caller). `weights_path(path)`: the
+    directory vLLM reloads for the checkpoint `path` (default: `path`; see `verst.engines.untie`)."""
 
     def __init__(self, url: str, *, weight_version: str = "0", model_info: dict[str, Any] | None = None,
-                 timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None):
+                 timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
+                 weights_path: Callable[[str], str] | None = None):
         self.url = url.rstrip("/")
+        self.weights_path = weights_path
         self.version = str(weight_version)
         self.model_info = dict(model_info or {})
         self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=5.0), transport=transport,
@@ -107,8 +111,9 @@ class VLLMAdapter:
         if extra:
             name = sorted(extra)[0]
             raise InvalidRequest(name, extra[name], "not supported by the vLLM adapter (model_path, weight_version)")
+        path = await asyncio.to_thread(self.weights_path, str(model_path)) if self.weights_path else str(model_path)
         reply = await self._control("/collective_rpc", json={
-            "method": "reload_weights", "kwargs": {"weights_path": str(model_path)}})
+            "method": "reload_weights", "kwargs": {"weights_path": path}})
         if weight_version is not None:
             await self.update_weight_version(str(weight_version))
         return {"success": True, "message": f"reloaded weights from {model_path}", "results": reply.get("results")}
