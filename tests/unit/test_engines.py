@@ -78,7 +78,9 @@ def test_engine_commands():
     cmd = vllm_command("/py", "/m", 1234, "float32", ["--enforce-eager"])
     assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs" and cmd[-1] == "--enforce-eager"
+    assert cmd[cmd.index("--scheduling-policy") + 1] == "priority"
     assert "processed_logprobs" not in vllm_command("/py", "/m", 1, "float32", ["--logprobs-mode", "raw_logprobs"])
+    assert "priority" not in vllm_command("/py", "/m", 1, "float32", ["--scheduling_policy=fcfs"])
     env = vllm_env({"VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": "1"})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["VLLM_SERVER_DEV_MODE"] == "1" and "OMP_NUM_THREADS" not in env
     cmd = sglang_command("/py", "/m", "127.0.0.1", 5, "bfloat16", "0", "cuda", ["--tp-size", "2"])
@@ -207,7 +209,8 @@ async def _gateway_serves_the_sglang_dialect_over_an_adapter(fake):
     engine = adapter(fake, "7")
     app = create_app(engine, engine_name="vllm")
     async with EngineClient("http://gateway", transport=httpx.ASGITransport(app=app)) as client:
-        result = await client.generate([1, 2], {"max_new_tokens": 2, "sampling_seed": 1})
+        result = await client.generate([1, 2], {"max_new_tokens": 2, "sampling_seed": 1}, priority=3)
+        assert fake.calls[-1][2]["priority"] == -3  # SGLang's higher-first as vLLM's lower-first
         assert result.output_ids == [10, 11] and result.logprobs == [-0.5, -0.5] and result.weight_version == "7"
         assert result.finish_reason == "length"
         batch = await EngineClient("http://gateway", transport=httpx.ASGITransport(app=app), max_batch=4)._post(

@@ -87,7 +87,8 @@ def create_app(engine: EngineAPI, *, engine_name: str, server_info: dict[str, An
             _check_generate(one)
         replies = await asyncio.gather(*(engine.generate(
             one.input_ids, one.sampling_params.model_dump(), rid=one.rid, return_logprob=one.return_logprob,
-            **({"text": one.text} if one.text is not None else {})) for one in prompts))
+            **({"text": one.text} if one.text is not None else {}),
+            **({"priority": one.priority} if one.priority is not None else {})) for one in prompts))
         return JSONResponse(list(replies) if batch else replies[0])
 
     @app.post("/abort_request")
@@ -162,8 +163,8 @@ def _refuse(engine_name: str, path: str, what: str):
 
 def _check_generate(body: GenerateRequest) -> None:
     """Options of SGLang's /generate that the adapted engine does not provide, refused by name."""
-    for name, default in (("stream", False), ("return_routed_experts", False), ("priority", None),
-                          ("lora_path", None), ("top_logprobs_num", None)):
+    for name, default in (("stream", False), ("return_routed_experts", False), ("lora_path", None),
+                          ("top_logprobs_num", None)):
         value = getattr(body, name)
         if value != default and not (name == "top_logprobs_num" and value == 0):
             raise InvalidRequest(name, value, "not supported by this engine's gateway")
@@ -194,12 +195,16 @@ def vllm_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def vllm_command(python: str, model: str, port: int, dtype: str, flags: list[str]) -> list[str]:
-    """The vLLM server's command line: verst's flags, then the pass-through ones. Logprobs are those of the
-    distribution sampled from (after temperature), as the trainer computes them, unless the flags say otherwise."""
+    """The vLLM server's command line: verst's flags, then the pass-through ones. Unless the flags say
+    otherwise, logprobs are those of the distribution sampled from (after temperature), as the trainer
+    computes them, and requests are scheduled by priority (verst's evaluations go first)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype]
-    if not any(flag.split("=")[0] in ("--logprobs-mode", "--logprobs_mode") for flag in flags):
+    given = {flag.split("=")[0].replace("_", "-") for flag in flags if flag.startswith("--")}
+    if "--logprobs-mode" not in given:
         cmd += ["--logprobs-mode", "processed_logprobs"]
+    if "--scheduling-policy" not in given:
+        cmd += ["--scheduling-policy", "priority"]
     return [*cmd, *flags]
 
 

@@ -56,8 +56,13 @@ class VLLMAdapter:
 
     # ---- generation ------------------------------------------------------------------------------
     async def generate(self, input_ids: list[int] | None = None, sampling_params: dict[str, Any] | None = None, *,
-                       rid: str | None = None, return_logprob: bool = True, text: str | None = None) -> dict[str, Any]:
+                       rid: str | None = None, return_logprob: bool = True, text: str | None = None,
+                       priority: int | None = None) -> dict[str, Any]:
+        """`priority`: SGLang's (higher first), sent as vLLM's (lower first; the gateway starts vLLM with
+        `--scheduling-policy priority`)."""
         body = completion_body(input_ids, text, sampling_params or {}, return_logprob)
+        if priority:
+            body["priority"] = -priority
         rid = rid or f"verst-{next(self._ids)}"
         if rid in self._in_flight:
             raise InvalidRequest("rid", rid, "a request with this rid is already in flight")
