@@ -8,11 +8,12 @@ import httpx
 import pytest
 
 from verst.cli.preflight import PreflightError, preflight
+from verst.config.engines import flag_argv
 from verst.config.load import ConfigError, load_config
 from verst.engines import EngineAPI, engine_kind
 from verst.engines import kinds as kinds_module
 from verst.engines.gateway import create_app, vllm_command, vllm_env
-from verst.engines.kinds import flag_argv, preflight_problems
+from verst.engines.kinds import preflight_problems
 from verst.engines.sglang_launcher import sglang_command
 from verst.engines.untie import LM_HEAD_FILE, ties_embeddings, untied_view, with_untied_override
 from verst.engines.vllm import VLLMAdapter

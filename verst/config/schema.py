@@ -445,7 +445,7 @@ class VerstConfig(Section):
 
     def _check_engine(self) -> None:
         """What cluster.engine cannot do (a transport, LoRA, model.impl, another engine's flags), by name."""
-        from verst.engines.kinds import config_problems
+        from verst.config.engines import config_problems
 
         problems = config_problems(self.cluster.engine, transport=self.sync.transport, lora=self.lora.enabled,
                                    model_impl=self.model.impl, flags={"vllm": self.vllm, "sglang": self.sglang},

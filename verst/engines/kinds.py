@@ -1,5 +1,5 @@
-"""The engine kinds (`cluster.engine`): how each server is launched as a child process, which flags verst
-sets itself, and what each cannot do, refused by name at config load and at preflight.
+"""The engine kinds (`cluster.engine`): how each server is launched as a child process and with which
+arguments, and the preflight of its environment (its package, a GPU for SGLang), refused by name.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ENGINE_KINDS = ("embedded", "sglang", "vllm")
+from verst.config.engines import ENGINE_KINDS, flag_argv
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ".venv-vllm"  # `make vllm` creates it
 
@@ -21,14 +22,10 @@ VLLM_VENV = ".venv-vllm"  # `make vllm` creates it
 @dataclasses.dataclass(frozen=True)
 class EngineKind:
     """One engine server. `entry`: what `EngineProcess` runs under verst's Python (the server itself, or a
-    launcher that starts it); `transports`: the `sync.transport` values it takes; `owned_flags`: server
-    flags verst sets from its own config, refused in the pass-through table."""
+    launcher that starts it); what the engine can take is `verst.config.engines.CAPABILITIES[name]`."""
 
     name: str
     entry: tuple[str, ...]
-    transports: tuple[str, ...]
-    lora: bool
-    owned_flags: tuple[str, ...] = ()
 
     def server_args(self, *, version: int | str, model_impl: str, dtype: str, flags: dict[str, Any],
                     engine_python: str | None) -> list[str]:
@@ -41,13 +38,11 @@ class EngineKind:
         return [*args, "--weight-version", str(version)]
 
 
-EMBEDDED = EngineKind("embedded", ("-m", "verst.engine.server"), ("distributed", "tensor", "disk"), lora=True)
+EMBEDDED = EngineKind("embedded", ("-m", "verst.engine.server"))
 # vLLM serves behind verst's gateway, which speaks the SGLang dialect to the router, the rollout side and
 # the syncer, and vLLM's own HTTP API to the server it starts.
-VLLM = EngineKind("vllm", ("-m", "verst.engines.gateway"), ("disk",), lora=False,
-                  owned_flags=("model", "host", "port", "dtype", "uvicorn-log-level"))
-SGLANG = EngineKind("sglang", ("-m", "verst.engines.sglang_launcher"), ("distributed", "tensor", "disk"), lora=True,
-                    owned_flags=("model-path", "host", "port", "dtype", "weight-version"))
+VLLM = EngineKind("vllm", ("-m", "verst.engines.gateway"))
+SGLANG = EngineKind("sglang", ("-m", "verst.engines.sglang_launcher"))
 _KINDS = {kind.name: kind for kind in (EMBEDDED, VLLM, SGLANG)}
 
 
@@ -56,70 +51,6 @@ def engine_kind(name: str) -> EngineKind:
         return _KINDS[name]
     except KeyError:
         raise ValueError(f"cluster.engine = {name!r} is not one of {ENGINE_KINDS}") from None
-
-
-def flag_argv(table: str, flags: dict[str, Any]) -> list[str]:
-    """A pass-through table (`[vllm]`, `--vllm.<flag> VALUE`) as the server's command line, names unchanged:
-    `true` is the bare flag, a list gives one value each; `false` is refused (write the flag's negative
-    form, e.g. `no-enable-prefix-caching = true`)."""
-    argv: list[str] = []
-    for name, value in flags.items():
-        if value is False:
-            raise ValueError(f"{table}.{name} = false: a pass-through flag is given or not; write its negative "
-                             f"form (e.g. {table}.no-{name} = true) or leave it out")
-        if value is None or isinstance(value, dict):
-            raise ValueError(f"{table}.{name} = {value!r}: a flag value must be a string, number, true or a list")
-        argv.append(f"--{name}")
-        if value is True:
-            continue
-        argv += [_flag_value(v) for v in value] if isinstance(value, list) else [_flag_value(value)]
-    return argv
-
-
-def _flag_value(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, dict | list) else str(value)
-
-
-def config_problems(engine: str, *, transport: str, lora: bool, model_impl: str, flags: dict[str, dict[str, Any]],
-                    placement: str = "disaggregated") -> list[str]:
-    """What a config asks of `cluster.engine` that the engine cannot do, each naming the field and value."""
-    kind = engine_kind(engine)
-    problems = []
-    if engine == "sglang" and placement == "colocated":
-        problems.append("cluster.placement = 'colocated' is not supported with cluster.engine = 'sglang': verst does "
-                        "not release SGLang's GPU memory while the trainer steps; use cluster.placement = "
-                        "'disaggregated'")
-    if transport not in kind.transports:
-        why = {"vllm": "vLLM takes new weights from disk here (collective_rpc reload_weights); its weight-transfer "
-                       "API broadcasts over NCCL, which its CPU build does not have"}.get(engine, "")
-        problems.append(f"sync.transport = {transport!r} is not supported with cluster.engine = {engine!r}"
-                        f"{': ' + why if why else ''}; use one of {list(kind.transports)}")
-    if lora and not kind.lora:
-        problems.append(f"lora.enabled = true is not supported with cluster.engine = {engine!r} (verst does not load "
-                        "adapters into it); use cluster.engine = 'embedded' or 'sglang'")
-    if engine != "embedded" and model_impl != "auto":
-        problems.append(f"model.impl = {model_impl!r} chooses the embedded engine's model class; cluster.engine = "
-                        f"{engine!r} runs its own (leave model.impl = 'auto')")
-    for table, values in flags.items():
-        if values and table != engine:
-            problems.append(f"[{table}] flags ({', '.join(values)}) are given, but cluster.engine = {engine!r}; "
-                            f"they pass to a {table} server only")
-        elif values:
-            problems += _flag_problems(kind, table, values)
-    return problems
-
-
-def _flag_problems(kind: EngineKind, table: str, values: dict[str, Any]) -> list[str]:
-    problems = []
-    for name in values:
-        if name.replace("_", "-") in kind.owned_flags:
-            problems.append(f"{table}.{name}: verst sets --{name} itself (model.path, model.dtype, a free port on the "
-                            "engine's node); leave it out")
-    try:
-        flag_argv(table, values)
-    except ValueError as error:
-        problems.append(str(error))
-    return problems
 
 
 # ---- preflight: the machine and the engine's environment -----------------------------------------
