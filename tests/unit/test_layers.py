@@ -4,7 +4,7 @@ Positions are (layer, sublayer). Layer 0 holds the record and the config, layer 
 models, layer 2 the running parts, layer 3 orchestration, layer 4 the schedules and the command line.
 Inside layer 2:
   2.0 inference_client                    what every caller of an engine needs (client, wire, fleet)
-  2.1 engine, router, session, trainer, sync   each alone, on top of the client (sync hands the
+  2.1 engine, engines, router, session, trainer, sync   each alone, on top of the client (sync hands the
       trainer's weights to engines and asks the trainer for logprobs through callables, not imports)
   2.2 rollout (uses session)
   2.3 eval (uses rollout, and runs an in-process engine for agent evaluation)
@@ -22,7 +22,7 @@ LAYERS = {
     "types": (0, 0), "config": (0, 1),  # the config's sampling section extends types' SamplingKnobs
     "algo": (1, 0), "data": (1, 0), "rewards": (1, 0), "monitor": (1, 0), "models": (1, 0),
     "inference_client": (2, 0),
-    "engine": (2, 1), "router": (2, 1), "session": (2, 1), "trainer": (2, 1), "sync": (2, 1),
+    "engine": (2, 1), "engines": (2, 1), "router": (2, 1), "session": (2, 1), "trainer": (2, 1), "sync": (2, 1),
     "rollout": (2, 2),
     "eval": (2, 3),
     "orchestration": (3, 0),

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from verst.config import VerstConfig
+from verst.engines.kinds import preflight_problems
 from verst.models.loader import check_checkpoint_dir, check_same_tokenizer
 from verst.models.native_config import native_config_reason
 from verst.monitor import RunDirError, check_run_dir
@@ -65,6 +66,7 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
     if rl:
         imports |= {"eval.backend": cfg.eval.backend, "rollout.rollout_fn": cfg.rollout.rollout_fn, "rollout.generate_fn": cfg.rollout.generate_fn,
                     "rollout.agent_fn": cfg.rollout.agent_fn}
+        problems += preflight_problems(cfg.cluster.engine, cfg.cluster.engine_python)
         if cfg.rollout.dynamic_filter not in BUILTIN_FILTERS:
             imports["rollout.dynamic_filter"] = cfg.rollout.dynamic_filter
         if cfg.reward.type == "custom":

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ValidationError
 
 from verst.config.schema import VerstConfig
 
+# Tables of an engine's own flags: their keys are the server's flag names, kept as written (dashes too).
+PASS_THROUGH_TABLES = ("vllm", "sglang")
+
 
 class ConfigError(ValueError):
     """A config could not be built; the message names every offending field and value."""
@@ -80,7 +83,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"expected an override like --section.field VALUE, got {arg!r}")
         key, eq, raw = arg[2:].partition("=")
-        dotted = key.replace("-", "_")
+        dotted = _dotted_name(key)
         if not eq:
             if i + 1 < len(args) and not args[i + 1].startswith("--"):
                 raw, i = args[i + 1], i + 1
@@ -93,6 +96,14 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         out.append((dotted, _parse_value(raw)))
         i += 1
     return out
+
+
+def _dotted_name(key: str) -> str:
+    """'rollout.batch-size' → 'rollout.batch_size'; a pass-through flag ('vllm.max-num-seqs') stays as written."""
+    table, dot, flag = key.partition(".")
+    if dot and table.replace("-", "_") in PASS_THROUGH_TABLES:
+        return f"{table}.{flag}"
+    return key.replace("-", "_")
 
 
 def field_annotation(dotted: str, model: type[BaseModel] = VerstConfig) -> Any | None:
@@ -125,14 +136,17 @@ def _parse_value(raw: str) -> Any:
     return raw if value is None and raw not in ("null", "~", "none", "None") else value
 
 
-def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
-    """Deep-merge `src` into `dst`; keys may be spelled with dashes (recipe files, CLI)."""
+def _merge(dst: dict[str, Any], src: dict[str, Any], top: bool = True) -> None:
+    """Deep-merge `src` into `dst`; keys may be spelled with dashes (recipe files, CLI), except inside the
+    pass-through tables, whose keys are an engine's flag names."""
     for k, v in src.items():
         k = k.replace("-", "_")
-        if isinstance(v, dict):
+        if top and k in PASS_THROUGH_TABLES and isinstance(v, dict):
+            dst[k] = {**(dst[k] if isinstance(dst.get(k), dict) else {}), **v}
+        elif isinstance(v, dict):
             if not isinstance(dst.get(k), dict):
                 dst[k] = {}
-            _merge(dst[k], v)
+            _merge(dst[k], v, top=False)
         else:
             dst[k] = v
 

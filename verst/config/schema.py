@@ -368,7 +368,12 @@ class ClusterConfig(Section):
     )
     num_engines: int = Field(1, ge=1, description="Rollout engines.")
     trainer_ranks: int = Field(1, ge=1, description="Trainer processes (FSDP2 ranks).")
-    engine: Literal["embedded", "sglang", "vllm"] = Field("embedded", description="Inference engine type.")
+    engine: Literal["embedded", "sglang", "vllm"] = Field(
+        "embedded", description="Inference engine: embedded (verst's own), vllm (a vLLM server; `make vllm` installs "
+        "it on CPU) or sglang (an SGLang server; CUDA only). docs/engines.md says which runs where.")
+    engine_python: str | None = Field(
+        None, description="Python of the environment that runs the engine server (vllm: default "
+        "$VERST_VLLM_PYTHON, else .venv-vllm/bin/python; sglang: verst's own Python).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device; auto picks cuda when available.")
     ray_address: str | None = Field(None, description="Join an existing Ray cluster; None starts one locally.")
     router: Literal["auto", "always"] = Field(
@@ -449,6 +454,8 @@ class FaultConfig(Section):
 
 
 Schedule = Literal["sync", "one_step_off", "fully_async"]
+# A value of an engine's pass-through flag (`[vllm]`, `[sglang]`): true is the bare flag, a list gives each.
+EngineFlag = str | int | float | bool | list[str | int | float]
 
 
 def _check_true_on_policy(cfg: VerstConfig) -> None:
@@ -502,6 +509,12 @@ class VerstConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics sinks.")
     fault: FaultConfig = Field(default_factory=FaultConfig, description="Hang limits; engine and trainer restarts.")
+    vllm: dict[str, EngineFlag] = Field(
+        default_factory=dict, description="vLLM server flags, passed unchanged (`--vllm.max-num-seqs 64` is "
+        "`--max-num-seqs 64`; true: the bare flag). cluster.engine = 'vllm' only.")
+    sglang: dict[str, EngineFlag] = Field(
+        default_factory=dict, description="SGLang server flags, passed unchanged (`--sglang.mem-fraction-static "
+        "0.7`; true: the bare flag). cluster.engine = 'sglang' only.")
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> VerstConfig:
@@ -550,6 +563,7 @@ class VerstConfig(Section):
             from verst.config.adapters import check_adapters
 
             check_adapters(self)
+        self._check_engine()
         if self.sync.transport == "tensor" and self.cluster.engine == "embedded" and _on_cuda(self.cluster.device):
             raise ValueError(
                 f"sync.transport = 'tensor' with cluster.engine = 'embedded' on cluster.device = "
@@ -561,3 +575,13 @@ class VerstConfig(Section):
         if self.reward.type == "remote" and not self.reward.url:
             raise ValueError("reward.type = 'remote' needs reward.url")
         return self
+
+    def _check_engine(self) -> None:
+        """What cluster.engine cannot do (a transport, LoRA, model.impl, another engine's flags), by name."""
+        from verst.config.engines import config_problems
+
+        problems = config_problems(self.cluster.engine, transport=self.sync.transport, lora=self.lora.enabled,
+                                   model_impl=self.model.impl, flags={"vllm": self.vllm, "sglang": self.sglang},
+                                   placement=self.cluster.placement)
+        if problems:
+            raise ValueError("; ".join(problems))

@@ -1,7 +1,6 @@
-"""Engine actors: each starts one inference server (the embedded engine, a child process of the actor)
-in its placement bundle and reports its URL and health; `EngineActorGroup` is the driver's handle.
-
-SGLang and vLLM servers are to plug in here (`cluster.engine`); they are not supported and are refused by name.
+"""Engine actors: each starts one inference server of `cluster.engine` (the embedded engine, vLLM behind
+verst's gateway, or SGLang; a child process of the actor) in its placement bundle and reports its URL and
+health; `EngineActorGroup` is the driver's handle.
 """
 
 from __future__ import annotations
@@ -15,28 +14,24 @@ import httpx
 import ray
 
 from verst.engine.process import EngineProcess
+from verst.engines.kinds import ENGINE_KINDS, engine_kind
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, Role, current_bundle
 
-ENGINE_TYPES = ("embedded", "sglang", "vllm")
+ENGINE_TYPES = ENGINE_KINDS
 
 
 def check_engine_type(engine: str) -> None:
-    """Only the embedded engine runs under the orchestration; the others fail loudly by name."""
-    if engine == "embedded":
-        return
-    if engine in ("sglang", "vllm"):
-        raise NotImplementedError(
-            f"cluster.engine = {engine!r} is not wired into the Ray orchestration yet; use cluster.engine = 'embedded'"
-        )
-    raise ValueError(f"cluster.engine = {engine!r} is not one of {ENGINE_TYPES}")
+    """`engine` must name an engine kind (what each kind cannot do is refused at config load and preflight)."""
+    engine_kind(engine)
 
 
 class EngineServer:
-    """The body of one engine actor: the server runs as a child process, which Ray ends with the actor."""
+    """The body of one engine actor: the server runs as a child process, which Ray ends with the actor.
+    `engine` picks what runs (`EngineKind.entry`: the server, or the launcher or gateway that starts it)."""
 
     def __init__(self, index: int, model: str, device: str, args: list[str], startup_timeout_s: float,
-                 log_dir: str | None, port: int = 0, role: str = "engine"):
+                 log_dir: str | None, port: int = 0, role: str = "engine", engine: str = "embedded"):
         arm_stack_dump()  # a hang report can read this actor's stacks
         self.index = index
         # Bind where the router (perhaps on another node) can reach it: this node's Ray address,
@@ -44,8 +39,9 @@ class EngineServer:
         self.host = ray.util.get_node_ip_address()
         self.log_path = Path(log_dir) / f"{role}-{index}.log" if log_dir else None
         self.args, self.startup_timeout_s = ["--device", device, *args], startup_timeout_s
+        self.entry = list(engine_kind(engine).entry)
         self.server = EngineProcess(model, host=self.host, args=self.args, startup_timeout=startup_timeout_s,
-                                    log_path=self.log_path, port=port)
+                                    log_path=self.log_path, port=port, entry=self.entry)
         self.device = device
 
     def start(self) -> dict[str, Any]:
@@ -68,7 +64,7 @@ class EngineServer:
         self.server.stop(grace=2.0)
         args = with_weight_version(self.args, version)
         self.server = EngineProcess(model, host=self.host, args=args, startup_timeout=self.startup_timeout_s,
-                                    log_path=self.log_path, port=port)
+                                    log_path=self.log_path, port=port, entry=self.entry)
         return self.start()
 
     def halt(self) -> None:
@@ -156,7 +152,7 @@ class EngineActorGroup:
         self._actors = [
             _RemoteEngineServer.options(**placement.actor_options(role, i)).remote(
                 i, str(model), device, list(args or []), startup_timeout_s, str(log_dir) if log_dir else None,
-                role=role)
+                role=role, engine=engine)
             for i in range(count)
         ]
         self._starting = [actor.start.remote() for actor in self._actors]
@@ -225,7 +221,8 @@ class EngineActorGroup:
             _, device, args, startup, log_dir = self._spawn
             port = int(old["url"].rsplit(":", 1)[1])
             self._actors[index] = _RemoteEngineServer.options(**self._placement.actor_options(self.role, index)).remote(
-                index, model, device, with_weight_version(args, version), startup, log_dir, port, role=self.role)
+                index, model, device, with_weight_version(args, version), startup, log_dir, port, role=self.role,
+                engine=self.engine)
             info = ray.get(self._actors[index].start.remote(), timeout=timeout_s)
         except ray.exceptions.RayTaskError as error:
             raise error.as_instanceof_cause() from None

@@ -17,6 +17,7 @@ from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
 from verst.config.adapters import adapter_names, adapter_run_config
+from verst.engines.kinds import engine_kind, resolve_engine_python
 from verst.eval.agentic import score_key
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
@@ -250,9 +251,9 @@ class RLRun(EvaluationSteps):
 
 
 def engine_args(cfg: VerstConfig, device: str | None) -> list[str]:
-    """The engine servers' command line for a run: weights version 0, the model class, and the modes of
-    `algorithm` the engines carry out (true on-policy scoring, routed experts on every reply)."""
-    args = ["--weight-version", "0", "--model-impl", cfg.model.impl]
+    """The policy engines' command line for a run: `cluster.engine`'s server arguments (`engine_server_args`)
+    and the modes of `algorithm` the engines carry out (true on-policy scoring, routed experts on every reply)."""
+    args = engine_server_args(cfg)
     if cfg.algorithm.true_on_policy:
         if device == "cuda":
             raise ValueError("algorithm.true_on_policy = true holds on the CPU only (float32 CPU kernels on both "
@@ -299,7 +300,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
             adapter_steps=adapter_steps or None,
         ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
         engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False)
-        teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=["--model-impl", cfg.model.impl],
+        teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=engine_server_args(cfg),
                                              wait=False) if teachers else None
         # one rollout manager per policy trained (multi-LoRA: per adapter, each with its data, reward, buffer)
         rollouts = {name: orch.start_rollout_manager(None, functools.partial(build_rollout_parts, own),
@@ -361,6 +362,14 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+def engine_server_args(cfg: VerstConfig, version: int = 0) -> list[str]:
+    """The engine server's arguments for `cluster.engine`: verst's settings and the pass-through flags."""
+    kind = engine_kind(cfg.cluster.engine)
+    flags = {"vllm": cfg.vllm, "sglang": cfg.sglang}.get(kind.name, {})
+    return kind.server_args(version=version, model_impl=cfg.model.impl, dtype=cfg.model.dtype, flags=flags,
+                            engine_python=resolve_engine_python(kind.name, cfg.cluster.engine_python))
+
+
 class StartupClock:
     """Seconds spent in each start-up phase of a run, since `started` (perf_counter), as `time/startup/`
     metrics: the first thing to look at when a short run is slow."""
