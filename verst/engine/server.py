@@ -260,7 +260,8 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         if body.load_format != "shm":
             return error_response(400, "load_format must be 'shm' on this engine (tensors in a /dev/shm bucket)",
                                   "load_format", body.load_format)
-        named = await asyncio.to_thread(weights.read_shm_bucket, body.serialized_named_tensors[0])
+        # views of a file the engine keeps mapped: no copy here (`param.copy_(view)` in the load), so no thread
+        named = weights.read_shm_bucket(body.serialized_named_tensors[0])
         if body.lora_name is not None:
             return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
