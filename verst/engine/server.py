@@ -277,6 +277,8 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             )
         except (RuntimeError, ValueError, OSError) as exc:
             return error_response(500, f"joining weight update group {body.group_name!r} failed: {exc}")
+        for joined in state.weight_groups.values():
+            joined.flat.release()  # a trainer rebuilds its group after a failure: keep one bucket buffer, not one each
         state.weight_groups[body.group_name] = group
         return JSONResponse({"success": True, "message": f"Joined {body.group_name!r} as rank {body.rank_offset}."})
 
@@ -288,12 +290,17 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
                                   "group_name", body.group_name)
         for dtype in body.dtypes:
             weights.dtype_of(dtype)
+        flat = body.load_format == weights.FLATTENED
+        if flat and weights.one_dtype(body.dtypes) is None:
+            return error_response(400, f"a {weights.FLATTENED} holds tensors of one dtype", "dtypes",
+                                  sorted(set(body.dtypes)))
         # refuse before the broadcast starts: a bad name found after it would waste the whole transfer
         if body.lora_name is None:
             state.core.check_weights(list(zip(body.names, body.shapes)))
         else:
             state.core.loras.check_room(body.lora_name)
-        named = await asyncio.to_thread(weights.receive_broadcast, group, body.names, body.dtypes, body.shapes)
+        receive = weights.receive_flat if flat else weights.receive_broadcast
+        named = await asyncio.to_thread(receive, group, body.names, body.dtypes, body.shapes)
         if body.lora_name is not None:
             return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
