@@ -31,7 +31,7 @@ from verst.engine.service import (
     invalid_request_response,
     run_all_to_completion,
 )
-from verst.engine.weights import read_safetensors_dir
+from verst.engine.weights import iter_safetensors, safetensors_files, safetensors_shapes
 from verst.inference_client import weights
 from verst.inference_client.protocol import (
     AbortRequest,
@@ -224,11 +224,11 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
-    async def load(named, version: str | None, flush: bool, abort_all: bool) -> dict[str, Any]:
+    async def load(named, version: str | None, flush: bool, abort_all: bool, shapes=None) -> dict[str, Any]:
         def apply(core):
             if abort_all:
                 core.abort_all("aborted for a weight update")
-            return core.load_weights(named, version, flush=flush)
+            return core.load_weights(named, version, flush=flush, shapes=shapes)
 
         n = await state.runner.acall(apply)
         return {"success": True, "message": f"Loaded {n} tensors.", "weight_version": state.core.weight_version,
@@ -252,8 +252,10 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
-        named = await asyncio.to_thread(lambda: list(read_safetensors_dir(body.model_path).items()))
-        return await load(named, body.weight_version, True, body.abort_all_requests)
+        files = safetensors_files(body.model_path)
+        shapes = await asyncio.to_thread(safetensors_shapes, files)
+        # read a file at a time on the engine thread, straight from its mapping into the parameters
+        return await load(iter_safetensors(files), body.weight_version, True, body.abort_all_requests, shapes)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest) -> Response:

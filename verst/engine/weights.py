@@ -1,9 +1,10 @@
 """The engine's third weight source besides the wire formats of `verst.inference_client.weights`: a
-safetensors checkpoint directory on disk (`update_weights_from_disk`).
+safetensors checkpoint directory on disk (`update_weights_from_disk`), read one file at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -11,17 +12,37 @@ import torch
 from verst.inference_client.protocol import InvalidRequest
 
 
-def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of every *.safetensors file in a checkpoint directory (HF save_pretrained layout)."""
-    from safetensors.torch import load_file
-
+def safetensors_files(path: str | Path) -> list[Path]:
+    """Every *.safetensors file of a checkpoint directory (HF save_pretrained layout)."""
     directory = Path(path)
     if not directory.is_dir():
         raise InvalidRequest("model_path", str(path), "not a directory")
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise InvalidRequest("model_path", str(path), "holds no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
+    return files
+
+
+def safetensors_shapes(files: list[Path]) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every tensor of the files, from their headers (no tensor data is read)."""
+    from safetensors import safe_open
+
+    shapes = []
     for file in files:
-        tensors.update(load_file(str(file)))
-    return tensors
+        with safe_open(str(file), framework="pt") as f:
+            shapes += [(name, f.get_slice(name).get_shape()) for name in f.keys()]
+    return shapes
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the files, one file at a time: `load_file` maps a file and its tensors are views of
+    the mapping, so the copy into a parameter is the only read and one file is mapped at a time."""
+    from safetensors.torch import load_file
+
+    for file in files:
+        yield from load_file(str(file)).items()
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of every *.safetensors file in a checkpoint directory."""
+    return dict(iter_safetensors(safetensors_files(path)))
