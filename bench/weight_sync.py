@@ -118,22 +118,23 @@ def gloo_times(nbytes: int, receivers: int, repeats: int = 3) -> list[float]:
 
 
 def safetensors_times(weights: list, directory: Path, repeats: int = 3) -> list[float]:
-    """Times of writing the weights as one safetensors file (`save_file`) and reading it back into
-    preallocated tensors (`load_file`, then a copy each): the `disk` transport's bound."""
+    """Times of writing the weights as a new safetensors file (`save_file`) and reading it back into
+    preallocated tensors (`load_file`, then a copy each): the `disk` transport's bound. Each file is deleted
+    after its timing, as the transport deletes old snapshots off the sync's path."""
     from safetensors.torch import load_file, save_file
 
     tensors = {name: tensor.contiguous() for name, tensor in weights}
     targets = {name: torch.empty_like(tensor) for name, tensor in tensors.items()}
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "bound.safetensors"
     times = []
-    for _ in range(repeats + 1):
+    for i in range(repeats + 1):
+        path = directory / f"bound-{i}.safetensors"
         start = time.perf_counter()
         save_file(tensors, str(path), metadata={"format": "pt"})
         for name, tensor in load_file(str(path)).items():
             targets[name].copy_(tensor)
         times.append(time.perf_counter() - start)
-    path.unlink()
+        path.unlink()
     return times[1:]
 
 
