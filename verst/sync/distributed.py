@@ -24,7 +24,13 @@ from typing import Any
 from verst.inference_client.fleet import EngineFleet, FleetError
 from verst.inference_client.ports import free_port
 from verst.inference_client.weights import (
-    FLATTENED, FlatBuffer, WeightUpdateGroup, broadcast_flat, broadcast_tensors, dtype_name, open_weight_update_group,
+    FLATTENED,
+    FlatBuffer,
+    WeightUpdateGroup,
+    broadcast_flat,
+    broadcast_tensors,
+    dtype_name,
+    open_weight_update_group,
 )
 from verst.sync.buckets import BucketStream
 from verst.sync.transport import AdapterSpec, PushStats
