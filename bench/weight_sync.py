@@ -1,13 +1,18 @@
 """Weight sync: seconds per sync of each transport (distributed / tensor / disk) for models of ~1M, ~10M
-and ~100M parameters, against the memcpy bound (one in-memory copy of the same bytes) measured in the
-same run; prints the ratios. With `--lora-rank R`, also LoRA's adapter sync (`lora.sync = "adapter"`:
-rank-R adapters on every linear layer, pushed alone and served by name) against the full-model sync
-(`lora.sync = "merged"` moves the same bytes as a full-weight sync), per transport, in the same run.
+and ~100M parameters, each against its own bound measured in the same run on the same bytes: `tensor`
+against one memcpy, `distributed` against one gloo broadcast of a preallocated flat buffer to as many
+receiving processes as engines, `disk` against safetensors writing the file and reading it back into
+preallocated tensors; each bound is measured just before its transport. Prints each ratio (medians, and
+fastest against fastest, which a loaded machine disturbs less), the part of a sync outside the push (pause,
+flush, version, continue: the fixed cost), how much the engine's resident memory grows during the syncs
+against one bucket, and the load average. With `--lora-rank R`, also LoRA's adapter sync (`lora.sync = "adapter"`: rank-R adapters on every
+linear layer, pushed alone and served by name) against the full-model sync (`lora.sync = "merged"` moves the
+same bytes as a full-weight sync), per transport, in the same run.
 
 A sync is the whole lifecycle (`WeightSyncer.sync`: pause, flush, push, set version, continue) from
 this process, which holds the full float32 weights as a trainer's rank 0 would, to engines served by
 `verst serve engine` in child processes. The first sync of each transport is a warm-up (the broadcast
-group is built then); the median of the next `--repeats` is reported.
+group is built and the shared memory allocated then); the median of the next `--repeats` is reported.
 
     .venv/bin/python bench/weight_sync.py [--sizes 1M,10M,100M] [--engines 1] [--repeats 3]
         [--transports distributed,tensor,disk] [--bucket-mb 512] [--snapshot-dir DIR] [--lora-rank 8]
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import statistics
 import sys
@@ -34,6 +40,8 @@ import torch  # noqa: E402
 from verst.config.schema import SyncConfig  # noqa: E402
 from verst.engine.process import EngineProcess  # noqa: E402
 from verst.inference_client.fleet import EngineFleet  # noqa: E402
+from verst.inference_client.ports import free_port  # noqa: E402
+from verst.inference_client.weights import open_weight_update_group  # noqa: E402
 from verst.models.chat_template import TINY_CHAT_TEMPLATE  # noqa: E402
 from verst.models.factory import count_parameters, model_config  # noqa: E402
 from verst.models.tokenizer import save_tokenizer  # noqa: E402
@@ -67,8 +75,8 @@ def make_model(size: str, out: Path) -> tuple[torch.nn.Module, Path]:
     return model, out
 
 
-def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
-    """Median time of one copy of `nbytes` between two preallocated buffers (the bound for any transport)."""
+def memcpy_times(nbytes: int, repeats: int = 5) -> list[float]:
+    """Times of one copy of `nbytes` between two preallocated buffers (the `tensor` transport's bound)."""
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in first
@@ -77,7 +85,69 @@ def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
         start = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _gloo_receiver(port: int, rank: int, world: int, nbytes: int, rounds: int) -> None:
+    torch.set_num_threads(1)
+    group = open_weight_update_group("127.0.0.1", port, rank, world, "bound", "gloo", 120.0)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(rounds):
+        group.broadcast([buffer])
+
+
+def gloo_times(nbytes: int, receivers: int, repeats: int = 3) -> list[float]:
+    """Times of one gloo broadcast of `nbytes` from a preallocated buffer here into preallocated
+    buffers of `receivers` other processes (the `distributed` transport's bound); one warm-up first."""
+    port, world = free_port(), receivers + 1
+    spawn = multiprocessing.get_context("spawn")
+    procs = [spawn.Process(target=_gloo_receiver, args=(port, rank, world, nbytes, repeats + 1), daemon=True)
+             for rank in range(1, world)]
+    for proc in procs:
+        proc.start()
+    group = open_weight_update_group("127.0.0.1", port, 0, world, "bound", "gloo", 120.0)
+    buffer = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        group.broadcast([buffer])
+        times.append(time.perf_counter() - start)
+    for proc in procs:
+        proc.join(60)
+    return times[1:]
+
+
+def safetensors_times(weights: list, directory: Path, repeats: int = 3) -> list[float]:
+    """Times of writing the weights as a new safetensors file (`save_file`) and reading it back into
+    preallocated tensors (`load_file`, then a copy each): the `disk` transport's bound. Each file is deleted
+    after its timing, as the transport deletes old snapshots off the sync's path."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {name: tensor.contiguous() for name, tensor in weights}
+    targets = {name: torch.empty_like(tensor) for name, tensor in tensors.items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    times = []
+    for i in range(repeats + 1):
+        path = directory / f"bound-{i}.safetensors"
+        start = time.perf_counter()
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        for name, tensor in load_file(str(path)).items():
+            targets[name].copy_(tensor)
+        times.append(time.perf_counter() - start)
+        path.unlink()
+    return times[1:]
+
+
+def rss_mib(pid: int, field: str) -> float:
+    """`VmRSS` or `VmHWM` (peak since the last `reset_peak`) of a process, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_peak(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # Linux: VmHWM restarts from VmRSS
 
 
 def lora_adapter(model: torch.nn.Module, source: Path, rank: int) -> tuple[list, AdapterSpec]:
@@ -104,17 +174,25 @@ async def time_transport(transport: str, urls: list[str], weights, cfg: SyncConf
             version += 1
             runs.append(await syncer.sync([weights], version))
         await syncer.close()
-    timed = runs[1:]
+    timed = runs[1:] or runs
     return {"seconds": statistics.median(r["sync/seconds"] for r in timed),
-            "push": statistics.median(r["sync/push_seconds"] for r in timed), "bytes": timed[0]["sync/bytes"]}
+            "best": min(r["sync/seconds"] for r in timed),
+            "push": statistics.median(r["sync/push_seconds"] for r in timed),
+            "fixed": statistics.median(r["sync/seconds"] - r["sync/push_seconds"] for r in timed),
+            "bytes": timed[0]["sync/bytes"]}
 
 
-def bench_size(size: str, args: argparse.Namespace, root: Path) -> list[tuple]:
+def bench_size(size: str, args: argparse.Namespace, root: Path) -> list[dict]:
     model, path = make_model(size, root / size)
     params = count_parameters(model)
     weights = [(name, tensor.detach()) for name, tensor in named_tensors(model)]
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    bound = memcpy_seconds(nbytes)
+    snapshots = Path(args.snapshot_dir or root)
+    # each bound is measured just before its transport, under the same load
+    bounds = {"tensor": ("memcpy", lambda: memcpy_times(nbytes, args.repeats + 2)),
+              "distributed": ("gloo broadcast", lambda: gloo_times(nbytes, args.engines, args.repeats)),
+              "disk": ("safetensors write+read",
+                       lambda: safetensors_times(weights, snapshots / f"bound-{size}", args.repeats))}
     engines = [EngineProcess(path, args=["--prefix-cache-tokens", "0"]).start(wait=False) for _ in range(args.engines)]
     rows = []
     try:
@@ -122,14 +200,28 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> list[tuple]:
             engine.wait_ready()
         urls = [engine.url for engine in engines]
         cfg = SyncConfig(bucket_bytes=args.bucket_mb * 2**20)
+        bucket_mib = min(args.bucket_mb, nbytes / 2**20)
+        # An engine starts with its weights mapped from the checkpoint; the first write into them makes them
+        # private memory. One untimed sync does that, so no transport's memory growth includes it.
+        asyncio.run(time_transport("disk", urls, weights, cfg, snapshots / f"first-{size}", path, 0))
         for transport in args.transports:
-            snapshots = Path(args.snapshot_dir or root) / f"snapshots-{size}"
-            result = asyncio.run(time_transport(transport, urls, weights, cfg, snapshots, path, args.repeats))
+            bound_name, measure = bounds[transport]
+            bound_times = measure()
+            pid = engines[0].proc.pid
+            reset_peak(pid)
+            before = rss_mib(pid, "VmRSS")
+            result = asyncio.run(time_transport(transport, urls, weights, cfg, snapshots / f"snapshots-{size}", path,
+                                                args.repeats))
+            growth = rss_mib(pid, "VmHWM") - before
             assert result["bytes"] == nbytes
-            rows.append((size, params, nbytes, bound, transport, result["seconds"], result["push"]))
-            print(f"  {size:>5} {transport:<12} sync {result['seconds'] * 1e3:8.1f} ms  push "
-                  f"{result['push'] * 1e3:8.1f} ms  = {result['seconds'] / bound:6.1f}x memcpy "
-                  f"({bound * 1e3:.1f} ms for {nbytes / 2**20:.0f} MiB)", flush=True)
+            bound, bound_best = statistics.median(bound_times), min(bound_times)
+            rows.append({"size": size, "params": params, "bytes": nbytes, "transport": transport, **result,
+                         "bound_name": bound_name, "bound": bound, "bound_best": bound_best, "rss_growth": growth,
+                         "bucket_mib": bucket_mib})
+            print(f"  {size:>5} {transport:<12} sync {result['seconds'] * 1e3:8.1f} ms (best {result['best'] * 1e3:.1f}) "
+                  f"push {result['push'] * 1e3:8.1f} ms  = {result['seconds'] / bound:5.2f}x {bound_name} "
+                  f"({bound * 1e3:.1f} ms, best {bound_best * 1e3:.1f}, for {nbytes / 2**20:.0f} MiB); engine RSS "
+                  f"+{growth:.0f} MiB (bucket {bucket_mib:.0f} MiB)", flush=True)
         if args.lora_rank:
             rows += bench_adapter(size, model, path, urls, cfg, args, root, rows)
     finally:
@@ -139,7 +231,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> list[tuple]:
 
 
 def bench_adapter(size: str, model, path: Path, urls: list[str], cfg: SyncConfig, args: argparse.Namespace,
-                  root: Path, full_rows: list[tuple]) -> list[tuple]:
+                  root: Path, full_rows: list[dict]) -> list[dict]:
     """Adapter sync of each transport against that transport's full-model sync (the merged sync's bytes)."""
     tensors, spec = lora_adapter(model, path, args.lora_rank)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -148,10 +240,12 @@ def bench_adapter(size: str, model, path: Path, urls: list[str], cfg: SyncConfig
         snapshots = Path(args.snapshot_dir or root) / f"adapters-{size}"
         result = asyncio.run(time_transport(transport, urls, tensors, cfg, snapshots, path, args.repeats, spec))
         assert result["bytes"] == nbytes
-        full = next(r for r in full_rows if r[0] == size and r[4] == transport)
-        rows.append((size, f"lora r{args.lora_rank}", nbytes, transport, result["seconds"], full[2], full[5]))
+        full = next(r for r in full_rows if r["size"] == size and r["transport"] == transport)
+        rows.append({"size": size, "adapter": f"lora r{args.lora_rank}", "bytes": nbytes, "transport": transport,
+                     "seconds": result["seconds"], "full_bytes": full["bytes"], "full_seconds": full["seconds"]})
         print(f"  {size:>5} {transport:<12} adapter sync {result['seconds'] * 1e3:8.1f} ms for "
-              f"{nbytes / 2**20:.2f} MiB vs full {full[5] * 1e3:8.1f} ms for {full[2] / 2**20:.0f} MiB", flush=True)
+              f"{nbytes / 2**20:.2f} MiB vs full {full['seconds'] * 1e3:8.1f} ms for {full['bytes'] / 2**20:.0f} MiB",
+              flush=True)
     return rows
 
 
@@ -175,26 +269,36 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--transports: {transport!r} is not one of {', '.join(TRANSPORTS)}")
     torch.set_num_threads(1)
     print(f"weight sync to {args.engines} engine(s), float32, bucket {args.bucket_mb} MiB, "
-          f"median of {args.repeats} syncs after a warm-up")
+          f"median of {args.repeats} syncs after a warm-up; load average {load_average()}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="verst-bench-sync-") as tmp:
         for size in args.sizes:
             rows += bench_size(size, args, Path(tmp))
-    lora_rows = [r for r in rows if isinstance(r[1], str)]
-    rows = [r for r in rows if not isinstance(r[1], str)]
-    print("\nsize   params      MiB  memcpy ms  " + "  ".join(f"{t:>16}" for t in args.transports))
-    for size in args.sizes:
-        mine = [r for r in rows if r[0] == size]
-        _, params, nbytes, bound, *_ = mine[0]
-        cells = "  ".join(f"{r[5] * 1e3:7.1f} ms {r[5] / bound:5.1f}x" for r in mine)
-        print(f"{size:<5} {params / 1e6:6.1f}M {nbytes / 2**20:8.0f}  {bound * 1e3:9.2f}  {cells}")
-    print("(ratio = seconds per sync / seconds of one memcpy of the same bytes)")
+    print_summary([r for r in rows if "adapter" not in r], [r for r in rows if "adapter" in r])
+    print(f"load average at the end {load_average()}")
+    return 0
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores"
+
+
+def print_summary(rows: list[dict], lora_rows: list[dict]) -> None:
+    print("\nsize   params      MiB  transport      sync ms  push ms  fixed ms  bound                   bound ms  "
+          "ratio  best ratio  engine RSS +MiB  bucket MiB")
+    for r in rows:
+        print(f"{r['size']:<5} {r['params'] / 1e6:6.1f}M {r['bytes'] / 2**20:8.0f}  {r['transport']:<12} "
+              f"{r['seconds'] * 1e3:9.1f} {r['push'] * 1e3:8.1f} {r['fixed'] * 1e3:9.1f}  {r['bound_name']:<22} "
+              f"{r['bound'] * 1e3:9.1f} {r['seconds'] / r['bound']:6.2f}x {r['best'] / r['bound_best']:10.2f}x "
+              f"{r['rss_growth']:16.0f} {r['bucket_mib']:11.0f}")
+    print("(ratio = median seconds per sync / median seconds of the transport's bound on the same bytes; best ratio: "
+          "the fastest sync / the fastest bound; fixed = sync - push: pause, flush, version, continue)")
     if lora_rows:
         print("\nsize   adapter     transport     adapter MiB  adapter ms   full MiB   full ms  full / adapter")
-        for size, name, nbytes, transport, seconds, full_bytes, full_seconds in lora_rows:
-            print(f"{size:<5}  {name:<10}  {transport:<12} {nbytes / 2**20:11.2f} {seconds * 1e3:11.1f} "
-                  f"{full_bytes / 2**20:10.0f} {full_seconds * 1e3:9.1f} {full_seconds / seconds:14.1f}x")
-    return 0
+        for r in lora_rows:
+            print(f"{r['size']:<5}  {r['adapter']:<10}  {r['transport']:<12} {r['bytes'] / 2**20:11.2f} "
+                  f"{r['seconds'] * 1e3:11.1f} {r['full_bytes'] / 2**20:10.0f} {r['full_seconds'] * 1e3:9.1f} "
+                  f"{r['full_seconds'] / r['seconds']:14.1f}x")
 
 
 if __name__ == "__main__":

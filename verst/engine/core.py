@@ -192,19 +192,24 @@ class EngineCore:
                 raise InvalidRequest("shapes", list(shape), f"{name} has shape {list(table[name].shape)} in the model")
         return table
 
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: str | None, flush: bool = True) -> int:
-        """Copy tensors into the model by name, all validated first; set the version; flush the cache."""
-        items = list(named)
-        table = self.check_weights([(name, tensor.shape) for name, tensor in items])
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: str | None, flush: bool = True,
+                     shapes: list[tuple[str, Any]] | None = None) -> int:
+        """Copy tensors into the model by name, all validated first; set the version; flush the cache.
+        With `shapes` (every name and shape `named` will yield), `named` may be lazy: it is read once, each
+        tensor copied as it comes (a checkpoint read a file at a time)."""
+        items = named if shapes is not None else list(named)
+        table = self.check_weights(shapes if shapes is not None else [(name, t.shape) for name, t in items])
+        count = 0
         with torch.no_grad():
             for name, tensor in items:
                 table[name].copy_(tensor)
+                count += 1
         if version is not None:
             self.weight_version = version
         if flush:
             self.prefix_cache.flush()
         self.counters["weight_updates"] += 1
-        return len(items)
+        return count
 
     def read_lora(self, name: str, path: str) -> LoraAdapter:
         """Read and check an adapter directory without registering it (any thread: the model is only read)."""

@@ -33,7 +33,7 @@ from verst.engine.service import (
     invalid_request_response,
     run_all_to_completion,
 )
-from verst.engine.weights import read_safetensors_dir
+from verst.engine.weights import iter_safetensors, safetensors_files, safetensors_shapes
 from verst.inference_client import weights
 from verst.inference_client.protocol import (
     AbortRequest,
@@ -213,11 +213,11 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
-    async def load(named, version: str | None, flush: bool, abort_all: bool) -> dict[str, Any]:
+    async def load(named, version: str | None, flush: bool, abort_all: bool, shapes=None) -> dict[str, Any]:
         def apply(core):
             if abort_all:
                 core.abort_all("aborted for a weight update")
-            return core.load_weights(named, version, flush=flush)
+            return core.load_weights(named, version, flush=flush, shapes=shapes)
 
         n = await state.runner.acall(apply)
         return {"success": True, "message": f"Loaded {n} tensors.", "weight_version": state.core.weight_version,
@@ -241,15 +241,18 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
-        named = await asyncio.to_thread(lambda: list(read_safetensors_dir(body.model_path).items()))
-        return await load(named, body.weight_version, True, body.abort_all_requests)
+        files = safetensors_files(body.model_path)
+        shapes = await asyncio.to_thread(safetensors_shapes, files)
+        # read a file at a time on the engine thread, straight from its mapping into the parameters
+        return await load(iter_safetensors(files), body.weight_version, True, body.abort_all_requests, shapes)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest) -> Response:
         if body.load_format != "shm":
             return error_response(400, "load_format must be 'shm' on this engine (tensors in a /dev/shm bucket)",
                                   "load_format", body.load_format)
-        named = await asyncio.to_thread(weights.read_shm_bucket, body.serialized_named_tensors[0])
+        # views of a file the engine keeps mapped: no copy here (`param.copy_(view)` in the load), so no thread
+        named = weights.read_shm_bucket(body.serialized_named_tensors[0])
         if body.lora_name is not None:
             return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
@@ -267,6 +270,8 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             )
         except (RuntimeError, ValueError, OSError) as exc:
             return _peer_failed(body, exc)
+        for joined in state.weight_groups.values():
+            joined.flat.release()  # a trainer rebuilds its group after a failure: keep one bucket buffer, not one each
         state.weight_groups[body.group_name] = group
         return JSONResponse({"success": True, "message": f"Joined {body.group_name!r} as rank {body.rank_offset}."})
 
@@ -278,12 +283,17 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
                                   "group_name", body.group_name)
         for dtype in body.dtypes:
             weights.dtype_of(dtype)
+        flat = body.load_format == weights.FLATTENED
+        if flat and weights.one_dtype(body.dtypes) is None:
+            return error_response(400, f"a {weights.FLATTENED} holds tensors of one dtype", "dtypes",
+                                  sorted(set(body.dtypes)))
         # refuse before the broadcast starts: a bad name found after it would waste the whole transfer
         if body.lora_name is None:
             state.core.check_weights(list(zip(body.names, body.shapes)))
         else:
             state.core.loras.check_room(body.lora_name)
-        named = await asyncio.to_thread(weights.receive_broadcast, group, body.names, body.dtypes, body.shapes)
+        receive = weights.receive_flat if flat else weights.receive_broadcast
+        named = await asyncio.to_thread(receive, group, body.names, body.dtypes, body.shapes)
         if body.lora_name is not None:
             return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))

@@ -1,9 +1,10 @@
 """The engine's third weight source besides the wire formats of `verst.inference_client.weights`: a
-safetensors checkpoint directory on disk (`update_weights_from_disk`).
+safetensors checkpoint directory on disk (`update_weights_from_disk`), read one file at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -11,23 +12,45 @@ import torch
 from verst.inference_client.protocol import InvalidRequest
 
 
-def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of every *.safetensors file in a checkpoint directory (HF save_pretrained layout)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def safetensors_files(path: str | Path) -> list[Path]:
+    """Every *.safetensors file of a checkpoint directory (HF save_pretrained layout)."""
     directory = Path(path)
     try:
         if not directory.is_dir():
             raise InvalidRequest("model_path", str(path), "not a directory")
         files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise InvalidRequest("model_path", str(path), "holds no *.safetensors files")
-        tensors: dict[str, torch.Tensor] = {}
-        for file in files:
-            tensors.update(load_file(str(file)))
-    except InvalidRequest:
-        raise
-    except (OSError, ValueError, SafetensorError) as exc:  # unreadable, a NUL in the path, a corrupt file
+    except (OSError, ValueError) as exc:  # unreadable, a NUL in the path
         raise InvalidRequest("model_path", str(path), f"cannot be read ({type(exc).__name__}: {exc})") from None
-    return tensors
+    if not files:
+        raise InvalidRequest("model_path", str(path), "holds no *.safetensors files")
+    return files
+
+
+def safetensors_shapes(files: list[Path]) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every tensor of the files, from their headers (no tensor data is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                shapes += [(name, f.get_slice(name).get_shape()) for name in f.keys()]
+        except (OSError, ValueError, SafetensorError) as exc:  # unreadable or corrupt
+            raise InvalidRequest("model_path", str(file), f"cannot be read ({type(exc).__name__}: {exc})") from None
+    return shapes
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the files, one file at a time: `load_file` maps a file and its tensors are views of
+    the mapping, so the copy into a parameter is the only read and one file is mapped at a time."""
+    from safetensors.torch import load_file
+
+    for file in files:
+        yield from load_file(str(file)).items()
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of every *.safetensors file in a checkpoint directory."""
+    files = safetensors_files(path)
+    safetensors_shapes(files)  # a corrupt or unreadable file is refused by name before any tensor is read
+    return dict(iter_safetensors(files))

@@ -331,11 +331,15 @@ class EngineClient:
 
     async def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: str,
-        group_name: str = "weight_update_group", flush_cache: bool = True, **adapter: Any,
+        group_name: str = "weight_update_group", flush_cache: bool = True, load_format: str | None = None,
+        **adapter: Any,
     ) -> dict[str, Any]:
-        """`adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter."""
+        """`load_format="flattened_bucket"`: the tensors (one dtype) come in one broadcast, end to end.
+        `adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "flush_cache": flush_cache, "weight_version": weight_version, **adapter}
+        if load_format is not None:
+            body["load_format"] = load_format
         return await self._post("/update_weights_from_distributed", body, self.timeouts.weights)
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, update_in_flight: bool = False) -> dict[str, Any]:

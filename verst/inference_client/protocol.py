@@ -393,7 +393,9 @@ class UpdateWeightsFromDistributedRequest(AdapterPush):
     flush_cache: bool = True
     weight_version: str | None = Field(None, min_length=1)
     abort_all_requests: bool = False
-    load_format: None = None
+    load_format: Literal["flattened_bucket"] | None = Field(
+        None, description="'flattened_bucket': the tensors (one dtype) come end to end in one broadcast; "
+                          "None: one broadcast per tensor, in the order of names.")
 
     @model_validator(mode="after")
     def _aligned(self) -> UpdateWeightsFromDistributedRequest:

@@ -18,9 +18,10 @@ def tensor_nbytes(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def rebucket(buckets: Iterable[WeightBucket], bucket_bytes: int) -> Iterator[WeightBucket]:
+def rebucket(buckets: Iterable[WeightBucket], bucket_bytes: int, by_dtype: bool = False) -> Iterator[WeightBucket]:
     """The same tensors in the same order, in buckets of at most `bucket_bytes` (a bigger tensor goes
-    alone). A name seen twice is refused: the second copy would silently overwrite the first."""
+    alone); with `by_dtype`, a bucket also ends where the dtype changes (a flattened bucket has one dtype).
+    A name seen twice is refused: the second copy would silently overwrite the first."""
     if bucket_bytes < 1:
         raise ValueError(f"sync.bucket_bytes must be >= 1, got {bucket_bytes}")
     seen: set[str] = set()
@@ -32,7 +33,7 @@ def rebucket(buckets: Iterable[WeightBucket], bucket_bytes: int) -> Iterator[Wei
                 raise ValueError(f"tensor {name!r} appears twice in one weight push")
             seen.add(name)
             nbytes = tensor_nbytes(tensor)
-            if out and size + nbytes > bucket_bytes:
+            if out and (size + nbytes > bucket_bytes or (by_dtype and tensor.dtype != out[-1][1].dtype)):
                 yield out
                 out, size = [], 0
             out.append((name, tensor))
@@ -47,9 +48,9 @@ class BucketStream:
     the source, which lets a stream of N ranks drain them after an early stop.
     """
 
-    def __init__(self, source: Iterable[WeightBucket], bucket_bytes: int):
+    def __init__(self, source: Iterable[WeightBucket], bucket_bytes: int, by_dtype: bool = False):
         self._source = iter(source)
-        self._buckets = rebucket(self._source, bucket_bytes)
+        self._buckets = rebucket(self._source, bucket_bytes, by_dtype)
         self._pending: asyncio.Future | None = None
         # A generator may not be resumed from two threads at once; reads are serialised anyway, the lock
         # also covers aclose racing a cancelled read.

@@ -120,7 +120,8 @@ class SnapshotWriter:
 class DiskTransport:
     """Snapshot under `directory/weights_vNNNNNNNN/`, then `/update_weights_from_disk` on every engine
     (which must see the same filesystem). `source_model` (the HF checkpoint trained from) supplies config
-    and tokenizer files, making each snapshot a complete checkpoint. Keeps the newest `keep_last`. With
+    and tokenizer files, making each snapshot a complete checkpoint. Keeps the newest `keep_last` (older
+    ones are deleted in the background after a push; the next push and `close()` wait for that). With
     `adapter`, each snapshot is a PEFT adapter directory, which every engine loads under the adapter's name
     (`/load_lora_adapter`, requests in flight on it going on with it).
     """
@@ -134,8 +135,10 @@ class DiskTransport:
         self.fleet, self.directory, self.bucket_bytes = fleet, Path(directory), bucket_bytes
         self.keep_last, self.source_model, self.adapter = keep_last, source_model, adapter
         self.last_snapshot: Path | None = None
+        self._pruning: asyncio.Future | None = None
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
+        await self._pruned()
         adapter = self.adapter
         # an adapter is one file, as PEFT writes it
         stats, stream = PushStats(), BucketStream(buckets, sys.maxsize if adapter else self.bucket_bytes)
@@ -156,8 +159,15 @@ class DiskTransport:
             await self.fleet.load_lora_adapter(adapter.name, str(path), update_in_flight=True)
         else:
             await self.fleet.update_weights_from_disk(str(path), None)  # type: ignore[arg-type]
-        await asyncio.to_thread(prune_snapshots, self.directory, self.keep_last)
+        # Deleting a snapshot's files takes about as long as a tenth of writing them: done while the engines
+        # generate again, and waited for by the next push or `close()`.
+        self._pruning = asyncio.ensure_future(asyncio.to_thread(prune_snapshots, self.directory, self.keep_last))
         return stats.metrics()
 
+    async def _pruned(self) -> None:
+        pruning, self._pruning = self._pruning, None
+        if pruning is not None:
+            await pruning
+
     async def close(self) -> None:
-        return None
+        await self._pruned()

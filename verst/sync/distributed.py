@@ -1,5 +1,6 @@
 """The `distributed` transport: a process-group broadcast from the process holding the full weights
-(rank 0) to every engine (ranks 1..N, joined through `/init_weights_update_group`); gloo or NCCL.
+(rank 0) to every engine (ranks 1..N, joined through `/init_weights_update_group`); gloo or NCCL. Each
+bucket (one dtype) goes as one flattened broadcast (SGLang's `load_format="flattened_bucket"`).
 
 The group is set up on the first push and reused. A push that fails part-way leaves the members out of
 step (an engine that refused bucket k never ran that collective, so its next receive would pair with the
@@ -22,7 +23,15 @@ from typing import Any
 
 from verst.inference_client.fleet import EngineFleet, FleetError
 from verst.inference_client.ports import free_port
-from verst.inference_client.weights import WeightUpdateGroup, broadcast_tensors, dtype_name, open_weight_update_group
+from verst.inference_client.weights import (
+    FLATTENED,
+    FlatBuffer,
+    WeightUpdateGroup,
+    broadcast_flat,
+    broadcast_tensors,
+    dtype_name,
+    open_weight_update_group,
+)
 from verst.sync.buckets import BucketStream
 from verst.sync.transport import AdapterSpec, PushStats
 from verst.types import WeightBucket
@@ -56,6 +65,7 @@ class DistributedTransport:
         # an adapter goes as one bucket: the engines build it from all of its tensors at once
         self._push_bytes = sys.maxsize if adapter is not None else bucket_bytes
         self.group: WeightUpdateGroup | None = None
+        self._flat = FlatBuffer(device)  # the trainer's packed bucket, kept from push to push
         self.groups_built = 0  # 1 in a healthy run; each failed push adds one rebuild
 
     async def connect(self) -> None:
@@ -77,13 +87,16 @@ class DistributedTransport:
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
         await self.connect()
-        stats, stream = PushStats(), BucketStream(buckets, self._push_bytes)
+        # full weights in one-dtype buckets, each one broadcast; an adapter is one bucket whatever its dtypes
+        stats, stream = PushStats(), BucketStream(buckets, self._push_bytes, by_dtype=self.adapter is None)
         try:
             async for bucket in stream:
                 await self._push_bucket(bucket, stats.buckets)
                 stats.add(bucket)
         except BaseException:
             self.group = None
+            # a collective abandoned on the old group may still read this buffer: the next push packs elsewhere
+            self._flat = FlatBuffer(self.device)
             raise
         finally:
             await stream.aclose()
@@ -93,20 +106,28 @@ class DistributedTransport:
         group = self.group
         assert group is not None
         names = [name for name, _ in bucket]
-        tensors = [tensor.detach().to(self.device).contiguous() for _, tensor in bucket]
+        tensors = [tensor.detach() for _, tensor in bucket]
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
+        flat = len(set(dtypes)) == 1
         # Versions are set by the syncer once every bucket is in, so none is sent with a bucket.
-        adapter = {} if self.adapter is None else {"lora_name": self.adapter.name, "lora_config": self.adapter.config}
+        extra: dict[str, Any] = {"load_format": FLATTENED} if flat else {}
+        if self.adapter is not None:
+            extra.update(lora_name=self.adapter.name, lora_config=self.adapter.config)
         remote = _each(self.fleet, lambda url, c: c.update_weights_from_distributed(
-            names, dtypes, shapes, None, group.name, **adapter))  # type: ignore[arg-type]
-        local = _in_collective_thread(broadcast_tensors, group, tensors, timeout_s=self.timeout_s)
+            names, dtypes, shapes, None, group.name, **extra))  # type: ignore[arg-type]
+        if flat:
+            local = _in_collective_thread(broadcast_flat, group, tensors, self._flat, timeout_s=self.timeout_s)
+        else:  # an adapter of mixed dtypes: a broadcast per tensor
+            tensors = [t.to(self.device).contiguous() for t in tensors]
+            local = _in_collective_thread(broadcast_tensors, group, tensors, timeout_s=self.timeout_s)
         await _collective(local, remote, f"update_weights_from_distributed(bucket {index}: {len(names)} tensors "
                                          f"from {names[0]!r})")
 
     async def close(self) -> None:
         # Dropping the trainer's side closes its connections; engines forget a group when they stop.
         self.group = None
+        self._flat.release()
 
 
 def _each(fleet: EngineFleet, call: Callable[[str, Any], Any]) -> dict[str, asyncio.Future]:

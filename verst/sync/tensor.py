@@ -1,5 +1,5 @@
 """The `tensor` transport for colocated engines: each bucket is handed over in memory, written once and
-mapped by every engine. CPU: a /dev/shm file (`verst.inference_client.weights`); GPU: CUDA IPC handles (SGLang).
+read by every engine. CPU: two reused /dev/shm files (`verst.inference_client.weights`); GPU: CUDA IPC (SGLang).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from verst.inference_client.fleet import EngineFleet
-from verst.inference_client.weights import SHM_DIR, ShmBucket, write_shm_bucket
+from verst.inference_client.weights import SHM_DIR, ShmSlot
 from verst.sync.buckets import BucketStream
 from verst.sync.transport import AdapterSpec, PushStats
 from verst.types import WeightBucket
@@ -19,9 +19,11 @@ IPC_MODES = ("shm", "cuda_ipc")
 
 
 class TensorTransport:
-    """`ipc="shm"`: one shared-memory file per bucket, deleted once every engine has copied it (engines
-    on this host; the embedded engine and `load_format="shm"`). `ipc="cuda_ipc"`: SGLang's own scheme.
-    With `adapter`, each push is the adapter in one shm bucket, which the engines serve under its name.
+    """`ipc="shm"`: two shared-memory files of half a bucket each, written in turn: the trainer writes one
+    while the engines copy from the other straight into their parameters (engines on this host; the embedded
+    engine and `load_format="shm"`). The files are kept and rewritten by every push, and deleted by
+    `close()`: together they hold one bucket. `ipc="cuda_ipc"`: SGLang's own scheme. With `adapter`, each
+    push is the adapter in one shm file, which the engines serve under its name.
     """
 
     name = "tensor"
@@ -35,15 +37,26 @@ class TensorTransport:
                              "engine); use sync.transport = 'disk' or lora.sync = 'merged' with CUDA IPC")
         self.fleet, self.bucket_bytes, self.ipc, self.shm_dir = fleet, bucket_bytes, ipc, shm_dir
         self.adapter = adapter
-        # an adapter goes as one bucket: the engines build it from all of its tensors at once
-        self._push_bytes = sys.maxsize if adapter is not None else bucket_bytes
+        # an adapter goes as one bucket: the engines build it from all of its tensors at once; shared memory
+        # goes in halves, one written while the other is read
+        if adapter is not None:
+            self._push_bytes = sys.maxsize
+        else:
+            self._push_bytes = max(1, bucket_bytes // 2) if ipc == "shm" else bucket_bytes
+        self._slots = [ShmSlot(shm_dir), ShmSlot(shm_dir)]
         self._tp_sizes: dict[str, int] = {}
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
         stats, stream = PushStats(), BucketStream(buckets, self._push_bytes)
         try:
             if self.ipc == "shm":
-                await self._push_shm(stream, stats)
+                try:
+                    await self._push_shm(stream, stats)
+                except BaseException:
+                    # an engine may still be copying from a slot it was abandoned on: the next push writes
+                    # into new files instead of under its copy
+                    await self.close()
+                    raise
             else:
                 async for bucket in stream:
                     await self._push_cuda_ipc(bucket)
@@ -53,47 +66,36 @@ class TensorTransport:
         return stats.metrics()
 
     async def _push_shm(self, stream: BucketStream, stats: PushStats) -> None:
-        """Bucket k+1 is written while the engines copy bucket k (peak: two shm files, one read ahead)."""
-        loading: tuple[asyncio.Future, ShmBucket] | None = None
+        """Bucket k+1 is written into one slot while the engines copy bucket k from the other; a slot is
+        rewritten only once every engine has replied for the bucket it held."""
+        loading: asyncio.Future | None = None
         try:
             async for bucket in stream:
-                shm = await self._write(bucket)
-                try:
-                    if loading is not None:
-                        previous, loading = loading, None
-                        await self._finish(previous)
-                except BaseException:
-                    shm.close()
-                    raise
+                manifest = await self._write(self._slots[stats.buckets % 2], bucket)
+                if loading is not None:
+                    previous, loading = loading, None
+                    await previous
                 adapter = {} if self.adapter is None else {"lora_name": self.adapter.name,
                                                            "lora_config": self.adapter.config}
-                call = self.fleet.update_weights_from_tensor(shm.manifest, None, **adapter)  # type: ignore[arg-type]
-                loading = (asyncio.ensure_future(call), shm)
+                call = self.fleet.update_weights_from_tensor(manifest, None, **adapter)  # type: ignore[arg-type]
+                loading = asyncio.ensure_future(call)
                 stats.add(bucket)
             if loading is not None:
                 previous, loading = loading, None
-                await self._finish(previous)
+                await previous
         finally:
             if loading is not None:  # an error elsewhere: stop waiting for this bucket's load
-                loading[0].cancel()
-                await asyncio.gather(loading[0], return_exceptions=True)
-                loading[1].close()
+                loading.cancel()
+                await asyncio.gather(loading, return_exceptions=True)
 
-    async def _write(self, bucket: WeightBucket) -> ShmBucket:
-        write = asyncio.ensure_future(asyncio.to_thread(write_shm_bucket, bucket, self.shm_dir))
+    @staticmethod
+    async def _write(slot: ShmSlot, bucket: WeightBucket) -> str:
+        write = asyncio.ensure_future(asyncio.to_thread(slot.write, bucket))
         try:
             return await asyncio.shield(write)
         except asyncio.CancelledError:
-            (await write).close()  # the thread finishes the file regardless; do not leak it in /dev/shm
+            await asyncio.gather(write, return_exceptions=True)  # the thread finishes with the slot regardless
             raise
-
-    @staticmethod
-    async def _finish(loading: tuple[asyncio.Future, ShmBucket]) -> None:
-        future, shm = loading
-        try:
-            await future
-        finally:
-            shm.close()
 
     # ---- GPU: CUDA IPC -------------------------------------------------------------------------------
     # UNTESTED HERE (no GPU, no sglang on the build machines). Written to SGLang's documented
@@ -130,7 +132,8 @@ class TensorTransport:
         return self._tp_sizes
 
     async def close(self) -> None:
-        return None
+        for slot in self._slots:
+            slot.close()
 
 
 def _sglang_serializer():
