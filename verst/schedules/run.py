@@ -226,6 +226,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     clock = StartupClock(started)
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs") as orch:
         clock.lap("ray")
+        orch.check_transport(cfg.sync.transport)
         # The trainer ranks, the slowest to start, are created first: they get the worker processes Ray has
         # already started. The factory imports the backend (and torch) in the ranks only.
         trainer = orch.start_trainer(functools.partial(
@@ -243,7 +244,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
         rollout.start(urls)
         clock.lap("rollout_manager")  # router, data source and rollout fn, once the engines are up
         progress = RunProgress(cfg.schedule, plan.total_train_steps, mode="auto" if cfg.logging.progress else "off")
-        processes = RunProcesses(run_dir, engines, trainer, rollout, run_dir / "logs")
+        processes = RunProcesses(run_dir, engines, trainer, rollout, run_dir / "logs", node=orch.node)
         async with EngineFleet(urls, timeouts=Timeouts(control=cfg.fault.engine_call_timeout_s)) as fleet:
             syncer = TrainerWeightSync(trainer, cfg.sync, urls, checker=weight_checker(cfg, trainer, temperature),
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
