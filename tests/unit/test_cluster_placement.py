@@ -2,11 +2,13 @@
 placements are refused by field name before anything is created, and `cluster.ray_address` is checked."""
 
 import socket
+from types import SimpleNamespace
 
 import pytest
 
 from verst.config import ConfigError, load_config
-from verst.config.schema import ClusterConfig
+from verst.config.schema import ClusterConfig, SyncConfig
+from verst.orchestration import Orchestration
 from verst.orchestration.capacity import NodeOffer, PlacementRefused, check_fits
 from verst.orchestration.placement import CPUS_PER_BUNDLE, plan_bundles
 from verst.orchestration.ray_session import SLOT_RESOURCE, check_reachable, split_address
@@ -121,3 +123,31 @@ def test_processes_on_other_machines_are_listed_not_surveyed(tmp_path):
     assert states["engine-0"].state.startswith("on node 10.0.0.9") and states["engine-0"].exit is None
     assert processes.all_pids() == [("trainer-0", 1)]
     assert ProcessStatus("x", "x", 1, None, "").node is None
+
+
+def test_the_distributed_transport_is_rooted_at_rank_0s_node_address(monkeypatch):
+    """The engines join the weight-update group at trainer rank 0's Ray node address, not at loopback."""
+    from verst.orchestration import trainer_actors
+
+    opened = {}
+    monkeypatch.setattr(trainer_actors.ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    monkeypatch.setattr(trainer_actors, "_SyncerLoop", lambda sync, urls, options: opened.update(options))
+    rank = SimpleNamespace(backend=object())
+    trainer_actors.TrainerRank.open_weight_sync(rank, SyncConfig(), ["http://10.0.0.9:1"], {"timeout_s": 5.0})
+    assert opened == {"master_address": "10.1.2.3", "timeout_s": 5.0}
+
+
+def test_the_tensor_transport_is_refused_across_machines(monkeypatch):
+    from verst.orchestration import cluster as orchestration
+
+    a, b = node("a"), node("bb")
+    monkeypatch.setattr(orchestration, "ray_nodes", lambda: [a, b])
+    orch = Orchestration(ClusterConfig(num_engines=2))
+    orch.placement = SimpleNamespace(nodes_of=lambda role: [a.node_id] if role == "trainer" else [a.node_id, b.node_id])
+    with pytest.raises(ValueError, match=r"sync.transport = 'tensor' .* engine\(s\) \[1\] were placed on "
+                                         r"\['10.0.0.2'\], not on trainer rank 0's 10.0.0.1; use sync.transport = "
+                                         "'distributed'"):
+        orch.check_transport("tensor")
+    orch.check_transport("distributed")
+    orch.placement = SimpleNamespace(nodes_of=lambda role: [a.node_id])  # one machine: shared memory works
+    orch.check_transport("tensor")
