@@ -1,7 +1,7 @@
 """verst on a real two-node Ray cluster (`ray.cluster_utils.Cluster`: a head and a worker node, each its
 own raylet and object store, both on 127.0.0.1): joined through `cluster.ray_address`, trainer ranks
-pinned to the worker and engines to the head by custom resources (the reverse of where Ray would pack
-them unpinned), weights synced across the nodes with the `distributed` transport; the cluster outlives
+pinned to the worker and engines to the head by custom resources (unpinned, Ray puts the trainer ranks
+on the larger head too), weights synced across the nodes with the `distributed` transport; the cluster outlives
 the run, and impossible placements are refused.
 """
 
@@ -22,8 +22,9 @@ from verst.orchestration import Orchestration, RaySession
 from verst.orchestration.capacity import PlacementRefused
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = {"verst_slot": 2.0, "engine_node": 2.0}  # the engines' node (and the driver's)
-WORKER = {"verst_slot": 2.0, "trainer_node": 2.0}  # the trainer's node
+# The head could hold every bundle (4 slots, 2 logical CPUs: 4 × 0.5), the worker only the trainer's.
+HEAD = {"num_cpus": 2, "resources": {"verst_slot": 4.0, "engine_node": 2.0}}  # the engines' (and the driver's)
+WORKER = {"num_cpus": 1, "resources": {"verst_slot": 2.0, "trainer_node": 2.0}}  # the trainer's
 OBJECT_STORE = 80 * 2**20
 
 
@@ -44,10 +45,10 @@ def cluster():
     temp_dir = tempfile.mkdtemp(prefix="verst-cluster-")
     nodes = None
     try:
-        common = {"num_cpus": 1, "object_store_memory": OBJECT_STORE, "node_ip_address": "127.0.0.1"}
+        common = {"object_store_memory": OBJECT_STORE, "node_ip_address": "127.0.0.1"}
         nodes = Cluster(initialize_head=True, head_node_args={
-            **common, "resources": HEAD, "include_dashboard": False, "temp_dir": temp_dir})
-        worker = nodes.add_node(**common, resources=WORKER)
+            **common, **HEAD, "include_dashboard": False, "temp_dir": temp_dir})
+        worker = nodes.add_node(**common, **WORKER)
         nodes.wait_for_nodes()
         yield nodes.address, nodes.head_node.node_id, worker.node_id
     finally:
