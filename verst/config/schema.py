@@ -16,6 +16,9 @@ from verst.types.sampling import SamplingKnobs
 # verst.models.native), transformers', or auto (native where it applies).
 ModelImpl = Literal["auto", "native", "transformers"]
 MODEL_IMPLS: tuple[str, ...] = get_args(ModelImpl)
+# Ray resources a placement bundle sets itself (verst_slot: the CPU placement's unit, see
+# verst.orchestration.ray_session); cluster.*_resources name custom ones besides.
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory", "verst_slot")
 
 
 class Section(BaseModel):
@@ -375,11 +378,38 @@ class ClusterConfig(Section):
         None, description="Python of the environment that runs the engine server (vllm: default "
         "$VERST_VLLM_PYTHON, else .venv-vllm/bin/python; sglang: verst's own Python).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device; auto picks cuda when available.")
-    ray_address: str | None = Field(None, description="Join an existing Ray cluster; None starts one locally.")
+    ray_address: str | None = Field(
+        None, description="Join an existing Ray cluster at this address (host:port of its head, or 'auto'); the "
+        "cluster is left running at the end. None starts a local one-node Ray for the run.")
+    trainer_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each trainer rank's bundle also asks for, e.g. "
+        "{\"trainer_node\": 1}: the ranks go only to nodes started with them (`ray start --resources`).")
+    engine_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each engine's bundle also asks for, e.g. "
+        "{\"engine_node\": 1}: the engines go only to nodes started with them.")
     router: Literal["auto", "always"] = Field(
         "auto", description="sglang-router in front of the engines: auto uses it for two or more engines and calls "
         "a single engine directly (a router hop there costs throughput and routes nothing); always uses it anyway."
     )
+
+    @field_validator("ray_address")
+    @classmethod
+    def _driver_on_a_node(cls, value: str | None) -> str | None:
+        if value is not None and "://" in value:
+            raise ValueError(f"{value!r}: Ray Client addresses (ray://) are not supported; run verst on a node of "
+                             "the cluster and give its head as HOST:PORT (or 'auto')")
+        return value
+
+    @field_validator("trainer_resources", "engine_resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in RESERVED_RESOURCES or not name:
+                raise ValueError(f"{name!r} is not a custom resource (verst sets {', '.join(RESERVED_RESOURCES)} "
+                                 "itself); name one declared with `ray start --resources`")
+            if not amount > 0:
+                raise ValueError(f"{name!r}: the amount {amount} must be > 0")
+        return value
 
 
 class TeacherConfig(Section):

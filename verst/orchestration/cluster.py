@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from verst.config.schema import ClusterConfig
 from verst.monitor.stacks import arm_stack_dump
+from verst.orchestration.capacity import check_fits, ray_nodes
 from verst.orchestration.engine_actors import EngineActorGroup, check_engine_type
 from verst.orchestration.placement import BundlePlan, Placement, plan_bundles
 from verst.orchestration.ray_session import RaySession
@@ -66,6 +68,7 @@ class Orchestration:
         self.session: RaySession | None = None
         self.placement: Placement | None = None
         self.device: Literal["cpu", "cuda"] | None = None
+        self.node: str | None = None  # the driver's Ray node address, once started
         self._stack: list[Any] = []  # started parts, shut down last-first
 
     def start(self) -> Orchestration:
@@ -76,7 +79,10 @@ class Orchestration:
             self.session = RaySession(self.cluster.ray_address, slots=cpu_plan.slots(), num_cpus=cpu_plan.cpus())
             self.session.start()
             self.device = self._resolve_device()
-            self.placement = Placement.create(self._plan(self.device), timeout_s=self.start_timeout_s)
+            self.node = ray.util.get_node_ip_address()
+            plan = self._plan(self.device)
+            check_fits(plan, ray_nodes())  # an impossible placement is refused by name, not waited for
+            self.placement = Placement.create(plan, timeout_s=self.start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -133,6 +139,21 @@ class Orchestration:
         self._stack.append(handle)
         return handle
 
+    def check_transport(self, transport: str) -> None:
+        """Refuse `sync.transport = 'tensor'` (shared memory: one machine) when an engine was placed on a
+        machine other than trainer rank 0's."""
+        if transport != "tensor" or not self.engines:
+            return
+        address = {node.node_id: node.address for node in ray_nodes()}
+        trainer = address.get(self._placed().nodes_of("trainer")[0])
+        engines = [address.get(node) for node in self._placed().nodes_of("engine")]
+        apart = [index for index, node in enumerate(engines) if node != trainer]
+        if apart:
+            raise ValueError(
+                f"sync.transport = 'tensor' hands weights over in shared memory on one machine, but engine(s) {apart} "
+                f"were placed on {sorted({engines[i] for i in apart})}, not on trainer rank 0's {trainer}; use "
+                "sync.transport = 'distributed' (or 'disk' with a filesystem shared by the nodes)")
+
     # ---- shutdown ------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the actor groups (last started first), remove the placement group, end a Ray we started."""
@@ -155,7 +176,9 @@ class Orchestration:
     def _plan(self, device: Literal["cpu", "cuda"]) -> BundlePlan:
         num_engines = self.cluster.num_engines if self.engines else 0
         return plan_bundles(self.cluster.placement, self.cluster.trainer_ranks, num_engines, device,
-                            teacher_engines=self.teacher_engines)
+                            teacher_engines=self.teacher_engines,
+                            trainer_resources=self.cluster.trainer_resources,
+                            engine_resources=self.cluster.engine_resources)
 
     def _resolve_device(self) -> Literal["cpu", "cuda"]:
         gpus = ray.cluster_resources().get("GPU", 0.0)
@@ -193,7 +216,11 @@ class RolloutManagerHandle:
                  prepare: Callable[[], Any] | None = None, timeout_s: float = 600.0, start_timeout_s: float = 300.0):
         self.timeout_s = timeout_s
         self._closed = False
-        self.actor = _RemoteRolloutManager.options(num_cpus=MANAGER_CPUS).remote(
+        # On the driver's node: the driver calls the router it starts, and surveys its processes, there.
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node = ray.util.get_node_ip_address()
+        here = NodeAffinitySchedulingStrategy(self.node_id, soft=False)
+        self.actor = _RemoteRolloutManager.options(num_cpus=MANAGER_CPUS, scheduling_strategy=here).remote(
             list(engine_urls) if engine_urls is not None else None, parts_factory, router=router, prepare=prepare)
         self.router_url: str | None = None
         self.pids: dict[str, int | None] = {}

@@ -52,7 +52,8 @@ class EngineServer:
         placement_group, bundle = current_bundle()
         return {"index": self.index, "url": self.server.url, "actor_pid": os.getpid(),
                 "server_pid": self.server.proc.pid if self.server.proc else None,
-                "placement_group": placement_group, "bundle": bundle}
+                "placement_group": placement_group, "bundle": bundle,
+                "node": self.host, "node_id": ray.get_runtime_context().get_node_id()}
 
     def url(self) -> str:
         return self.server.url
@@ -171,7 +172,7 @@ class EngineActorGroup:
 
     @property
     def infos(self) -> list[dict[str, Any]]:
-        """Per engine: index, url, actor_pid, server_pid, placement_group, bundle."""
+        """Per engine: index, url, actor_pid, server_pid, placement_group, bundle, node (address), node_id."""
         if self._infos is None:
             raise RuntimeError("the engines are still starting; call wait_ready() first")
         return self._infos

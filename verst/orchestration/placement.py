@@ -3,13 +3,15 @@
 a teacher's engines (on-policy distillation) in bundles of their own after those.
 
 On GPU a bundle is one GPU; on CPU it is a fraction of a CPU plus one `SLOT_RESOURCE` unit, so the
-same placement logic runs (and fails when it cannot fit) on a 2-core machine.
+same placement logic runs (and fails when it cannot fit) on a 2-core machine. Custom resources
+(`cluster.trainer_resources`, `cluster.engine_resources`) pin a role's bundles to the nodes declaring them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import ray
@@ -36,6 +38,8 @@ class BundlePlan:
     trainer_bundles: list[int]  # bundle of trainer rank i
     engine_bundles: list[int]  # bundle of engine j
     teacher_bundles: list[int] = dataclasses.field(default_factory=list)  # bundle of teacher engine k
+    trainer_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # cluster.trainer_resources
+    engine_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # cluster.engine_resources
 
     def bundles_of(self, role: Role) -> list[int]:
         return {"trainer": self.trainer_bundles, "engine": self.engine_bundles, "teacher": self.teacher_bundles}[role]
@@ -57,13 +61,15 @@ class BundlePlan:
 
 
 def plan_bundles(
-    kind: PlacementKind, trainer_ranks: int, num_engines: int, device: Literal["cpu", "cuda"],
+    kind: PlacementKind, trainer_ranks: int, num_engines: int, device: Literal["cpu", "cuda"], *,
     teacher_engines: int = 0,
+    trainer_resources: Mapping[str, float] | None = None, engine_resources: Mapping[str, float] | None = None,
 ) -> BundlePlan:
     """Colocated: max(N, M) bundles, trainer rank i and engine i in bundle i (Miles' `--colocate`).
     Disaggregated: N + M bundles, trainer ranks first, engines after. M = 0: a trainer-only run (SFT).
     Either way, T teacher engines get T bundles of their own at the end: they serve while the trainer
-    and the student's engines hold theirs."""
+    and the student's engines hold theirs. A bundle also asks for the custom resources of the roles it
+    holds (a shared bundle: the larger amount of a resource both name; teacher engines: the engines')."""
     if trainer_ranks < 1:
         raise ValueError(f"cluster.trainer_ranks must be >= 1, got {trainer_ranks}")
     if num_engines < 0:
@@ -82,8 +88,17 @@ def plan_bundles(
         raise ValueError(f"teacher.num_engines must be >= 1 (0 without a teacher), got {teacher_engines}")
     teacher = list(range(count, count + teacher_engines))
     unit = {"GPU": 1.0} if device == "cuda" else {SLOT_RESOURCE: 1.0}
-    bundles = [{"CPU": CPUS_PER_BUNDLE, **unit} for _ in range(count + teacher_engines)]
-    return BundlePlan(kind, device, bundles, trainer, engine, teacher)
+    trainer_resources = {key: float(amount) for key, amount in (trainer_resources or {}).items()}
+    engine_resources = {key: float(amount) for key, amount in (engine_resources or {}).items()}
+    bundles = []
+    for index in range(count + teacher_engines):
+        bundle = {"CPU": CPUS_PER_BUNDLE, **unit}
+        held_by_engine = index in engine or index in teacher
+        for held, custom in ((index in trainer, trainer_resources), (held_by_engine, engine_resources)):
+            for key, amount in custom.items() if held else ():
+                bundle[key] = max(bundle.get(key, 0.0), float(amount))
+        bundles.append(bundle)
+    return BundlePlan(kind, device, bundles, trainer, engine, teacher, trainer_resources, engine_resources)
 
 
 class Placement:
@@ -100,8 +115,9 @@ class Placement:
         ready, _ = ray.wait([group.ready()], timeout=timeout_s)
         if not ready:
             remove_placement_group(group)
+            shapes = [dict(t) for t in dict.fromkeys(tuple(sorted(b.items())) for b in plan.bundles)]
             raise TimeoutError(
-                f"placement group of {len(plan.bundles)} bundles {plan.bundles[0]} ({plan.kind}, "
+                f"placement group of {len(plan.bundles)} bundles {shapes} ({plan.kind}, "
                 f"{len(plan.trainer_bundles)} trainer ranks, {len(plan.engine_bundles)} engines, "
                 f"{len(plan.teacher_bundles)} teacher engines) not placed "
                 f"within {timeout_s:g}s; the cluster offers {ray.cluster_resources()}, of which "
@@ -110,6 +126,18 @@ class Placement:
                    "nodes, e.g. `ray start --resources '{\"verst_slot\": 8}'`)" if plan.device == "cpu" else "")
             )
         return cls(plan, group)
+
+    def bundle_nodes(self) -> list[str]:
+        """The Ray node id each bundle was placed on, by bundle index."""
+        from ray.util import placement_group_table
+
+        placed = placement_group_table(self.group)["bundles_to_node_id"]
+        return [placed[index] for index in range(len(self.plan.bundles))]
+
+    def nodes_of(self, role: Role) -> list[str]:
+        """The node id of each trainer rank (or engine), by index: where its bundle was placed."""
+        nodes = self.bundle_nodes()
+        return [nodes[bundle] for bundle in (self.plan.trainer_bundles if role == "trainer" else self.plan.engine_bundles)]
 
     def bundle_of(self, role: Role, index: int) -> int:
         return self.plan.bundles_of(role)[index]

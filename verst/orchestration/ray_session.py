@@ -1,6 +1,6 @@
 """The Ray connection: start a quiet one-node Ray bound to 127.0.0.1, or join an existing cluster.
 
-A session shuts down only a Ray it started itself, so sessions nest (a test's shared Ray, a recipe).
+A session shuts down only a Ray it started itself (joining, it only disconnects), so sessions nest.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ _QUIET_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no phoning home from an offline machine
     "RAY_DEDUP_LOGS": "1",
 }
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+JOIN_PROBE_TIMEOUT_S = 10.0
 # Announces at every start that token authentication is on (Ray's default, which we keep).
 _AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 
@@ -64,22 +67,34 @@ class RaySession:
         if ray.is_initialized():
             return self
         if self.address is not None:
-            ray.init(address=self.address, namespace=self.namespace, logging_level=logging.WARNING,
-                     log_to_driver=self.log_to_driver)
+            self._join()
         else:
             self._start_local()
         self.owned = True
         return self
 
+    def _join(self) -> None:
+        """Connect to the cluster at `address` as a driver: no local Ray, no reaper (the cluster's own
+        raylets end this job's actors when the driver disconnects)."""
+        host, port = split_address(self.address)
+        if port is not None:  # Ray retries an unanswered address for minutes: fail fast, by name
+            check_reachable(host, port)
+        if host in _LOOPBACK_HOSTS:
+            # A cluster started on loopback (`ray start --head --node-ip-address 127.0.0.1`): without the
+            # switch, Ray on Linux rewrites the address to the machine's outward one, where nothing listens.
+            self._use_loopback()
+        try:
+            ray.init(address=self.address, namespace=self.namespace, logging_level=logging.WARNING,
+                     log_to_driver=self.log_to_driver)
+        except BaseException:
+            self._restore_env()
+            raise
+
     def _start_local(self) -> None:
-        self._set_env({**_QUIET_ENV, _LOOPBACK_SWITCH: "0"})
+        self._set_env(_QUIET_ENV)
+        self._use_loopback()
         self._start_reaper()
         self._put_cwd_on_pythonpath()
-        import ray._private.ray_constants as constants
-
-        # The switch is read at `import ray`, which may have happened before this call.
-        self._saved_loopback = constants.ENABLE_RAY_CLUSTER
-        constants.ENABLE_RAY_CLUSTER = False
         cores = os.cpu_count() or 1
         num_cpus = max(cores, math.ceil(self.num_cpus or 0))
         notice = logging.getLogger(_AUTH_NOTICE_LOGGER)
@@ -107,7 +122,8 @@ class RaySession:
             notice.setLevel(level)
 
     def shutdown(self) -> None:
-        """Shut Ray down if this session started it (every actor and placement group goes with it)."""
+        """Shut Ray down if this session started it (every actor and placement group goes with it); a joined
+        cluster is only disconnected from: the run's actors end with its job, the nodes keep running."""
         if not self.owned:
             return
         self.owned = False
@@ -144,6 +160,14 @@ class RaySession:
             self.tmp_dir = None
 
     # ---- environment -------------------------------------------------------------------
+    def _use_loopback(self) -> None:
+        self._set_env({_LOOPBACK_SWITCH: "0"})
+        import ray._private.ray_constants as constants
+
+        # The switch is read at `import ray`, which may have happened before this call.
+        self._saved_loopback = constants.ENABLE_RAY_CLUSTER
+        constants.ENABLE_RAY_CLUSTER = False
+
     def _set_env(self, values: dict[str, str]) -> None:
         for key, value in values.items():
             if key in os.environ:
@@ -172,3 +196,24 @@ class RaySession:
 
             constants.ENABLE_RAY_CLUSTER = self._saved_loopback
             del self._saved_loopback
+
+
+def split_address(address: str) -> tuple[str, int | None]:
+    """`cluster.ray_address` as (host, port): "host:port", or "auto" (port None)."""
+    rest = address.rstrip("/")
+    if address == "auto" or ":" not in rest:
+        return rest, None
+    host, _, port = rest.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"cluster.ray_address = {address!r}: expected HOST:PORT (the head's GCS port) or 'auto'")
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(host: str, port: int, timeout_s: float = JOIN_PROBE_TIMEOUT_S) -> None:
+    """Raise `ConnectionError` naming `cluster.ray_address` unless something accepts a connection there."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        raise ConnectionError(
+            f"cluster.ray_address = '{host}:{port}': no Ray head answers there ({error}); start one with "
+            f"`ray start --head --port {port}` or leave cluster.ray_address unset for a local Ray") from None

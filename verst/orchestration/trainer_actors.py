@@ -74,6 +74,7 @@ class TrainerRank:
     def info(self) -> dict[str, Any]:
         placement_group, bundle = current_bundle()
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "placement_group": placement_group, "bundle": bundle, "ready_at": self.ready_at}
 
     def call(self, method: str, payload: tuple[tuple, dict]) -> Any:
@@ -208,7 +209,8 @@ class TrainerActorGroup(CollectiveCalls):
 
     @property
     def infos(self) -> list[dict[str, Any]]:
-        """Per rank: rank, pid, node, placement_group, bundle, ready_at (wall clock, backend built)."""
+        """Per rank: rank, pid, node (address), node_id, placement_group, bundle, ready_at (wall clock, backend
+        built)."""
         return self.wait_ready()._infos
 
     def __enter__(self) -> TrainerActorGroup:

@@ -56,6 +56,8 @@ class ProcessStatus:
     log: str | None
     state: str  # process_state(), or "dead"
     exit: str | None = None
+    node: str | None = None  # the address of its Ray node (None: the driver's)
+    node_id: str | None = None
 
     def line(self) -> str:
         how = f"died: {self.exit}" if self.exit else self.state
@@ -75,10 +77,12 @@ def describe_exit(returncode: int | None) -> str | None:
 
 
 class RunProcesses:
-    """The processes of one RL run, surveyed from the driver (the pids are read on this node's /proc)."""
+    """The processes of one RL run, surveyed from the driver: the pids of processes on its machine (`node`,
+    its Ray node's address; None: all) are read in /proc; those on other machines are listed, not surveyed."""
 
-    def __init__(self, run_dir: Path, engines: Any, trainer: Any, rollout: Any, log_dir: Path):
+    def __init__(self, run_dir: Path, engines: Any, trainer: Any, rollout: Any, log_dir: Path, node: str | None = None):
         self.run_dir, self.engines, self.trainer, self.rollout, self.log_dir = run_dir, engines, trainer, rollout, log_dir
+        self.node = node
         self._logs: dict[int, str | None] = {}  # pid -> its stderr file, remembered while it lives
 
     def remember(self) -> None:
@@ -86,9 +90,10 @@ class RunProcesses:
         write `processes.json` (names, pids, logs) into the run directory."""
         listed = []
         for status in self._static():
-            if status.pid is not None and status.pid not in self._logs:
+            if status.pid is not None and status.pid not in self._logs and self._here(status):
                 self._logs[status.pid] = stderr_path(status.pid)
-            listed.append({"name": status.name, "pid": status.pid, "log": status.log or self._logs.get(status.pid)})
+            listed.append({"name": status.name, "pid": status.pid, "log": status.log or self._logs.get(status.pid),
+                           "node": status.node, "node_id": status.node_id})
         _write_json(self.run_dir / "processes.json", listed)
 
     def survey(self, timeout_s: float = 5.0) -> list[ProcessStatus]:
@@ -101,6 +106,9 @@ class RunProcesses:
                 index = int(status.role.split("-")[1])
                 reported = engine_status[index] if index < len(engine_status) else {}
                 status.exit = describe_exit(reported.get("returncode"))
+            if not self._here(status):
+                status.state = f"on node {status.node} (not surveyed from the driver's machine)"
+                continue
             state = process_state(status.pid) if status.pid is not None else "unknown"
             status.state = state
             if status.exit is None and state in ("gone", "zombie"):
@@ -116,7 +124,11 @@ class RunProcesses:
                 and not (stopped and status.role.startswith("trainer-") and status.role != f"trainer-{named}")]
 
     def all_pids(self) -> list[tuple[str, int]]:
-        return [(s.role, s.pid) for s in self._static() if s.pid is not None]
+        return [(s.role, s.pid) for s in self._static() if s.pid is not None and self._here(s)]
+
+    def _here(self, status: ProcessStatus) -> bool:
+        """On the driver's machine: its /proc shows the process."""
+        return self.node is None or status.node is None or status.node == self.node
 
     def _static(self) -> list[ProcessStatus]:
         out = []
@@ -124,18 +136,25 @@ class RunProcesses:
         for info in infos:
             index, url = info["index"], info["url"]
             log = str(self.log_dir / f"engine-{index}.log")
-            out.append(ProcessStatus(f"engine {index} ({url})", f"engine-{index}", info.get("server_pid"), log, ""))
-            out.append(ProcessStatus(f"engine {index}'s actor", f"engine-{index}-actor", info.get("actor_pid"), None, ""))
+            where = {"node": info.get("node"), "node_id": info.get("node_id")}
+            out.append(ProcessStatus(f"engine {index} ({url})", f"engine-{index}", info.get("server_pid"), log, "",
+                                     **where))
+            out.append(ProcessStatus(f"engine {index}'s actor", f"engine-{index}-actor", info.get("actor_pid"), None,
+                                     "", **where))
         for info in _safe(lambda: self.trainer.ready_infos, []):
-            out.append(ProcessStatus(f"trainer rank {info['rank']}", f"trainer-{info['rank']}", info["pid"], None, ""))
+            out.append(ProcessStatus(f"trainer rank {info['rank']}", f"trainer-{info['rank']}", info["pid"], None, "",
+                                     node=info.get("node"), node_id=info.get("node_id")))
         rollouts = self.rollout if isinstance(self.rollout, (list, tuple)) else [self.rollout]  # one per adapter
         for index, rollout in enumerate(rollouts):
             pids, tag = getattr(rollout, "pids", {}) or {}, f"-{index}" if index else ""
+            # the manager and its router run on the driver's node (see RolloutManagerHandle)
+            where = {"node": getattr(rollout, "node", None), "node_id": getattr(rollout, "node_id", None)}
             if pids.get("manager"):
-                out.append(ProcessStatus(f"rollout manager{tag}", f"rollout-manager{tag}", pids["manager"], None, ""))
+                out.append(ProcessStatus(f"rollout manager{tag}", f"rollout-manager{tag}", pids["manager"], None, "",
+                                         **where))
             if pids.get("router"):
                 out.append(ProcessStatus(f"router{tag} ({getattr(rollout, 'router_url', '')})", f"router{tag}",
-                                         pids["router"], None, ""))
+                                         pids["router"], None, "", **where))
         return out
 
 

@@ -289,6 +289,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs",
                                teacher_engines=teachers) as orch:
         clock.lap("ray")
+        orch.check_transport(cfg.sync.transport)
         # The trainer ranks, the slowest to start, are created first: they get the worker processes Ray has
         # already started. The factory imports the backend (and torch) in the ranks only.
         trainer = orch.start_trainer(functools.partial(
@@ -317,7 +318,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
         lanes = [Lane(own, batch_plan(own), rollouts[name], adapter=name) for name, own in lane_cfgs.items()]
         total_steps = sum(adapter_steps.values()) or plan.total_train_steps
         progress = RunProgress(cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off")
-        processes = RunProcesses(run_dir, engines, trainer, list(rollouts.values()), run_dir / "logs")
+        processes = RunProcesses(run_dir, engines, trainer, list(rollouts.values()), run_dir / "logs", node=orch.node)
         async with EngineFleet(urls, timeouts=Timeouts(control=cfg.fault.engine_call_timeout_s)) as fleet:
             syncer = TrainerWeightSync(trainer, cfg.sync, urls, checker=weight_checker(cfg, trainer, temperature),
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),

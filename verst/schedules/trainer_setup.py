@@ -16,8 +16,9 @@ from verst.types import WeightBucket
 @contextlib.contextmanager
 def open_trainer(cfg: VerstConfig, total_steps: int, temperature: float = 1.0,
                  ref_model_path: str | None = None, critic: bool = False) -> Iterator[TrainBackend]:
-    """One rank in this process, or `cluster.trainer_ranks` rank actors on Ray (the orchestration's
-    launcher: a local Ray on 127.0.0.1 unless `cluster.ray_address`, placed for the trainer only).
+    """One rank in this process, or rank actors on Ray (the orchestration's launcher: a local Ray on
+    127.0.0.1 unless `cluster.ray_address`, placed for the trainer only) when there are several ranks or the
+    run names a cluster or node resources to place them on.
 
     `temperature` must be the sampling temperature in RL, so recomputed logprobs match the engine's. With
     `critic` the backend holds PPO's value model too (`cfg.critic`).
@@ -25,7 +26,7 @@ def open_trainer(cfg: VerstConfig, total_steps: int, temperature: float = 1.0,
     factory = functools.partial(fsdp2_backend, cfg.model, cfg.trainer, total_steps=total_steps,
                                 temperature=temperature, ref_model_path=ref_model_path, lora=cfg.lora,
                                 critic=cfg.critic if critic else None)
-    if cfg.cluster.trainer_ranks == 1:
+    if cfg.cluster.trainer_ranks == 1 and not cfg.cluster.ray_address and not cfg.cluster.trainer_resources:
         yield factory(device=cfg.cluster.device)
         return
     from verst.orchestration import Orchestration
