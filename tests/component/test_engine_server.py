@@ -236,7 +236,8 @@ def test_a_weight_update_during_a_pause_is_seen_in_the_oldest_version(engine, mo
         assert (result.weight_version, result.oldest_weight_version) == (f"new-{mode}", f"old-{mode}")
         sample = Sample(tokens=list(PROMPT), index=0, group_index=0)
         ctx = type("Ctx", (), {"state": type("State", (), {"observe_version": lambda self, v: None})(),
-                               "tokenizer": type("Tok", (), {"decode": lambda self, ids, **kw: ""})()})()
+                               "tokenizer": type("Tok", (), {"decode": lambda self, ids, **kw: ""})(),
+                               "routed_experts_top_k": None})()
         record_result(ctx, sample, PROMPT, result)
         assert sample.weight_versions == [f"old-{mode}", f"new-{mode}"]
 
