@@ -12,6 +12,7 @@ import torch
 from verst.config import batch_plan, load_config
 from verst.config.schema import ClusterConfig
 from verst.orchestration import Orchestration, RaySession, RolloutBatch
+from verst.schedules.lanes import Lane
 from verst.schedules.run import RLRun
 from verst.schedules.train_steps import old_logprob_source, old_logprobs, train_on_groups
 from verst.schedules.trainer_setup import open_trainer
@@ -119,8 +120,9 @@ def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_mod
                              "--trainer.global-batch-size", "8"])
     assert old_logprob_source(cfg) == "recompute"
     groups = make_groups(4, 4, seed=2)
-    run = SimpleNamespace(cfg=cfg, plan=batch_plan(cfg), trainer=None, engines=None, version=0, started_at=0.0,
-                          watchdog=None)  # no phase limits: the steps run unguarded
+    plan = batch_plan(cfg)
+    run = SimpleNamespace(cfg=cfg, plan=plan, trainer=None, engines=None, version=0, started_at=0.0,
+                          watchdog=None, lanes=[Lane(cfg, plan, rollout=None)])  # no phase limits: unguarded steps
     run.guard = functools.partial(RLRun.guard, run)
 
     async def steps(batch) -> list[dict[str, float]]:
