@@ -46,6 +46,7 @@ def test_each_adapter_runs_under_its_own_settings_and_the_runs_others():
     ({"schedule": "one_step_off"}, r"schedule = 'one_step_off'"),
     ({"checkpoint__merge_lora": True}, r"checkpoint.merge_lora"),
     ({"eval__backend": "pkg.mod:fn"}, r"eval.backend"),
+    ({"eval__num_engines": 1}, r"eval.num_engines = 1 with lora.adapters"),
     ({"sync__interval": 2}, r"sync.interval = 2"),
     ({"lora": {"enabled": True, "adapters": [{"name": "a.b"}]}}, r"lora.adapters.0.name"),
     ({"lora": {"enabled": True, "adapters": [{"name": "a", "rank": 0}]}}, r"lora.adapters.0.rank"),

@@ -70,6 +70,10 @@ def check_adapters(cfg: VerstConfig) -> None:
     if cfg.eval.backend is not None:
         raise ValueError(f"eval.backend = {cfg.eval.backend!r} with lora.adapters: evaluation snapshots hold one "
                          "policy; multi-LoRA runs evaluate each adapter on the rollout engines")
+    if cfg.eval.num_engines:
+        raise ValueError(f"eval.num_engines = {cfg.eval.num_engines} with lora.adapters: the evaluation fleet serves "
+                         "one policy's snapshot; multi-LoRA runs evaluate each adapter on the rollout engines "
+                         "(eval.num_engines = 0)")
     if cfg.algorithm.needs_critic:
         raise ValueError("algorithm.advantage_estimator = 'ppo' with lora.adapters: one critic would fit every "
                          "adapter's task at once; multi-LoRA runs take the critic-free estimators (grpo, rloo, ...)")

@@ -439,8 +439,12 @@ class EvalConfig(Section):
         None, description="Score with this function instead of the rollout engines, by import path "
         "('package.module:function'): it gets a Hugging Face snapshot directory of the weights at a step and "
         "the step, and returns metrics (logged under eval/) or raises verst.eval.EvalSkip(reason).")
-    keep_snapshots: int = Field(2, ge=0, description="eval.backend: evaluation snapshots kept once scored "
-                                "(RUN/eval_snapshots/).")
+    num_engines: int = Field(
+        0, ge=0, description="Engines of an evaluation fleet, each in a placement bundle of its own (a GPU each on "
+        "GPU), of kind cluster.engine, behind a router of their own and outside the weight sync: each evaluation "
+        "point's snapshot is loaded onto them and scored while training goes on; 0: no fleet.")
+    keep_snapshots: int = Field(2, ge=0, description="eval.backend and the evaluation fleet: evaluation snapshots "
+                                "kept once scored (RUN/eval_snapshots/).")
 
 
 class CheckpointConfig(Section):
@@ -589,6 +593,11 @@ class VerstConfig(Section):
                 f"algorithm.routing_replay = {self.algorithm.routing_replay!r} records routed experts in the "
                 f"single-turn generate fn; the multi-turn rollout.agent_fn = {self.rollout.agent_fn!r} does not "
                 "record them: set algorithm.routing_replay = 'off'")
+        if self.eval.num_engines and self.eval.backend is not None:
+            raise ValueError(
+                f"eval.num_engines = {self.eval.num_engines} with eval.backend = {self.eval.backend!r}: an evaluation "
+                "point is scored by the fleet or by the backend, not both; set eval.num_engines = 0 or remove "
+                "eval.backend")
         if self.lora.adapters:
             from verst.config.adapters import check_adapters
 

@@ -71,7 +71,9 @@ def check_fits(plan: BundlePlan, nodes: Iterable[NodeOffer]) -> None:
         if need > have + _EPS:
             raise PlacementRefused(
                 f"the placement needs {need:g} {key!r} in all ({len(plan.trainer_bundles)} trainer ranks, "
-                f"{len(plan.engine_bundles)} engines, cluster.placement = {plan.kind!r}) but the Ray cluster has "
+                f"{len(plan.engine_bundles)} engines, {len(plan.teacher_bundles)} teacher engines "
+                f"(teacher.num_engines), {len(plan.eval_bundles)} evaluation engines (eval.num_engines), "
+                f"cluster.placement = {plan.kind!r}) but the Ray cluster has "
                 f"{have:g}{_slot_hint(key)}. The nodes: {offered}")
 
 
@@ -82,23 +84,25 @@ def _shapes(plan: BundlePlan) -> dict[tuple[tuple[str, float], ...], list[int]]:
     return shapes
 
 
-def _roles(plan: BundlePlan, indices: list[int]) -> tuple[bool, bool, bool]:
+def _roles(plan: BundlePlan, indices: list[int]) -> tuple[bool, bool, bool, bool]:
     return tuple(any(i in bundles for i in indices)
-                 for bundles in (plan.trainer_bundles, plan.engine_bundles, plan.teacher_bundles))
+                 for bundles in (plan.trainer_bundles, plan.engine_bundles, plan.teacher_bundles, plan.eval_bundles))
 
 
 def _holders(plan: BundlePlan, indices: list[int]) -> str:
     if any(i in plan.trainer_bundles and i in plan.engine_bundles for i in indices):
         return "the bundles shared by a trainer rank and an engine (cluster.placement = 'colocated')"
-    trainer, engine, teacher = _roles(plan, indices)
+    trainer, engine, teacher, evaluation = _roles(plan, indices)
     return " and ".join(name for name, used in (("the trainer ranks", trainer), ("the engines", engine),
-                                                ("the teacher engines", teacher)) if used)
+                                                ("the teacher engines", teacher),
+                                                ("the evaluation engines", evaluation)) if used)
 
 
 def _count_fields(plan: BundlePlan, indices: list[int]) -> str:
-    trainer, engine, teacher = _roles(plan, indices)
+    trainer, engine, teacher, evaluation = _roles(plan, indices)
     return " / ".join(name for name, used in (("cluster.trainer_ranks", trainer), ("cluster.num_engines", engine),
-                                              ("teacher.num_engines", teacher)) if used)
+                                              ("teacher.num_engines", teacher), ("eval.num_engines", evaluation))
+                      if used)
 
 
 def _missing(plan: BundlePlan, bundle: dict[str, float], nodes: list[NodeOffer]) -> str:

@@ -58,11 +58,12 @@ class Orchestration:
         log_dir: str | Path | None = None,
         engines: bool = True,
         teacher_engines: int = 0,
+        eval_engines: int = 0,
     ):
         check_schedule_placement(schedule, cluster.placement)
         check_engine_type(cluster.engine)
         self.cluster, self.schedule, self.engines = cluster, schedule, engines
-        self.teacher_engines = teacher_engines
+        self.teacher_engines, self.eval_engines = teacher_engines, eval_engines
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.log_dir = Path(log_dir) if log_dir else None
         self.session: RaySession | None = None
@@ -127,6 +128,18 @@ class Orchestration:
         self._stack.append(group)
         return group
 
+    def start_eval_engines(self, model: str | Path, *, args: list[str] | None = None,
+                           wait: bool = True) -> EngineActorGroup:
+        """The `eval_engines` engine actors of the evaluation fleet, serving `model` until a snapshot is loaded,
+        in bundles of their own; never in the weight sync."""
+        if not self.eval_engines:
+            raise RuntimeError("this orchestration was planned without evaluation engines (eval_engines=0)")
+        group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
+                                 startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait,
+                                 role="eval")
+        self._stack.append(group)
+        return group
+
     def start_rollout_manager(
         self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None = RouterSpec(),
         prepare: Callable[[], Any] | None = None,
@@ -176,7 +189,7 @@ class Orchestration:
     def _plan(self, device: Literal["cpu", "cuda"]) -> BundlePlan:
         num_engines = self.cluster.num_engines if self.engines else 0
         return plan_bundles(self.cluster.placement, self.cluster.trainer_ranks, num_engines, device,
-                            teacher_engines=self.teacher_engines,
+                            teacher_engines=self.teacher_engines, eval_engines=self.eval_engines,
                             trainer_resources=self.cluster.trainer_resources,
                             engine_resources=self.cluster.engine_resources)
 

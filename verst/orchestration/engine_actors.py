@@ -127,8 +127,8 @@ def with_weight_version(args: list[str], version: int) -> list[str]:
 
 
 class EngineActorGroup:
-    """One engine actor per bundle of `role` in `placement` (the student's engines, or a teacher's:
-    `role = "teacher"`), all started before this returns unless `wait=False`."""
+    """One engine actor per bundle of `role` in `placement` (the policy's engines, a teacher's: `role =
+    "teacher"`, or the evaluation fleet's: `role = "eval"`), all started before this returns unless `wait=False`."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Placement: one Ray placement group whose bundles hold the trainer ranks and the engines, colocated
-(trainer rank i and engine i share bundle i) or disaggregated (each actor has a bundle of its own), and
-a teacher's engines (on-policy distillation) in bundles of their own after those.
+(trainer rank i and engine i share bundle i) or disaggregated (each actor has a bundle of its own), then
+a teacher's engines (on-policy distillation) and the evaluation fleet's engines in bundles of their own.
 
 On GPU a bundle is one GPU; on CPU it is a fraction of a CPU plus one `SLOT_RESOURCE` unit, so the
 same placement logic runs (and fails when it cannot fit) on a 2-core machine. Custom resources
@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from verst.orchestration.ray_session import SLOT_RESOURCE
 
-Role = Literal["trainer", "engine", "teacher"]
+Role = Literal["trainer", "engine", "teacher", "eval"]
 PlacementKind = Literal["colocated", "disaggregated"]
 # Logical CPUs per bundle. Actors of one bundle split it; real threads are capped separately
 # (one torch thread per trainer rank and engine).
@@ -38,15 +38,17 @@ class BundlePlan:
     trainer_bundles: list[int]  # bundle of trainer rank i
     engine_bundles: list[int]  # bundle of engine j
     teacher_bundles: list[int] = dataclasses.field(default_factory=list)  # bundle of teacher engine k
+    eval_bundles: list[int] = dataclasses.field(default_factory=list)  # bundle of evaluation engine e
     trainer_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # cluster.trainer_resources
     engine_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # cluster.engine_resources
 
     def bundles_of(self, role: Role) -> list[int]:
-        return {"trainer": self.trainer_bundles, "engine": self.engine_bundles, "teacher": self.teacher_bundles}[role]
+        return {"trainer": self.trainer_bundles, "engine": self.engine_bundles, "teacher": self.teacher_bundles,
+                "eval": self.eval_bundles}[role]
 
     def share(self, role: Role, index: int) -> float:
         """The fraction of its bundle an actor takes: half where a trainer rank and an engine meet."""
-        if role == "teacher":
+        if role in ("teacher", "eval"):
             return 1.0
         bundle = self.bundles_of(role)[index]
         sharing = (bundle in self.trainer_bundles) + (bundle in self.engine_bundles)
@@ -62,14 +64,15 @@ class BundlePlan:
 
 def plan_bundles(
     kind: PlacementKind, trainer_ranks: int, num_engines: int, device: Literal["cpu", "cuda"], *,
-    teacher_engines: int = 0,
+    teacher_engines: int = 0, eval_engines: int = 0,
     trainer_resources: Mapping[str, float] | None = None, engine_resources: Mapping[str, float] | None = None,
 ) -> BundlePlan:
     """Colocated: max(N, M) bundles, trainer rank i and engine i in bundle i (Miles' `--colocate`).
     Disaggregated: N + M bundles, trainer ranks first, engines after. M = 0: a trainer-only run (SFT).
-    Either way, T teacher engines get T bundles of their own at the end: they serve while the trainer
-    and the student's engines hold theirs. A bundle also asks for the custom resources of the roles it
-    holds (a shared bundle: the larger amount of a resource both name; teacher engines: the engines')."""
+    Either way, T teacher engines, then E evaluation engines, get bundles of their own at the end: they
+    serve while the trainer and the policy's engines hold theirs. A bundle also asks for the custom
+    resources of the roles it holds (a shared bundle: the larger amount of a resource both name; teacher
+    and evaluation engines: the engines')."""
     if trainer_ranks < 1:
         raise ValueError(f"cluster.trainer_ranks must be >= 1, got {trainer_ranks}")
     if num_engines < 0:
@@ -86,19 +89,23 @@ def plan_bundles(
         raise ValueError(f"cluster.placement = {kind!r} is not 'colocated' or 'disaggregated'")
     if teacher_engines < 0:
         raise ValueError(f"teacher.num_engines must be >= 1 (0 without a teacher), got {teacher_engines}")
+    if eval_engines < 0:
+        raise ValueError(f"eval.num_engines must be >= 0, got {eval_engines}")
     teacher = list(range(count, count + teacher_engines))
+    evaluation = list(range(count + teacher_engines, count + teacher_engines + eval_engines))
     unit = {"GPU": 1.0} if device == "cuda" else {SLOT_RESOURCE: 1.0}
     trainer_resources = {key: float(amount) for key, amount in (trainer_resources or {}).items()}
     engine_resources = {key: float(amount) for key, amount in (engine_resources or {}).items()}
     bundles = []
-    for index in range(count + teacher_engines):
+    for index in range(count + teacher_engines + eval_engines):
         bundle = {"CPU": CPUS_PER_BUNDLE, **unit}
-        held_by_engine = index in engine or index in teacher
+        held_by_engine = index in engine or index in teacher or index in evaluation
         for held, custom in ((index in trainer, trainer_resources), (held_by_engine, engine_resources)):
             for key, amount in custom.items() if held else ():
                 bundle[key] = max(bundle.get(key, 0.0), float(amount))
         bundles.append(bundle)
-    return BundlePlan(kind, device, bundles, trainer, engine, teacher, trainer_resources, engine_resources)
+    return BundlePlan(kind, device, bundles, trainer, engine, teacher, evaluation, trainer_resources,
+                      engine_resources)
 
 
 class Placement:
@@ -119,7 +126,7 @@ class Placement:
             raise TimeoutError(
                 f"placement group of {len(plan.bundles)} bundles {shapes} ({plan.kind}, "
                 f"{len(plan.trainer_bundles)} trainer ranks, {len(plan.engine_bundles)} engines, "
-                f"{len(plan.teacher_bundles)} teacher engines) not placed "
+                f"{len(plan.teacher_bundles)} teacher engines, {len(plan.eval_bundles)} evaluation engines) not placed "
                 f"within {timeout_s:g}s; the cluster offers {ray.cluster_resources()}, of which "
                 f"{ray.available_resources()} are free"
                 + (f" (a CPU placement needs the custom resource {SLOT_RESOURCE!r} declared on the "

@@ -1,5 +1,5 @@
-"""The held-out evaluations of an RL run, as named steps of `RLRun`: on the rollout engines, or by
-`eval.backend` on a snapshot; at most `eval.max_in_flight` outstanding, each logged at the step it measured.
+"""The held-out evaluations of an RL run, as named steps of `RLRun`: on the rollout engines, or on a snapshot
+(by `eval.backend` or the evaluation fleet); at most `eval.max_in_flight` outstanding, each logged at its step.
 
 A score stands only when its samples' weight version is its step (`verst.eval.skip.accept`); a failed
 evaluation is logged as `eval/skipped_<reason>` and training goes on (unless `eval.on_error = "stop"`).
@@ -31,6 +31,7 @@ from verst.models import load_tokenizer
 from verst.schedules.rollout_side import request_batch
 
 if TYPE_CHECKING:
+    from verst.eval.fleet import EvalFleet
     from verst.schedules.run import RLRun
 
 
@@ -38,23 +39,30 @@ class EvaluationSteps:
     """Mixed into `RLRun`: starting, settling and logging its evaluations."""
 
     _evaluations: list[asyncio.Task]
-    _evaluating: dict[int, asyncio.Task]  # backend evaluations in flight, by step: their snapshots stay
+    _evaluating: dict[int, asyncio.Task]  # snapshot evaluations in flight, by step: their snapshots stay
+    eval_fleet: EvalFleet | None
     _last_eval_step: int | None
 
     @property
     def on_engines(self: RLRun) -> bool:
-        """Mode 1: the evaluation shares the rollout engines (which must serve its step's weights)."""
-        return self.cfg.eval.backend is None
+        """Mode 1: the evaluation shares the rollout engines (which must serve its step's weights); else a
+        snapshot is scored, by the evaluation fleet (`eval.num_engines`) or by `eval.backend`."""
+        return self.cfg.eval.backend is None and not self.cfg.eval.num_engines
 
     def evaluation_in_flight(self: RLRun) -> bool:
         return any(not task.done() for task in self._evaluations)
 
     async def evaluate(self: RLRun, step: int | None = None) -> dict[str, float]:
-        """Step `step`'s (default: `version`'s) score: by `eval.backend` on its snapshot, else through the
-        rollout engines, which must serve that version."""
+        """Step `step`'s (default: `version`'s) score: on its snapshot by the evaluation fleet or by
+        `eval.backend`, else through the rollout engines, which must serve that version."""
         step = self.version if step is None else step
         if not self.on_engines:
             snapshot = snapshot_dir(self.run_dir, step) if step else Path(self.cfg.model.path)
+            if self.cfg.eval.num_engines:
+                if self.eval_fleet is None:
+                    raise RuntimeError(f"eval.num_engines = {self.cfg.eval.num_engines} but the run has no "
+                                       "evaluation fleet")
+                return await self.eval_fleet.score(snapshot, step)
             return await in_daemon_thread(call_backend, _backend(self.cfg.eval.backend), snapshot, step, self.cfg)
         return await self.evaluate_on_engines(step)
 
@@ -89,9 +97,9 @@ class EvaluationSteps:
         """Evaluate `version` in the background, logged at that step (with `extra`) once it is done.
 
         On the engines, training and generation go on meanwhile (the evaluation's requests go first) and the
-        weights stay: the next push, or a colocated step, waits for it. With `eval.backend`, the weights are
-        first written as a snapshot (a disk-transport snapshot of the step is reused), then scored while
-        training goes on. Past `eval.max_in_flight` outstanding, `eval.overflow` waits or skips the point.
+        weights stay: the next push, or a colocated step, waits for it. With `eval.backend` or the evaluation
+        fleet, the weights are first written as a snapshot (a disk-transport snapshot of the step is reused),
+        then scored while training goes on. Past `eval.max_in_flight` outstanding, `eval.overflow` waits or skips the point.
         """
         step, extra = self.version, dict(extra or {})
         self._last_eval_step = step
@@ -172,7 +180,7 @@ class EvaluationSteps:
             await task
 
     async def _write_snapshot(self: RLRun, step: int) -> dict[str, float]:
-        """The Hugging Face snapshot `eval.backend` reads: step 0 is `model.path` itself, a disk-transport
+        """The Hugging Face snapshot `eval.backend` or the evaluation fleet reads: step 0 is `model.path` itself, a disk-transport
         snapshot of the step is linked, else the trainer ranks export (a pause of training)."""
         from verst.sync.disk import snapshot_path
         from verst.trainer.backend import export_backend

@@ -19,6 +19,7 @@ from verst.config import BatchPlan, VerstConfig, batch_plan
 from verst.config.adapters import adapter_names, adapter_run_config
 from verst.engines.kinds import engine_kind, resolve_engine_python
 from verst.eval.agentic import score_key
+from verst.eval.fleet import EvalFleet, open_eval_fleet
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.models.loader import check_same_tokenizer
@@ -69,6 +70,7 @@ class RLRun(EvaluationSteps):
     watchdog: Watchdog | None = None  # bounds each phase by its `fault.*_timeout_s` (None: unbounded)
     supervisor: EngineSupervisor | None = None  # restarts failed engines (fault.tolerate_engines)
     trainer_restarts: int = 0  # times this run restarted from a checkpoint after a trainer rank died
+    eval_fleet: EvalFleet | None = None  # the evaluation fleet (eval.num_engines), outside the weight sync
     _evaluations: list[asyncio.Task] = dataclasses.field(default_factory=list, init=False, repr=False)
     _evaluating: dict[int, asyncio.Task] = dataclasses.field(default_factory=dict, init=False, repr=False)
     _last_eval_step: int | None = dataclasses.field(default=None, init=False, repr=False)
@@ -287,7 +289,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     clock = StartupClock(started)
     teachers = cfg.teacher.num_engines if cfg.teacher.model_path is not None else 0
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs",
-                               teacher_engines=teachers) as orch:
+                               teacher_engines=teachers, eval_engines=cfg.eval.num_engines) as orch:
         clock.lap("ray")
         orch.check_transport(cfg.sync.transport)
         # The trainer ranks, the slowest to start, are created first: they get the worker processes Ray has
@@ -303,6 +305,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
         engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False)
         teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=engine_server_args(cfg),
                                              wait=False) if teachers else None
+        evaluators = orch.start_eval_engines(cfg.model.path, args=engine_server_args(cfg),
+                                             wait=False) if cfg.eval.num_engines else None
         # one rollout manager per policy trained (multi-LoRA: per adapter, each with its data, reward, buffer)
         rollouts = {name: orch.start_rollout_manager(None, functools.partial(build_rollout_parts, own),
                                                      router=router_spec(own, cfg.cluster.num_engines),
@@ -311,6 +315,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
         rollout = next(iter(rollouts.values()))
         urls = engines.wait_ready().urls
         teacher_urls = teacher.wait_ready().urls if teacher is not None else []
+        if evaluators is not None:
+            evaluators.wait_ready()
         clock.lap("engines")
         for manager in rollouts.values():
             manager.start(urls, teacher_urls)
@@ -319,7 +325,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
         total_steps = sum(adapter_steps.values()) or plan.total_train_steps
         progress = RunProgress(cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off")
         processes = RunProcesses(run_dir, engines, trainer, list(rollouts.values()), run_dir / "logs", node=orch.node)
-        async with EngineFleet(urls, timeouts=Timeouts(control=cfg.fault.engine_call_timeout_s)) as fleet:
+        async with EngineFleet(urls, timeouts=Timeouts(control=cfg.fault.engine_call_timeout_s)) as fleet, \
+                open_eval_fleet(cfg, evaluators, run_dir / "logs") as eval_fleet:
             syncer = TrainerWeightSync(trainer, cfg.sync, urls, checker=weight_checker(cfg, trainer, temperature),
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
                                        source_model=cfg.model.path, control_timeout_s=cfg.fault.engine_call_timeout_s)
@@ -331,7 +338,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
             run = RLRun(cfg, plan, run_dir, logger, trainer, engines, rollout, syncer, rollout.router_url or urls[0],
                         IdleMeter(fleet), progress, started=started, started_at=started_at,
                         checkpointer=RunCheckpointer(cfg, run_dir, 1 if lanes else plan.train_steps_per_rollout),
-                        watchdog=watchdog, supervisor=supervisor, trainer_restarts=restarts, lanes=lanes)
+                        watchdog=watchdog, supervisor=supervisor, trainer_restarts=restarts, lanes=lanes,
+                        eval_fleet=eval_fleet)
             if resume is not None:
                 await checkpointing.restore(run, resume)  # before any rollout: the engines serve its weights
             elif run.multi_lora:  # every adapter's step-0 weights, under its name, before any rollout

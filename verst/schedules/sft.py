@@ -29,6 +29,9 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     if cfg.lora.adapters:
         raise ValueError(f"lora.adapters ({[a.name for a in cfg.lora.adapters]}): multi-LoRA trains with RL only; "
                          "SFT trains one adapter (lora.enabled = true without lora.adapters)")
+    if cfg.eval.num_engines:
+        raise ValueError(f"eval.num_engines = {cfg.eval.num_engines}: the evaluation fleet scores RL runs; SFT "
+                         "evaluates with the trainer's model (set eval.num_engines = 0)")
     resume = checkpointing.prepare_resume(cfg)  # refused before anything starts
     run_dir = prepare_run_dir(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
