@@ -1,6 +1,7 @@
 """Evaluation modes in short RL runs on the tiny model: the rollout engines under the fully async schedule
-(the generation an evaluation displaced), and an external backend scoring snapshots of the weights in an
-engine process of its own, whose crash is skipped while training goes on."""
+(the generation an evaluation displaced), an external backend scoring snapshots of the weights in an
+engine process of its own, whose crash is skipped while training goes on, and an evaluation fleet of
+engines behind a router of their own, loaded with each snapshot."""
 
 from __future__ import annotations
 
@@ -52,6 +53,29 @@ def test_a_backend_scores_snapshots_in_its_own_engine_and_a_crash_is_skipped(
     assert summary["eval/version_before"] == 0 and summary["eval/version_after"] == 2
     snapshots = Path(cfg.run_dir) / SNAPSHOTS_DIR
     assert [p.name for p in snapshots.iterdir()] == ["step_00000002"]  # eval.keep_snapshots = 1
+    assert undocumented(records) == []
+
+
+def test_an_evaluation_fleet_scores_each_snapshot_at_its_step_while_training_goes_on(
+        ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
+    cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "one_step_off",
+                    "--sync.transport", "disk", "--eval.interval", "1", "--eval.num-engines", "2",
+                    "--eval.max-in-flight", "2", "--eval.keep-snapshots", "1")
+    summary = run_schedule(cfg)
+    run_dir = Path(cfg.run_dir)
+    records = read_metrics(run_dir)
+    evals = eval_records(records)
+    assert sorted(evals) == [0, 1, 2] and summary["train/steps"] == 2
+    for step, r in evals.items():  # each snapshot loaded onto both engines as version `step`, then scored
+        assert r["eval/weight_version"] == step and r["eval/mixed_version_ratio"] == 0 and r["eval/n_prompts"] == 8
+        assert 0 <= r["eval/accuracy"] <= 1 and r["eval/fleet_load_seconds"] > 0 and r["eval/fleet_restarts"] == 0
+        assert r["eval/lag_steps"] >= 0 and r["eval/duration_seconds"] > 0 and "eval/skipped" not in r
+        assert "eval/displaced_engine_seconds" not in r  # the rollout engines did not serve it
+    assert evals[2]["eval/snapshot_reused"] == 1  # the disk transport's snapshot of step 2, linked
+    assert summary["eval/version_before"] == 0 and summary["eval/version_after"] == 2
+    assert [p.name for p in (run_dir / SNAPSHOTS_DIR).iterdir()] == ["step_00000002"]  # eval.keep_snapshots = 1
+    logs = {p.name for p in (run_dir / "logs").iterdir()}
+    assert {"eval-0.log", "eval-1.log", "eval-router.log"} <= logs  # two engines of its own, its own router
     assert undocumented(records) == []
 
 
