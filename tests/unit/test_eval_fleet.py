@@ -57,15 +57,8 @@ def stand_in_engine(eos: int, stale_at: set[str], seen: dict) -> FastAPI:
     return app
 
 
-@pytest.fixture
-def engine(tiny_model_dir):
-    """(url, what the stand-in saw); it ignores the load of version 1."""
-    from verst.models import load_tokenizer
-
-    seen: dict = {}
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    app = stand_in_engine(load_tokenizer(str(tiny_model_dir)).eos_token_id, {"1"}, seen)
+def serve(app: FastAPI, sock: socket.socket) -> tuple[uvicorn.Server, threading.Thread]:
+    """`app` on the bound socket `sock`, in a thread, once it answers."""
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -73,6 +66,28 @@ def engine(tiny_model_dir):
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the stand-in engine did not start"
         time.sleep(0.02)
+    return server, thread
+
+
+def bound_socket() -> socket.socket:
+    """A free port of 127.0.0.1, held: nothing answers there until something serves on it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def eos_of(model_dir) -> int:
+    from verst.models import load_tokenizer
+
+    return load_tokenizer(str(model_dir)).eos_token_id
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    """(url, what the stand-in saw); it ignores the load of version 1."""
+    seen: dict = {}
+    sock = bound_socket()
+    server, thread = serve(stand_in_engine(eos_of(tiny_model_dir), {"1"}, seen), sock)
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", seen
     finally:
@@ -136,6 +151,41 @@ def test_an_engine_that_does_not_answer_is_skipped_as_unhealthy(tmp_path, tiny_m
 
     asyncio.run(asyncio.wait_for(loop(), 60))
     assert [(step, m.get("eval/skipped_unhealthy")) for step, m in run.logger.rows] == [(0, 1.0), (1, 1.0)]
+
+
+def test_an_engine_that_stopped_answering_is_restarted_serving_the_snapshot(
+        tmp_path, tiny_model_dir, addition_data_dir):
+    sock, seen, servers = bound_socket(), {}, []
+
+    class Engines:  # the actor group: a restart serves the snapshot as the version, at the same URL
+        restarts: list = []
+
+        def restart(self, index, model, version):
+            self.restarts.append((index, model, version))
+            app = stand_in_engine(eos_of(tiny_model_dir), set(), seen)
+            seen["version"] = str(version)
+            servers.append(serve(app, sock))
+
+    run = fleet_run(tmp_path, tiny_model_dir, addition_data_dir)
+
+    async def loop():
+        async with EvalFleet(run.cfg, [f"http://127.0.0.1:{sock.getsockname()[1]}"], engines=Engines()) as fleet:
+            run.eval_fleet = fleet
+            await train_step(run)
+            await run.start_evaluation()
+            await run.settle_evaluation()
+
+    try:
+        asyncio.run(asyncio.wait_for(loop(), 60))
+    finally:
+        for server, thread in servers:
+            server.should_exit = True
+            thread.join(10)
+    [(step, metrics)] = run.logger.rows
+    snapshot = str(tmp_path / "run" / SNAPSHOTS_DIR / "step_00000001")
+    assert step == 1 and Engines.restarts == [(0, snapshot, 1)] and seen["loads"] == []
+    assert metrics["eval/fleet_restarts"] == 1 and metrics["eval/weight_version"] == 1
+    assert seen["generated"] == ["1"] * 4
 
 
 def test_a_fleet_with_a_backend_is_refused_by_field():

@@ -14,7 +14,7 @@ from typing import Any
 from verst.config import VerstConfig
 from verst.eval.backend import in_daemon_thread
 from verst.eval.local import held_out_prompts, score_url
-from verst.eval.skip import EvalSkip
+from verst.eval.skip import EvalSkip, skip_reason
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, FleetError
 from verst.router.manager import RouterManager
@@ -71,6 +71,8 @@ class EvalFleet:
     async def load(self, snapshot: str | Path, step: int) -> int:
         """Every engine serves `snapshot` as version `step`: loaded from disk, or, for an engine that no longer
         answers, restarted serving it (out of the router meanwhile). Returns how many were restarted."""
+        if not Path(snapshot).is_dir():
+            raise EvalSkip("snapshot_missing", f"the snapshot of step {step} is not there: {snapshot}")
         try:
             await self.fleet.update_weights_from_disk(str(snapshot), str(step))
             return 0
@@ -78,7 +80,10 @@ class EvalFleet:
             failed = error
         health = await self.fleet.health()
         dead = [url for url in failed.failures if not health[url]]
-        if self.engines is None or len(dead) < len(failed.failures):
+        if len(dead) < len(failed.failures):  # an engine that answers refused it: `unhealthy` on a server error
+            reason = skip_reason(next(exc for url, exc in failed.failures.items() if url not in dead))
+            raise EvalSkip(reason, f"loading the snapshot of step {step}: {failed}") from failed
+        if self.engines is None:
             raise EvalSkip("unhealthy", f"loading the snapshot of step {step}: {failed}") from failed
         for url in dead:
             await self._restart(self.urls.index(url), snapshot, step)
