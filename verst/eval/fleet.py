@@ -124,15 +124,13 @@ class EvalFleet:
 
 
 @contextlib.asynccontextmanager
-async def open_eval_fleet(cfg: VerstConfig, engines: Any, log_dir: Path) -> AsyncIterator[EvalFleet | None]:
+async def open_eval_fleet(cfg: VerstConfig, engines: Any, log_dir: Path,
+                          router: tuple[str, str] | None) -> AsyncIterator[EvalFleet | None]:
     """The run's evaluation fleet over the started `engines` (an `EngineActorGroup`; None: no fleet), behind a
-    router of its own as `cluster.router` puts one in front of the rollout engines; stopped on exit."""
+    router of its own (`router`: policy and assignment mode; None: the one engine directly); stopped on exit."""
     if engines is None:
         yield None
         return
-    urls = engines.wait_ready().urls
-    single = cfg.cluster.router == "auto" and len(urls) == 1
-    policy = ("manual", "min_load") if cfg.rollout.agent_fn is not None else ("round_robin", "min_load")
-    async with EvalFleet(cfg, urls, engines=engines, router=None if single else policy,
+    async with EvalFleet(cfg, engines.wait_ready().urls, engines=engines, router=router,
                          log_path=log_dir / "eval-router.log") as fleet:
         yield fleet

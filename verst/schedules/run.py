@@ -326,7 +326,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
         progress = RunProgress(cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off")
         processes = RunProcesses(run_dir, engines, trainer, list(rollouts.values()), run_dir / "logs", node=orch.node)
         async with EngineFleet(urls, timeouts=Timeouts(control=cfg.fault.engine_call_timeout_s)) as fleet, \
-                open_eval_fleet(cfg, evaluators, run_dir / "logs") as eval_fleet:
+                open_eval_fleet(cfg, evaluators, run_dir / "logs", eval_router(cfg)) as eval_fleet:
             syncer = TrainerWeightSync(trainer, cfg.sync, urls, checker=weight_checker(cfg, trainer, temperature),
                                        fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
                                        source_model=cfg.model.path, control_timeout_s=cfg.fault.engine_call_timeout_s)
@@ -452,6 +452,12 @@ def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:
     if cfg.rollout.agent_fn is not None:
         return RouterSpec()
     return RouterSpec(policy="round_robin", assignment_mode="min_load")
+
+
+def eval_router(cfg: VerstConfig) -> tuple[str, str] | None:
+    """The evaluation fleet's router (policy, assignment mode), chosen as the rollout engines' is."""
+    spec = router_spec(cfg, cfg.eval.num_engines)
+    return None if spec is None else (spec.policy, spec.assignment_mode)
 
 
 def _load_in_background(load: Any, *args: Any) -> None:
