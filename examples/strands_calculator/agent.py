@@ -1,8 +1,9 @@
-"""A Strands agent for the calculator task, trained by verst through the Strands connector: the agent
-(strands' own API, its calculator as a `@tool`) runs each episode against the session server.
+"""A Strands agent for the calculator task, trained by verst through the Strands connector (an agent fn):
+the agent (strands' own API, its calculator as a `@tool`) runs each episode against the session server.
 
     [rollout]
-    generate_fn = "examples.strands_calculator.agent:generate"
+    generate_fn = "verst.rollout.agentic:generate"
+    agent_fn = "examples.strands_calculator.agent:run"
     [reward]
     type = "custom"
     path = "examples.calculator.reward:final_answer"   # reads metadata["final_answer"]
@@ -19,7 +20,7 @@ from strands import Agent, tool
 from strands.agent.conversation_manager import NullConversationManager
 from strands.models.openai import OpenAIModel
 
-from verst.connectors.strands import StrandsGenerate
+from verst.connectors.strands import StrandsAgent
 from verst.data.calculator import ToolError, step
 
 MAX_TURNS = 5  # model calls per episode: a 2-step problem needs 3 (two tool calls, then the answer)
@@ -41,4 +42,4 @@ def make_agent(model: OpenAIModel, metadata: dict[str, Any]) -> Agent:
                  conversation_manager=NullConversationManager())
 
 
-generate = StrandsGenerate(make_agent, max_turns=MAX_TURNS)
+run = StrandsAgent(make_agent, max_turns=MAX_TURNS)

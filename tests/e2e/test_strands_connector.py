@@ -1,5 +1,5 @@
 """The Strands connector end to end: the Strands agent of examples/strands_calculator (strands' own API, a
-`@tool` calculator) is the generate fn; its OpenAI model provider talks to session-server sessions, and the
+`@tool` calculator) is the agent fn under the agentic generate fn; its OpenAI model provider talks to session-server sessions, and the
 batch verst trains on holds exactly the engine's ids, with the loss mask on the model's turns only.
 
 On the tiny model (untrained, so no success is checked) through the default rollout fn; and on a scripted
@@ -17,7 +17,7 @@ pytest.importorskip("strands", reason="the strands extra: pip install 'verst[str
 from examples.strands_calculator.agent import calculator  # noqa: E402
 from tests.e2e.engine_tokens import RecordingEngine, check_trained_tokens_are_the_engines, model_runs  # noqa: E402
 from verst.config import RewardConfig, RolloutConfig, SamplingConfig  # noqa: E402
-from verst.connectors.strands import ANSWER_KEY, STOP_KEY, TURNS_KEY, StrandsGenerate  # noqa: E402
+from verst.connectors.strands import ANSWER_KEY, STOP_KEY, TOOL_CALLS_KEY, TURNS_KEY, StrandsAgent  # noqa: E402
 from verst.data import PromptSource, make_splits  # noqa: E402
 from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
 from verst.engine.process import BackgroundServer  # noqa: E402
@@ -29,7 +29,7 @@ from verst.session.scripted import ScriptedEngine  # noqa: E402
 from verst.types import Sample, Status  # noqa: E402
 
 torch.set_num_threads(1)
-AGENT = "examples.strands_calculator.agent:generate"
+AGENT = dict(generate_fn="verst.rollout.agentic:generate", agent_fn="examples.strands_calculator.agent:run")
 REWARD = RewardConfig(type="custom", path="examples.calculator.reward:final_answer")
 
 
@@ -41,7 +41,7 @@ def calculator_prompts(n: int) -> PromptSource:
 
 def test_strands_episodes_train_on_the_engines_tokens(tiny_model_dir):
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
-    rollout_cfg = RolloutConfig(generate_fn=AGENT, n_samples_per_prompt=2, max_response_tokens=8,
+    rollout_cfg = RolloutConfig(**AGENT, n_samples_per_prompt=2, max_response_tokens=8,
                                 max_prompt_tokens=1024, sampling=SamplingConfig(temperature=1.0, seed=0))
 
     async def main():
@@ -77,7 +77,7 @@ def test_a_strands_tool_call_round_trip_masks_the_tool_result(tmp_path):
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "9-9-6"}}\n</tool_call>'
     scripted = ScriptedEngine(tokenizer, [call, "The answer is -6."])
     sample = calculator_prompts(1).next_groups(1, 1)[0][0]
-    rollout_cfg = RolloutConfig(generate_fn=AGENT, max_response_tokens=96, max_prompt_tokens=1024)
+    rollout_cfg = RolloutConfig(**AGENT, max_response_tokens=96, max_prompt_tokens=1024)
 
     async def main():
         async with EngineClient("http://scripted-engine", transport=scripted) as client:
@@ -94,31 +94,29 @@ def test_a_strands_tool_call_round_trip_masks_the_tool_result(tmp_path):
     between = tokenizer.decode(result.tokens[first_end:second_start])
     assert calculator("9-9-6") in between  # the tool ran; its result is masked
     assert result.metadata[ANSWER_KEY] == "The answer is -6." and result.metadata[STOP_KEY] == "end_turn"
-    assert result.metadata[TURNS_KEY] == 2 and result.status is Status.COMPLETED
+    assert result.metadata[TURNS_KEY] == 2 and result.metadata[TOOL_CALLS_KEY] == 1
+    assert result.status is Status.COMPLETED
 
 
-def test_the_strands_generate_fn_refuses_a_configured_agent_fn_and_a_factory_without_an_agent(tmp_path):
+def test_the_strands_agent_fn_refuses_a_factory_without_an_agent(tmp_path):
     from verst.models.chat_template import TINY_CHAT_TEMPLATE
     from verst.models.tokenizer import save_tokenizer
     from verst.rollout.worker import GENERATE_ERROR_KEY
 
     with pytest.raises(TypeError, match="make_agent must be callable"):
-        StrandsGenerate("not a factory")
+        StrandsAgent("not a factory")
     with pytest.raises(ValueError, match="max_turns = 0"):
-        StrandsGenerate(make_agent=lambda model, metadata: None, max_turns=0)
+        StrandsAgent(lambda model, metadata: None, max_turns=0)
     tokenizer = load_tokenizer(save_tokenizer(tmp_path / "tok", TINY_CHAT_TEMPLATE))
-    no_agent = StrandsGenerate(lambda model, metadata: "an agent")
 
-    async def main(fn, **rollout_kw):
+    async def main():
         async with EngineClient("http://scripted-engine", transport=ScriptedEngine(tokenizer, ["3"])) as client:
-            ctx = RolloutContext(engine=client, tokenizer=tokenizer, generate_fn=fn,
-                                 rollout=RolloutConfig(**rollout_kw))
+            ctx = RolloutContext(engine=client, tokenizer=tokenizer, agent_fn=StrandsAgent(lambda model, m: "agent"),
+                                 rollout=RolloutConfig(generate_fn="verst.rollout.agentic:generate"))
             try:
                 return await ctx.generate_fn(ctx, Sample(prompt="1+2=", index=0))
             finally:
                 await ctx.aclose()
 
-    with pytest.raises(ValueError, match="rollout.agent_fn = 'examples.plugins.agent:ask_once' is set"):
-        asyncio.run(main(None, generate_fn=AGENT, agent_fn="examples.plugins.agent:ask_once"))
-    aborted = asyncio.run(main(no_agent))
+    aborted = asyncio.run(main())
     assert aborted.status is Status.ABORTED and "expected a strands Agent" in aborted.metadata[GENERATE_ERROR_KEY]
