@@ -4,7 +4,7 @@ connector: two-digit sums; a wrong answer gets the environment's "try again" and
     [rollout]
     rollout_fn = "examples.verifiers_addition.env:rollout"
 
-Any installed verifiers environment plugs in the same way: `VerifiersRollout(vf.load_environment(name))`.
+Any installed verifiers environment plugs in the same way: `VerifiersRollout(lambda: vf.load_environment(name))`.
 """
 
 from __future__ import annotations
@@ -51,4 +51,5 @@ def load_environment(n_train: int = 2000, seed: int = 0) -> AdditionWithRetry:
     return AdditionWithRetry(dataset=dataset, rubric=vf.Rubric(funcs=[correct]))
 
 
-rollout = VerifiersRollout(load_environment())
+# built on first use, in the process that runs the rollouts
+rollout = VerifiersRollout(load_environment)

@@ -56,3 +56,24 @@ def test_verifiers_rollouts_train_on_the_engines_tokens(tiny_model_dir):
             masked = [t for t, bit in zip(s.tokens[-s.response_length:], s.loss_mask) if not bit]
             assert any(masked[i:i + len(retry_ids)] == retry_ids for i in range(len(masked)))
     assert batch.metrics["rollout/kept_groups"] == 2.0 and "rollout/reward_mean" in batch.metrics
+
+
+def test_the_environment_is_built_on_first_use_also_off_the_main_thread():
+    """The rollout manager's actor imports the rollout fn and runs it off its main thread, where verifiers'
+    signal handlers cannot be installed; an environment instance (built at import) or a factory that returns
+    something else is refused naming what was given."""
+    import threading
+
+    from examples.verifiers_addition.env import AdditionWithRetry, load_environment
+    from verst.connectors.verifiers import VerifiersRollout
+
+    rollout = VerifiersRollout(lambda: load_environment(n_train=10))
+    built: list = []
+    worker = threading.Thread(target=lambda: built.append(rollout.env))
+    worker.start()
+    worker.join()
+    assert isinstance(built[0], AdditionWithRetry) and rollout.env is built[0]
+    with pytest.raises(TypeError, match="load_env must be a function that returns the Environment"):
+        VerifiersRollout(built[0])
+    with pytest.raises(TypeError, match="load_env returned dict; expected a verifiers Environment"):
+        VerifiersRollout(dict).env

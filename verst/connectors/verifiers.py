@@ -4,15 +4,19 @@ each of its rollouts talks to its own session on the session server, which recor
     # my_env.py                                  # the recipe
     import verifiers as vf                       # [rollout]
     from verst.connectors.verifiers import VerifiersRollout      # rollout_fn = "my_env:rollout"
-    rollout = VerifiersRollout(vf.load_environment("my-env"))
+    rollout = VerifiersRollout(lambda: vf.load_environment("my-env"))
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
+import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import openai
@@ -32,7 +36,8 @@ TIMEOUT = openai.Timeout(600.0, connect=60.0)
 
 
 class VerifiersRollout:
-    """A rollout fn (`rollout.rollout_fn`) over a verifiers `Environment`.
+    """A rollout fn (`rollout.rollout_fn`) over a verifiers `Environment`, which `load_env()` builds on the
+    first call, in the process that runs the rollouts (the rollout manager's actor).
 
     Each step draws `n_groups` rows of the environment's dataset (`env.get_dataset()`, in a seeded order
     that is reshuffled every epoch) and runs `rollout.n_samples_per_prompt` rollouts of each through
@@ -47,10 +52,12 @@ class VerifiersRollout:
     over.
     """
 
-    def __init__(self, env: vf.Environment, *, seed: int = 0, model: str = "verst"):
-        if not isinstance(env, vf.Environment):
-            raise TypeError(f"VerifiersRollout: env must be a verifiers Environment, got {type(env).__name__}")
-        self.env, self.seed, self.model = env, seed, model
+    def __init__(self, load_env: Callable[[], vf.Environment], *, seed: int = 0, model: str = "verst"):
+        if not callable(load_env) or isinstance(load_env, vf.Environment):
+            raise TypeError(f"VerifiersRollout: load_env must be a function that returns the Environment (such as "
+                            f"`lambda: vf.load_environment(name)`), got {type(load_env).__name__}")
+        self.load_env, self.seed, self.model = load_env, seed, model
+        self._env: vf.Environment | None = None
         self._rows: list[dict[str, Any]] | None = None
         self._order: list[int] = []
         self._epoch = 0
@@ -84,6 +91,17 @@ class VerifiersRollout:
         metrics.update(tito_metrics([s for g in launched for s in g]))
         metrics.update({"rollout/failed_groups": float(failed), "rollout/over_sampling_rounds": float(rounds)})
         return RolloutBatch(kept, metrics)
+
+    @property
+    def env(self) -> vf.Environment:
+        if self._env is None:
+            with _signal_handlers_on_main_thread_only():
+                env = self.load_env()
+            if not isinstance(env, vf.Environment):
+                raise TypeError(f"VerifiersRollout: load_env returned {type(env).__name__}; expected a verifiers "
+                                "Environment")
+            self._env = env
+        return self._env
 
     def _next_row(self) -> dict[str, Any]:
         """The next dataset row in this epoch's seeded order."""
@@ -124,6 +142,22 @@ class VerifiersRollout:
             # the environment may keep the input it is given: each rollout gets its own copy
             return await self.env.rollout(dict(row), vf.OpenAIChatCompletionsClient(client), self.model,
                                           request_kwargs(ctx, sample))
+
+
+@contextlib.contextmanager
+def _signal_handlers_on_main_thread_only() -> Iterator[None]:
+    """A verifiers Environment installs SIGINT/SIGTERM handlers when it is built, which Python allows only on
+    the main thread; the rollout manager's actor builds it on another, in a process whose lifecycle is
+    Ray's and verst's. There the handlers are not installed (the environment's atexit teardown still is)."""
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    install = signal.signal
+    signal.signal = lambda signum, handler: signal.getsignal(signum)
+    try:
+        yield
+    finally:
+        signal.signal = install
 
 
 def _record_outcome(sample: Sample, state: vf.State) -> None:
