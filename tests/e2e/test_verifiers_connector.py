@@ -77,3 +77,44 @@ def test_the_environment_is_built_on_first_use_also_off_the_main_thread():
         VerifiersRollout(built[0])
     with pytest.raises(TypeError, match="load_env returned dict; expected a verifiers Environment"):
         VerifiersRollout(dict).env
+
+
+class BrokenRetry:
+    """An environment whose retry turn raises (a sandbox that went away), built with verifiers' API."""
+
+    @staticmethod
+    def load():
+        from examples.verifiers_addition.env import AdditionWithRetry, load_environment
+
+        class Broken(AdditionWithRetry):
+            async def env_response(self, messages, state, **kwargs):
+                raise RuntimeError("sandbox gone")
+
+        env = load_environment(n_train=4)
+        return Broken(dataset=env.get_dataset(), rubric=env.rubric)
+
+
+def test_a_group_whose_environment_raises_fails_and_is_replaced_until_the_rounds_run_out(tmp_path):
+    from verst.connectors.verifiers import VerifiersRollout
+    from verst.models.chat_template import TINY_CHAT_TEMPLATE
+    from verst.models.loader import load_tokenizer
+    from verst.models.tokenizer import save_tokenizer
+    from verst.rollout.rollout_fn import RolloutError
+    from verst.session.scripted import ScriptedEngine
+
+    tokenizer = load_tokenizer(save_tokenizer(tmp_path / "tok", TINY_CHAT_TEMPLATE))
+    scripted = ScriptedEngine(tokenizer, ["no idea"] * 8)  # a wrong answer: the environment's retry turn runs
+
+    async def main():
+        async with EngineClient("http://scripted-engine", transport=scripted) as client:
+            ctx = RolloutContext(engine=client, tokenizer=tokenizer, rollout_fn=VerifiersRollout(BrokenRetry.load),
+                                 rollout=RolloutConfig(n_samples_per_prompt=2), max_rounds=2)
+            try:
+                return await run_rollout(ctx, 1)
+            finally:
+                assert len(ctx.resources["session_server"].manager) == 0  # every session was deleted
+                await ctx.aclose()
+
+    with pytest.raises(RolloutError, match=r"0 of 1 groups kept after 2 rounds \(0 filtered, 2 failed\)"):
+        asyncio.run(main())
+    assert len(scripted.calls) == 4  # two groups of two rollouts, one model turn each

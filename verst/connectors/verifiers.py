@@ -44,7 +44,7 @@ class VerifiersRollout:
     `env.rollout`, every one with an OpenAI client on its own session; `env.rubric.score_group` scores
     the group. A sample's tokens, loss mask and logprobs are its session's trajectory (never the
     environment's re-tokenization); its reward is the rubric's. A group with a failed rollout (an
-    environment error, a session refusal) or one `rollout.dynamic_filter` drops is replaced by the next
+    environment error or exception, a session refusal) or one `rollout.dynamic_filter` drops is replaced by the next
     row, for at most `ctx.max_rounds` rounds. Sampling follows `[rollout.sampling]` and
     `rollout.max_response_tokens`; the environment's own `sampling_args` are not used.
 
@@ -125,13 +125,20 @@ class VerifiersRollout:
         sessions = [server.manager.create({"sample_index": s.index, "group_index": group_index}) for s in group]
         try:
             states = await asyncio.gather(*(self._rollout(ctx, f"{server.url}/sessions/{sid}/v1", row, sample)
-                                            for sid, sample in zip(sessions, group)))
-            await self.env.rubric.score_group(states)
+                                            for sid, sample in zip(sessions, group)), return_exceptions=True)
             for state in states:
-                await self.env.rubric.cleanup(state)
+                if isinstance(state, BaseException) and not isinstance(state, Exception):
+                    raise state  # cancellation is the step's, not the environment's
+            if not any(isinstance(state, Exception) for state in states):
+                await self.env.rubric.score_group(states)
+                for state in states:
+                    await self.env.rubric.cleanup(state)
             for sid, sample, state in zip(sessions, group, states):
                 record_trajectory(ctx, sample, server.manager.samples(sid)[0])
-                _record_outcome(sample, state)
+                if isinstance(state, Exception):  # the group fails; the samples keep what their sessions recorded
+                    mark_aborted(sample, f"verifiers environment raised {state!r}")
+                else:
+                    _record_outcome(sample, state)
         finally:
             for sid in sessions:
                 server.manager.delete(sid)
