@@ -44,9 +44,9 @@ class VerifiersRollout:
     `env.rollout`, every one with an OpenAI client on its own session; `env.rubric.score_group` scores
     the group. A sample's tokens, loss mask and logprobs are its session's trajectory (never the
     environment's re-tokenization); its reward is the rubric's. A group with a failed rollout (an
-    environment error or exception, a session refusal) or one `rollout.dynamic_filter` drops is replaced by the next
-    row, for at most `ctx.max_rounds` rounds. Sampling follows `[rollout.sampling]` and
-    `rollout.max_response_tokens`; the environment's own `sampling_args` are not used.
+    environment error or exception, a session refusal) or one `rollout.dynamic_filter` drops is
+    replaced by the next row, for at most `rollout.max_over_sampling_rounds` rounds. Sampling follows
+    `[rollout.sampling]` and `rollout.max_response_tokens`; the environment's `sampling_args` are unused.
 
     The position in the environment's dataset is the instance's: a resumed run starts the seeded order
     over.
