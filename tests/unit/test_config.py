@@ -88,6 +88,8 @@ def test_tensor_transport_to_the_embedded_engine_on_cpu_is_accepted():
         (["--rollout.max-in-flight", "4"], "rollout.max_in_flight = 4 cannot hold one group"),
         (["--rollout.max-context-tokens", "16"], "max_context_tokens = 16 leaves no room"),
         (["--schedule", "fully_async", "--cluster.placement", "colocated"], "'fully_async' with cluster.placement = 'colocated' is refused"),
+        (["--schedule", "fully_async", "--rollout.rollout-fn", "examples.plugins.rollout:one_round"],
+         "rollout.rollout_fn = 'examples.plugins.rollout:one_round' with schedule = 'fully_async' is refused"),
         (["--fault.max-restarts", "1"], "fault.max_restarts = 1 restarts a run from its latest checkpoint, but "
                                         "checkpoint.interval = 0 saves none before the end"),
         (["--sync.transport", "tensor", "--cluster.device", "cuda"],

@@ -560,6 +560,11 @@ class VerstConfig(Section):
                 "schedule = 'fully_async' with cluster.placement = 'colocated' is refused: the fully async "
                 "schedule needs trainer and engines running at once; use cluster.placement = 'disaggregated'"
             )
+        if self.schedule == "fully_async" and self.rollout.rollout_fn:
+            raise ValueError(
+                f"rollout.rollout_fn = {self.rollout.rollout_fn!r} with schedule = 'fully_async' is refused: the fully "
+                "async worker generates and scores samples itself (rollout.generate_fn and [reward]) and never calls "
+                "a rollout fn; use schedule = 'sync' or 'one_step_off'")
         critic_fields = [f"critic.{name}" for name, field in CriticConfig.model_fields.items()
                          if getattr(self.critic, name) != field.default]
         if critic_fields and not self.algorithm.needs_critic:
