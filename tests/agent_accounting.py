@@ -59,3 +59,60 @@ def assert_engine_tokens(sample: Sample, calls: list[EngineCall]) -> None:
     assert expected_mask[:start] == [0] * start, "engine output inside the prompt"
     assert sample.loss_mask == expected_mask[start:], "the loss mask is not exactly the engine's output"
     assert len(calls[-1].input_ids) + len(calls[-1].output_ids) == len(tokens), "tokens after the last engine call"
+
+
+def run_episodes(cfg, model_dir, prompts) -> list[tuple[Sample, list[EngineCall]]]:
+    """Each prompt's episode (generate and reward, as a rollout runs it) against the tiny model behind an
+    embedded engine, one at a time so that the recorded engine calls are that episode's."""
+    import asyncio
+
+    from verst.engine.core import EngineConfig, EngineCore
+    from verst.engine.process import BackgroundServer
+    from verst.inference_client.client import EngineClient
+    from verst.models.loader import load_model_and_tokenizer
+    from verst.rollout import RolloutContext, generate_and_reward
+
+    model, tok = load_model_and_tokenizer(model_dir)
+    recorder = RecordingTransport()
+
+    async def main():
+        done = []
+        with BackgroundServer(EngineCore(model, tok, EngineConfig(max_running_requests=4))) as server:
+            async with EngineClient(server.url, transport=recorder) as client:
+                ctx = RolloutContext.from_config(cfg, client, tok, source=None)
+                try:
+                    for sample in prompts:
+                        recorder.calls.clear()
+                        done.append((await generate_and_reward(ctx, sample), list(recorder.calls)))
+                finally:
+                    await ctx.aclose()
+        return done
+
+    return asyncio.run(main())
+
+
+def run_scripted_episodes(cfg, model_dir, script, prompts):
+    """As `run_episodes`, against a scripted engine that replies with `script`'s turns (tool calls, answers
+    a random tiny model would not write); its recorded calls are the engine's."""
+    import asyncio
+
+    from verst.inference_client.client import EngineClient
+    from verst.models import load_tokenizer
+    from verst.rollout import RolloutContext, generate_and_reward
+    from verst.session.scripted import ScriptedEngine
+
+    tok = load_tokenizer(model_dir)
+
+    async def main():
+        done = []
+        for sample in prompts:
+            engine = ScriptedEngine(tok, script)
+            async with EngineClient("http://scripted-engine", transport=engine) as client:
+                ctx = RolloutContext.from_config(cfg, client, tok, source=None)
+                try:
+                    done.append((await generate_and_reward(ctx, sample), list(engine.calls)))
+                finally:
+                    await ctx.aclose()
+        return done
+
+    return asyncio.run(main())

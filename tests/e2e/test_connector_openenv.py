@@ -4,7 +4,6 @@ engine. The trained trajectory is exactly the engine's ids, with the loss mask o
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,10 @@ pytest.importorskip("openenv.core", reason="the OpenEnv connector needs `pip ins
 
 from examples.openenv.env import MAX_ATTEMPTS  # noqa: E402
 from examples.openenv.make_data import make_data  # noqa: E402
-from tests.agent_accounting import RecordingTransport, assert_engine_tokens  # noqa: E402
+from tests.agent_accounting import assert_engine_tokens, run_episodes  # noqa: E402
 from verst.config import SamplingConfig, load_config  # noqa: E402
 from verst.data import load_prompts  # noqa: E402
-from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
-from verst.engine.process import BackgroundServer  # noqa: E402
-from verst.inference_client.client import EngineClient  # noqa: E402
-from verst.models.loader import load_model_and_tokenizer  # noqa: E402
 from verst.models.tokenizer import VOCAB_SIZE  # noqa: E402
-from verst.rollout import RolloutContext, generate_and_reward  # noqa: E402
 from verst.types import Status  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,23 +30,7 @@ def test_openenv_episodes_train_on_the_engines_tokens(tiny_model_dir, tmp_path):
     rollout = cfg.rollout.model_copy(update={"sampling": SamplingConfig(seed=3, stop_token_ids=list(range(VOCAB_SIZE)))})
     cfg = cfg.model_copy(update={"rollout": rollout})
     prompts = load_prompts(make_data(tmp_path / "data", n_train=2, n_test=1)["train"])
-    model, tok = load_model_and_tokenizer(tiny_model_dir)
-    recorder = RecordingTransport()
-
-    async def main():
-        done = []
-        with BackgroundServer(EngineCore(model, tok, EngineConfig(max_running_requests=4))) as server:
-            async with EngineClient(server.url, transport=recorder) as client:
-                ctx = RolloutContext.from_config(cfg, client, tok, source=None)
-                try:
-                    for sample in prompts:  # one at a time, so the recorded engine calls are this episode's
-                        recorder.calls.clear()
-                        done.append((await generate_and_reward(ctx, sample), list(recorder.calls)))
-                finally:
-                    await ctx.aclose()
-        return done
-
-    for sample, calls in asyncio.run(main()):
+    for sample, calls in run_episodes(cfg, tiny_model_dir, prompts):
         assert sample.status is Status.COMPLETED, sample.metadata
         meta = sample.metadata
         assert meta["agent_end"] == "done" and meta["openenv_done"] is True
