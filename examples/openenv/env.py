@@ -18,8 +18,8 @@ from openenv.core import EnvClient
 from openenv.core.client_types import StepResult
 from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 
-from verst.inference_client.ports import wait_healthy
 from verst.engine.server import listening_socket
+from verst.inference_client.ports import wait_healthy
 
 MAX_ATTEMPTS = 3
 
