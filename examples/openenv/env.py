@@ -17,6 +17,7 @@ import uvicorn
 from openenv.core import EnvClient
 from openenv.core.client_types import StepResult
 from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
+from starlette.websockets import WebSocketDisconnect
 
 from verst.engine.server import listening_socket
 from verst.inference_client.ports import wait_healthy
@@ -78,9 +79,19 @@ class ArithmeticEnvClient(EnvClient[AnswerAction, ProblemObservation, State]):
 def serve(max_concurrent_envs: int = 64) -> tuple[str, uvicorn.Server]:
     """Serve ArithmeticEnv with OpenEnv's FastAPI app in a daemon thread; returns (its URL, the server)."""
     app = create_fastapi_app(ArithmeticEnv, AnswerAction, ProblemObservation, max_concurrent_envs=max_concurrent_envs)
+
+    async def closed_quietly(scope: dict, receive: Any, send: Any) -> None:
+        # openenv-core's WebSocket endpoint closes the socket once more after the client closed it at the end
+        # of its episode; that second close raises, and is no error of the episode
+        try:
+            await app(scope, receive, send)
+        except WebSocketDisconnect:
+            if scope["type"] != "websocket":
+                raise
+
     sock = listening_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(closed_quietly, log_level="warning"))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="openenv-arithmetic").start()
     wait_healthy(url, 30.0)
     return url, server

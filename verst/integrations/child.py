@@ -4,8 +4,10 @@ per child process of that environment's interpreter: a JSON job on stdin, a JSON
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,13 +19,19 @@ class ChildError(RuntimeError):
     """The child process failed; the message holds its exit code and the tail of its stderr."""
 
 
-def interpreter(python: str | os.PathLike | None, env_var: str, default: str, extra: str) -> Path:
-    """The interpreter to run: `python`, else $`env_var`, else `default` (relative to the working directory);
-    an error naming all three, and how to create the environment, when it does not exist."""
-    path = Path(python or os.environ.get(env_var) or default)
+def interpreter(python: str | os.PathLike | None, env_var: str, default: str, library: str, module: str) -> Path:
+    """The interpreter to run: `python`, else $`env_var`, else `default` (relative to the working directory,
+    as `make agents` creates it), else verst's own when `module` imports there (`pip install 'verst[...]'`
+    on Python >= 3.12); an error naming them all when none exists."""
+    if python or os.environ.get(env_var):
+        path = Path(python or os.environ[env_var])
+    elif Path(default).is_file() or importlib.util.find_spec(module) is None:
+        path = Path(default)
+    else:
+        return Path(sys.executable)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no Python interpreter for the {extra} connector; run `make agents` "
-                                f"(creates {default}), or set {env_var} or pass python=")
+        raise FileNotFoundError(f"{path}: no Python interpreter for the {library} connector; run `make agents` "
+                                f"(creates {default}), set {env_var}, or pass python=")
     return path
 
 

@@ -46,7 +46,7 @@ class HarborAgent:
 
     async def __call__(self, base_url: str, prompt: Any, request_kwargs: dict[str, Any],
                        metadata: dict[str, Any]) -> dict[str, Any]:
-        python = interpreter(self.python, PYTHON_ENV, DEFAULT_PYTHON, "Harbor")
+        python = interpreter(self.python, PYTHON_ENV, DEFAULT_PYTHON, "Harbor", "harbor")
         task = metadata.get(TASK_KEY) or self.task
         if task is None:
             raise KeyError(f"no Harbor task: the sample's metadata has no {TASK_KEY!r} (keys {sorted(metadata)}) "

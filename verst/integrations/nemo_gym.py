@@ -45,7 +45,7 @@ class NemoGymAgent:
 
     async def __call__(self, base_url: str, prompt: Any, request_kwargs: dict[str, Any],
                        metadata: dict[str, Any]) -> dict[str, Any]:
-        python = interpreter(self.python, PYTHON_ENV, DEFAULT_PYTHON, "NeMo Gym")
+        python = interpreter(self.python, PYTHON_ENV, DEFAULT_PYTHON, "NeMo Gym", "nemo_gym")
         row = task_row(prompt, request_kwargs, metadata)
         verified = await run_child(python, EPISODE, {**self.job, "base_url": base_url, "row": row},
                                    pythonpath=self.pythonpath or default_pythonpath(), timeout_s=self.timeout_s)
