@@ -6,7 +6,7 @@ Inside layer 2:
   2.0 inference_client                    what every caller of an engine needs (client, wire, fleet)
   2.1 engine, engines, router, session, trainer, sync   each alone, on top of the client (sync hands the
       trainer's weights to engines and asks the trainer for logprobs through callables, not imports)
-  2.2 rollout (uses session)
+  2.2 rollout (uses session); integrations (agent fns over agent libraries, loaded by import path)
   2.3 eval (uses rollout, and runs an in-process engine for agent evaluation)
 Packages at one position never import each other; only orchestration and schedules import ray.
 """
@@ -23,7 +23,7 @@ LAYERS = {
     "algo": (1, 0), "data": (1, 0), "rewards": (1, 0), "monitor": (1, 0), "models": (1, 0),
     "inference_client": (2, 0),
     "engine": (2, 1), "engines": (2, 1), "router": (2, 1), "session": (2, 1), "trainer": (2, 1), "sync": (2, 1),
-    "rollout": (2, 2),
+    "rollout": (2, 2), "integrations": (2, 2),
     "eval": (2, 3),
     "orchestration": (3, 0),
     "schedules": (4, 0), "cli": (4, 1),  # the command line starts the schedules
