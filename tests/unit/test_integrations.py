@@ -80,3 +80,17 @@ def test_reward_fns_read_their_connectors_result(fn, key, value, expect):
     assert asyncio.run(fn(Sample(prompt="p", metadata={key: value}))) == expect
     with pytest.raises(RewardError, match=key):
         asyncio.run(fn(Sample(prompt="p", metadata={})))
+
+
+def test_the_token_accounting_check_catches_a_mask_or_id_that_is_not_the_engines():
+    from tests.agent_accounting import EngineCall, assert_engine_tokens
+
+    # prompt [1, 2], engine output [3, 4], tool ids [5], engine output [6]
+    calls = [EngineCall([1, 2], [3, 4], [-0.1, -0.2]), EngineCall([1, 2, 3, 4, 5], [6], [-0.3])]
+    good = Sample(prompt="p", tokens=[1, 2, 3, 4, 5, 6], response_length=4, loss_mask=[1, 1, 0, 1],
+                  rollout_logprobs=[-0.1, -0.2, 0.0, -0.3])
+    assert_engine_tokens(good, calls)
+    for bad, match in (({"loss_mask": [1, 1, 1, 1]}, "loss mask"), ({"tokens": [1, 2, 3, 9, 5, 6]}, "call 0"),
+                       ({"rollout_logprobs": [-0.1, -0.2, 0.0, -0.4]}, "logprobs")):
+        with pytest.raises(AssertionError, match=match):
+            assert_engine_tokens(Sample(**{**good.__dict__, **bad}), calls)
