@@ -4,11 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verst-installed
 # The test install: dev tools and the connector extras whose tests `make test` runs (docs/agentic.md).
-TEST_EXTRAS := dev,verifiers,strands
+TEST_EXTRAS := dev,verifiers,strands,openenv
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install vllm demo demo-real demo-agentic test test-slow test-gpu bench clean
+.PHONY: install vllm agents demo demo-real demo-agentic test test-slow test-gpu bench clean
 
 install: $(STAMP)
 
@@ -35,6 +35,27 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
+
+# Agent connectors whose libraries need Python >= 3.12 (docs/agentic.md): NeMo Gym and Harbor each run from
+# their own environment (their openai pins conflict), as child processes of verst's; verst's side stays as it is.
+AGENTS_PYTHON ?= python3.12
+NEMO_GYM_VENV ?= .venv-nemo-gym
+HARBOR_VENV ?= .venv-harbor
+agents: $(NEMO_GYM_VENV)/.installed $(HARBOR_VENV)/.installed
+
+$(NEMO_GYM_VENV)/.installed:
+	test -x $(NEMO_GYM_VENV)/bin/python || $(AGENTS_PYTHON) -m venv $(NEMO_GYM_VENV)
+	$(NEMO_GYM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NEMO_GYM_VENV)/bin/python -m pip install -q nemo-gym==0.4.0
+	$(NEMO_GYM_VENV)/bin/python -c "import nemo_gym, responses_api_agents.simple_agent.app"
+	touch $@
+
+$(HARBOR_VENV)/.installed:
+	test -x $(HARBOR_VENV)/bin/python || $(AGENTS_PYTHON) -m venv $(HARBOR_VENV)
+	$(HARBOR_VENV)/bin/python -m pip install -q --upgrade pip
+	$(HARBOR_VENV)/bin/python -m pip install -q harbor==0.26.0
+	$(HARBOR_VENV)/bin/python -c "import harbor.trial.trial"
+	touch $@
 
 demo: $(STAMP)
 	$(PY) -m verst.schedules.demo
@@ -69,4 +90,4 @@ bench: $(STAMP)
 	@for b in bench/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(NEMO_GYM_VENV) $(HARBOR_VENV) runs build *.egg-info
