@@ -18,7 +18,7 @@ from verst.engines.sglang_launcher import sglang_command
 from verst.engines.untie import LM_HEAD_FILE, ties_embeddings, untied_view, with_untied_override
 from verst.engines.vllm import VLLMAdapter
 from verst.inference_client.client import EngineClient, EngineError
-from verst.schedules.run import engine_server_args
+from verst.schedules.run_start import engine_server_args
 
 VLLM_DISK = ["--cluster.engine", "vllm", "--sync.transport", "disk"]
 

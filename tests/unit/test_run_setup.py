@@ -10,7 +10,7 @@ import pytest
 from verst.config import load_config
 from verst.eval.agentic import score_key
 from verst.schedules.rollout_side import request_batch
-from verst.schedules.run import StartupClock, router_spec
+from verst.schedules.run_start import StartupClock, router_spec
 
 
 @pytest.mark.parametrize("overrides, engines, expected", [

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.schedules.run import open_rl_run
+from verst.schedules.run_start import open_rl_run
 
 
 async def run_fully_async(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:

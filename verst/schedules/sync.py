@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.schedules.run import open_rl_run
+from verst.schedules.run_start import open_rl_run
 
 
 async def run_sync(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
