@@ -274,3 +274,78 @@ def test_factory_maps_config_and_device_to_transports(tmp_path):
         build_syncer(cfg(check_weights=True), fleet)
     syncer = build_syncer(cfg(transport="tensor", pause_mode="abort", interval=2), fleet)
     assert syncer.describe() == {"transport": "tensor", "pause_mode": "abort", "interval": 2, "check_weights": False}
+
+
+class LoadingFleet(RecordingFleet):
+    """Also takes the tensor transport's loads: records each one's version and reads its tensors back."""
+
+    async def update_weights_from_tensor(self, manifest, weight_version, **adapter):
+        from verst.inference_client.weights import read_shm_bucket
+
+        names = [name for name, _ in read_shm_bucket(manifest)]
+        return await self._all("load", weight_version, names, sorted(adapter))
+
+
+def test_a_transport_with_versioned_loads_flushes_and_versions_with_its_loads():
+    # one tensor per bucket: three loads, the last of which alone carries the version
+    fleet = LoadingFleet()
+    transport = TensorTransport(fleet, bucket_bytes=2 * 12)
+    three = [[("a", torch.zeros(3)), ("b", torch.ones(3)), ("c", torch.full((3,), 2.0))]]
+
+    async def main():
+        try:
+            return await WeightSyncer(fleet, transport).sync(three, 4)
+        finally:
+            await transport.close()
+
+    metrics = asyncio.run(main())
+    assert transport.versioned_loads and metrics["sync/buckets"] == 3
+    assert fleet.log == [("pause", "retract"), ("load", None, ["a"], []), ("load", None, ["b"], []),
+                         ("load", "4", ["c"], []), ("continue_generation",)]
+
+
+def test_an_adapter_push_leaves_the_flush_and_the_version_to_the_syncer():
+    from verst.sync import AdapterSpec
+
+    fleet = LoadingFleet()
+    transport = TensorTransport(fleet, bucket_bytes=2**20, adapter=AdapterSpec("policy", {"r": 1}))
+
+    async def main():
+        try:
+            await WeightSyncer(fleet, transport).sync([[("a", torch.zeros(3))]], 2)
+        finally:
+            await transport.close()
+
+    asyncio.run(main())
+    assert not transport.versioned_loads
+    assert actions(fleet.log) == ["pause", "flush_cache", "load", "update_weight_version", "update_weight_version",
+                                  "continue_generation"]
+    assert fleet.log[2] == ("load", None, ["a"], ["lora_config", "lora_name"])
+
+
+def test_a_failed_versioned_push_says_engines_may_report_either_version():
+    fleet = LoadingFleet(fail={"load": ["http://b"]})
+    transport = TensorTransport(fleet, bucket_bytes=2**20)
+
+    async def main():
+        try:
+            await WeightSyncer(fleet, transport).sync(BUCKETS, 3)
+        finally:
+            await transport.close()
+
+    with pytest.raises(WeightSyncError, match=r"still report version 0 \(or 3, where their load of the last bucket"):
+        asyncio.run(main())
+    assert actions(fleet.log) == ["pause", "load", "continue_generation"]
+
+
+def test_bucket_stream_says_whether_the_bucket_returned_is_the_last():
+    from verst.sync.buckets import BucketStream
+
+    async def main():
+        stream, seen = BucketStream([[("a", torch.zeros(2))], [("b", torch.zeros(2))]], 8), []
+        async for bucket in stream:
+            seen.append((bucket[0][0], await stream.at_end()))
+        await stream.aclose()
+        return seen
+
+    assert asyncio.run(main()) == [("a", False), ("b", True)]

@@ -46,12 +46,18 @@ class TensorTransport:
         self._slots = [ShmSlot(shm_dir), ShmSlot(shm_dir)]
         self._tp_sizes: dict[str, int] = {}
 
+    @property
+    def versioned_loads(self) -> bool:
+        """Full weights: each load flushes the cache and the last sets the version (`WeightTransport`);
+        an adapter's load leaves the base model's cache alone, so the syncer flushes for it."""
+        return self.adapter is None
+
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
         stats, stream = PushStats(), BucketStream(buckets, self._push_bytes)
         try:
             if self.ipc == "shm":
                 try:
-                    await self._push_shm(stream, stats)
+                    await self._push_shm(stream, stats, version)
                 except BaseException:
                     # an engine may still be copying from a slot it was abandoned on: the next push writes
                     # into new files instead of under its copy
@@ -59,25 +65,29 @@ class TensorTransport:
                     raise
             else:
                 async for bucket in stream:
-                    await self._push_cuda_ipc(bucket)
+                    await self._push_cuda_ipc(bucket, await self._version_with(stream, version))
                     stats.add(bucket)
         finally:
             await stream.aclose()
         return stats.metrics()
 
-    async def _push_shm(self, stream: BucketStream, stats: PushStats) -> None:
+    async def _version_with(self, stream: BucketStream, version: int) -> str | None:
+        """The version to send with the load of the bucket `stream` returned last: set by the last load."""
+        return str(version) if self.versioned_loads and await stream.at_end() else None
+
+    async def _push_shm(self, stream: BucketStream, stats: PushStats, version: int) -> None:
         """Bucket k+1 is written into one slot while the engines copy bucket k from the other; a slot is
         rewritten only once every engine has replied for the bucket it held."""
         loading: asyncio.Future | None = None
+        adapter = {} if self.adapter is None else {"lora_name": self.adapter.name, "lora_config": self.adapter.config}
         try:
             async for bucket in stream:
                 manifest = await self._write(self._slots[stats.buckets % 2], bucket)
                 if loading is not None:
                     previous, loading = loading, None
                     await previous
-                adapter = {} if self.adapter is None else {"lora_name": self.adapter.name,
-                                                           "lora_config": self.adapter.config}
-                call = self.fleet.update_weights_from_tensor(manifest, None, **adapter)  # type: ignore[arg-type]
+                weight_version = await self._version_with(stream, version)
+                call = self.fleet.update_weights_from_tensor(manifest, weight_version, **adapter)  # type: ignore[arg-type]
                 loading = asyncio.ensure_future(call)
                 stats.add(bucket)
             if loading is not None:
@@ -104,7 +114,7 @@ class TensorTransport:
     # after `monkey_patch_torch_reductions()` (devices travel as UUIDs, so engines with other
     # CUDA_VISIBLE_DEVICES map them right); `load_format` None. The engine copies out of the handles
     # before it replies, so the tensors only have to outlive the call.
-    async def _push_cuda_ipc(self, bucket: WeightBucket) -> None:
+    async def _push_cuda_ipc(self, bucket: WeightBucket, weight_version: str | None) -> None:
         serialize = _sglang_serializer()
         import torch
 
@@ -118,7 +128,7 @@ class TensorTransport:
 
         async def send(client: Any) -> Any:
             body = {"serialized_named_tensors": [payload] * tp_sizes[client.base_url], "load_format": None,
-                    "flush_cache": True, "weight_version": None}
+                    "flush_cache": True, "weight_version": weight_version}
             # EngineClient has no public call for a raw serialized payload yet (reported); same POST path.
             return await client._post("/update_weights_from_tensor", body, client.timeouts.weights)
 
