@@ -304,6 +304,59 @@ def test_a_transport_with_versioned_loads_flushes_and_versions_with_its_loads():
                          ("load", "4", ["c"], []), ("continue_generation",)]
 
 
+class SlowLoadingFleet(LoadingFleet):
+    """Each load takes 0.2 s; logs when it is sent and when it is done."""
+
+    async def update_weights_from_tensor(self, manifest, weight_version, **adapter):
+        from verst.inference_client.weights import read_shm_bucket
+
+        names = [name for name, _ in read_shm_bucket(manifest)]
+        self.log.append(("sent", names[0], weight_version))
+        await asyncio.sleep(0.2)
+        self.log.append(("done", names[0]))
+
+
+def test_shm_loads_are_queued_behind_each_other_and_the_versioned_one_goes_last():
+    # piece k+1's load is sent while piece k's is still running (the engines need not wait a round trip
+    # between copies); the last load, which sets the version, only once every other is done
+    fleet = SlowLoadingFleet()
+    transport = TensorTransport(fleet, bucket_bytes=2 * 12)
+    three = [[("a", torch.zeros(3)), ("b", torch.ones(3)), ("c", torch.full((3,), 2.0))]]
+
+    async def main():
+        try:
+            await WeightSyncer(fleet, transport).sync(three, 4)
+        finally:
+            await transport.close()
+
+    asyncio.run(main())
+    assert fleet.log[1:-1] == [("sent", "a", None), ("sent", "b", None), ("done", "a"), ("done", "b"),
+                               ("sent", "c", "4"), ("done", "c")]
+
+
+def test_shm_pieces_are_at_most_half_a_bucket_and_ipc_piece_bytes(monkeypatch):
+    import verst.sync.tensor as tensor_module
+
+    four = [[(name, torch.zeros(2**16)) for name in "abcd"]]  # 256 KiB each
+
+    def pieces(bucket_bytes):
+        fleet = LoadingFleet()
+        transport = TensorTransport(fleet, bucket_bytes=bucket_bytes)
+
+        async def main():
+            try:
+                await WeightSyncer(fleet, transport).sync(four, 1)
+            finally:
+                await transport.close()
+
+        asyncio.run(main())
+        return [entry[2] for entry in fleet.log if entry[0] == "load"]
+
+    assert pieces(2**20) == [["a", "b"], ["c", "d"]]  # halves of the bucket
+    monkeypatch.setattr(tensor_module, "IPC_PIECE_BYTES", 2**18)
+    assert pieces(2**20) == [["a"], ["b"], ["c"], ["d"]]
+
+
 def test_an_adapter_push_leaves_the_flush_and_the_version_to_the_syncer():
     from verst.sync import AdapterSpec
 

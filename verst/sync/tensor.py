@@ -5,6 +5,7 @@ read by every engine. CPU: two reused /dev/shm files (`verst.inference_client.we
 from __future__ import annotations
 
 import asyncio
+import collections
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -18,12 +19,17 @@ from verst.types import WeightBucket
 IPC_MODES = ("shm", "cuda_ipc")
 
 
+IPC_PIECE_BYTES = 64 * 2**20  # shm: the most one file holds (a bigger tensor goes alone)
+
+
 class TensorTransport:
-    """`ipc="shm"`: two shared-memory files of half a bucket each, written in turn: the trainer writes one
-    while the engines copy from the other straight into their parameters (engines on this host; the embedded
-    engine and `load_format="shm"`). The files are kept and rewritten by every push, and deleted by
-    `close()`: together they hold one bucket. `ipc="cuda_ipc"`: SGLang's own scheme. With `adapter`, each
-    push is the adapter in one shm file, which the engines serve under its name.
+    """`ipc="shm"`: the push goes in pieces of at most half a bucket and `IPC_PIECE_BYTES`, through two
+    shared-memory files written in turn: the trainer writes piece k+1 into one while the engines copy
+    piece k from the other straight into their parameters (engines on this host; the embedded engine and
+    `load_format="shm"`). Small pieces keep both sides busy from the first one on and bound the memory
+    an engine maps. The files are kept and rewritten by every push, and deleted by `close()`.
+    `ipc="cuda_ipc"`: SGLang's own scheme. With `adapter`, each push is the adapter in one shm file, which
+    the engines serve under its name.
     """
 
     name = "tensor"
@@ -38,11 +44,11 @@ class TensorTransport:
         self.fleet, self.bucket_bytes, self.ipc, self.shm_dir = fleet, bucket_bytes, ipc, shm_dir
         self.adapter = adapter
         # an adapter goes as one bucket: the engines build it from all of its tensors at once; shared memory
-        # goes in halves, one written while the other is read
+        # goes in pieces, one written while the other is read
         if adapter is not None:
             self._push_bytes = sys.maxsize
         else:
-            self._push_bytes = max(1, bucket_bytes // 2) if ipc == "shm" else bucket_bytes
+            self._push_bytes = max(1, min(bucket_bytes // 2, IPC_PIECE_BYTES)) if ipc == "shm" else bucket_bytes
         self._slots = [ShmSlot(shm_dir), ShmSlot(shm_dir)]
         self._tp_sizes: dict[str, int] = {}
 
@@ -76,27 +82,29 @@ class TensorTransport:
         return str(version) if self.versioned_loads and await stream.at_end() else None
 
     async def _push_shm(self, stream: BucketStream, stats: PushStats, version: int) -> None:
-        """Bucket k+1 is written into one slot while the engines copy bucket k from the other; a slot is
-        rewritten only once every engine has replied for the bucket it held."""
-        loading: asyncio.Future | None = None
+        """Bucket k+1 is written into one slot while the engines copy bucket k from the other, and its load
+        is sent at once, queued behind bucket k's, so the engines go from one copy to the next without a
+        round trip between. A slot is rewritten only once every engine has replied for the bucket it
+        held; the load that sets the version waits for every other to be done."""
+        loads: collections.deque[asyncio.Future] = collections.deque()  # in flight, oldest first, one per slot
         adapter = {} if self.adapter is None else {"lora_name": self.adapter.name, "lora_config": self.adapter.config}
         try:
             async for bucket in stream:
-                manifest = await self._write(self._slots[stats.buckets % 2], bucket)
-                if loading is not None:
-                    previous, loading = loading, None
-                    await previous
+                if len(loads) == len(self._slots):
+                    await _done(loads)  # the slot this bucket goes into is free
+                manifest = await self._write(self._slots[stats.buckets % len(self._slots)], bucket)
                 weight_version = await self._version_with(stream, version)
+                while weight_version is not None and loads:
+                    await _done(loads)
                 call = self.fleet.update_weights_from_tensor(manifest, weight_version, **adapter)  # type: ignore[arg-type]
-                loading = asyncio.ensure_future(call)
+                loads.append(asyncio.ensure_future(call))
                 stats.add(bucket)
-            if loading is not None:
-                previous, loading = loading, None
-                await previous
+            while loads:
+                await _done(loads)
         finally:
-            if loading is not None:  # an error elsewhere: stop waiting for this bucket's load
-                loading.cancel()
-                await asyncio.gather(loading, return_exceptions=True)
+            for load in loads:  # an error elsewhere: stop waiting for these buckets' loads
+                load.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)
 
     @staticmethod
     async def _write(slot: ShmSlot, bucket: WeightBucket) -> str:
@@ -144,6 +152,12 @@ class TensorTransport:
     async def close(self) -> None:
         for slot in self._slots:
             slot.close()
+
+
+async def _done(loads: collections.deque[asyncio.Future]) -> None:
+    """Wait for the oldest load, then drop it (an error leaves it there for the caller's clean-up)."""
+    await loads[0]
+    loads.popleft()
 
 
 def _sglang_serializer():
