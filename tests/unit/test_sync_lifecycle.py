@@ -287,9 +287,9 @@ class LoadingFleet(RecordingFleet):
 
 
 def test_a_transport_with_versioned_loads_flushes_and_versions_with_its_loads():
-    # one tensor per bucket: three loads, the last of which alone carries the version
+    # one tensor per piece: three loads, the last of which alone carries the version
     fleet = LoadingFleet()
-    transport = TensorTransport(fleet, bucket_bytes=2 * 12)
+    transport = TensorTransport(fleet, bucket_bytes=3 * 12)
     three = [[("a", torch.zeros(3)), ("b", torch.ones(3)), ("c", torch.full((3,), 2.0))]]
 
     async def main():
@@ -317,24 +317,29 @@ class SlowLoadingFleet(LoadingFleet):
 
 
 def test_shm_loads_are_queued_behind_each_other_and_the_versioned_one_goes_last():
-    # piece k+1's load is sent while piece k's is still running (the engines need not wait a round trip
-    # between copies); the last load, which sets the version, only once every other is done
+    # a piece's load is sent while the ones before it still run (the engines need not wait a round trip
+    # between copies), at most one per shm file; the last load, which sets the version, only once every
+    # other is done
     fleet = SlowLoadingFleet()
-    transport = TensorTransport(fleet, bucket_bytes=2 * 12)
-    three = [[("a", torch.zeros(3)), ("b", torch.ones(3)), ("c", torch.full((3,), 2.0))]]
+    transport = TensorTransport(fleet, bucket_bytes=3 * 12)
+    five = [[(name, torch.full((3,), float(i))) for i, name in enumerate("abcde")]]
 
     async def main():
         try:
-            await WeightSyncer(fleet, transport).sync(three, 4)
+            await WeightSyncer(fleet, transport).sync(five, 4)
         finally:
             await transport.close()
 
     asyncio.run(main())
-    assert fleet.log[1:-1] == [("sent", "a", None), ("sent", "b", None), ("done", "a"), ("done", "b"),
-                               ("sent", "c", "4"), ("done", "c")]
+    loads = fleet.log[1:-1]
+    assert [entry[1] for entry in loads if entry[0] == "sent"] == list("abcde")
+    assert loads.index(("sent", "c", None)) < loads.index(("done", "a"))  # three in flight at once
+    in_flight = [sum(1 if e[0] == "sent" else -1 for e in loads[: i + 1]) for i in range(len(loads))]
+    assert max(in_flight) == 3
+    assert loads[-2:] == [("sent", "e", "4"), ("done", "e")] and in_flight[-3] == 0
 
 
-def test_shm_pieces_are_at_most_half_a_bucket_and_ipc_piece_bytes(monkeypatch):
+def test_shm_pieces_are_at_most_a_third_of_a_bucket_and_ipc_piece_bytes(monkeypatch):
     import verst.sync.tensor as tensor_module
 
     four = [[(name, torch.zeros(2**16)) for name in "abcd"]]  # 256 KiB each
@@ -352,9 +357,9 @@ def test_shm_pieces_are_at_most_half_a_bucket_and_ipc_piece_bytes(monkeypatch):
         asyncio.run(main())
         return [entry[2] for entry in fleet.log if entry[0] == "load"]
 
-    assert pieces(2**20) == [["a", "b"], ["c", "d"]]  # halves of the bucket
+    assert pieces(3 * 2**19) == [["a", "b"], ["c", "d"]]  # thirds of the bucket
     monkeypatch.setattr(tensor_module, "IPC_PIECE_BYTES", 2**18)
-    assert pieces(2**20) == [["a"], ["b"], ["c"], ["d"]]
+    assert pieces(3 * 2**19) == [["a"], ["b"], ["c"], ["d"]]
 
 
 def test_an_adapter_push_leaves_the_flush_and_the_version_to_the_syncer():

@@ -1,5 +1,5 @@
 """The `tensor` transport for colocated engines: each bucket is handed over in memory, written once and
-read by every engine. CPU: two reused /dev/shm files (`verst.inference_client.weights`); GPU: CUDA IPC (SGLang).
+read by every engine. CPU: three reused /dev/shm files (`verst.inference_client.weights`); GPU: CUDA IPC (SGLang).
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ IPC_MODES = ("shm", "cuda_ipc")
 
 
 IPC_PIECE_BYTES = 64 * 2**20  # shm: the most one file holds (a bigger tensor goes alone)
+SHM_FILES = 3  # shm files written in turn (the engine keeps as many mapped: `ShmReader`)
 
 
 class TensorTransport:
-    """`ipc="shm"`: the push goes in pieces of at most half a bucket and `IPC_PIECE_BYTES`, through two
-    shared-memory files written in turn: the trainer writes piece k+1 into one while the engines copy
-    piece k from the other straight into their parameters (engines on this host; the embedded engine and
-    `load_format="shm"`). Small pieces keep both sides busy from the first one on and bound the memory
-    an engine maps. The files are kept and rewritten by every push, and deleted by `close()`.
-    `ipc="cuda_ipc"`: SGLang's own scheme. With `adapter`, each push is the adapter in one shm file, which
-    the engines serve under its name.
+    """`ipc="shm"`: the push goes in pieces of at most a third of a bucket and `IPC_PIECE_BYTES`, through
+    three shared-memory files written in turn: the trainer writes the next piece while the engines copy
+    the ones before it straight into their parameters (engines on this host; the embedded engine and
+    `load_format="shm"`), so an engine finds the next piece waiting when it is done with one. Together
+    the files hold at most one bucket, which bounds what an engine maps. They are kept and rewritten by
+    every push, and deleted by `close()`. `ipc="cuda_ipc"`: SGLang's own scheme. With `adapter`, each
+    push is the adapter in one shm file, which the engines serve under its name.
     """
 
     name = "tensor"
@@ -44,12 +45,12 @@ class TensorTransport:
         self.fleet, self.bucket_bytes, self.ipc, self.shm_dir = fleet, bucket_bytes, ipc, shm_dir
         self.adapter = adapter
         # an adapter goes as one bucket: the engines build it from all of its tensors at once; shared memory
-        # goes in pieces, one written while the other is read
+        # goes in pieces, one written while the engines copy the others
         if adapter is not None:
             self._push_bytes = sys.maxsize
         else:
-            self._push_bytes = max(1, min(bucket_bytes // 2, IPC_PIECE_BYTES)) if ipc == "shm" else bucket_bytes
-        self._slots = [ShmSlot(shm_dir), ShmSlot(shm_dir)]
+            self._push_bytes = max(1, min(bucket_bytes // SHM_FILES, IPC_PIECE_BYTES)) if ipc == "shm" else bucket_bytes
+        self._slots = [ShmSlot(shm_dir) for _ in range(SHM_FILES)]
         self._tp_sizes: dict[str, int] = {}
 
     @property
@@ -82,10 +83,10 @@ class TensorTransport:
         return str(version) if self.versioned_loads and await stream.at_end() else None
 
     async def _push_shm(self, stream: BucketStream, stats: PushStats, version: int) -> None:
-        """Bucket k+1 is written into one slot while the engines copy bucket k from the other, and its load
-        is sent at once, queued behind bucket k's, so the engines go from one copy to the next without a
-        round trip between. A slot is rewritten only once every engine has replied for the bucket it
-        held; the load that sets the version waits for every other to be done."""
+        """Each piece's load is sent as soon as it is written, queued behind the loads before it, so the
+        engines go from one copy to the next without a round trip between. A slot is rewritten only once
+        every engine has replied for the piece it held; the load that sets the version waits for every
+        other to be done."""
         loads: collections.deque[asyncio.Future] = collections.deque()  # in flight, oldest first, one per slot
         adapter = {} if self.adapter is None else {"lora_name": self.adapter.name, "lora_config": self.adapter.config}
         try:
