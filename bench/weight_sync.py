@@ -4,8 +4,9 @@ against one memcpy, `distributed` against one gloo broadcast of a preallocated f
 receiving processes as engines, `disk` against safetensors writing the file and reading it back into
 preallocated tensors; each bound is measured just before its transport. Prints each ratio (medians, and
 fastest against fastest, which a loaded machine disturbs less), the part of a sync outside the push (pause,
-flush, version, continue: the fixed cost), how much the engine's resident memory grows during the syncs
-against one bucket, and the load average. With `--lora-rank R`, also LoRA's adapter sync (`lora.sync = "adapter"`: rank-R adapters on every
+continue, and for `disk` the flush and version calls: the fixed cost), how much the engine's resident
+memory grows during the syncs against one bucket, two memcpys run at once (the floor of `tensor`'s two
+copies where memory bandwidth bounds a copy), and the load average. With `--lora-rank R`, also LoRA's adapter sync (`lora.sync = "adapter"`: rank-R adapters on every
 linear layer, pushed alone and served by name) against the full-model sync (`lora.sync = "merged"` moves the
 same bytes as a full-weight sync), per transport, in the same run.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing
 import os
 import statistics
@@ -84,6 +86,27 @@ def memcpy_times(nbytes: int, repeats: int = 5) -> list[float]:
     for _ in range(repeats):
         start = time.perf_counter()
         dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def concurrent_memcpy_times(nbytes: int, repeats: int = 5) -> list[float]:
+    """Times of two copies of `nbytes` at once, each in its own thread between its own buffers: what the
+    `tensor` transport's two copies (into shared memory, out of it) cost when fully overlapped. Where one
+    copy already takes the memory bandwidth, this is about two copies' time, whatever the cores."""
+    import threading
+
+    pairs = [(torch.randn(nbytes // 4), torch.empty(nbytes // 4)) for _ in range(2)]
+    for src, dst in pairs:
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        threads = [threading.Thread(target=dst.copy_, args=(src,)) for src, dst in pairs]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         times.append(time.perf_counter() - start)
     return times
 
@@ -207,6 +230,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> list[dict]:
         for transport in args.transports:
             bound_name, measure = bounds[transport]
             bound_times = measure()
+            overlapped = concurrent_memcpy_times(nbytes, args.repeats + 2) if transport == "tensor" else [math.nan]
             pid = engines[0].proc.pid
             reset_peak(pid)
             before = rss_mib(pid, "VmRSS")
@@ -217,7 +241,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> list[dict]:
             bound, bound_best = statistics.median(bound_times), min(bound_times)
             rows.append({"size": size, "params": params, "bytes": nbytes, "transport": transport, **result,
                          "bound_name": bound_name, "bound": bound, "bound_best": bound_best, "rss_growth": growth,
-                         "bucket_mib": bucket_mib})
+                         "bucket_mib": bucket_mib, "two_copies": statistics.median(overlapped)})
             print(f"  {size:>5} {transport:<12} sync {result['seconds'] * 1e3:8.1f} ms (best {result['best'] * 1e3:.1f}) "
                   f"push {result['push'] * 1e3:8.1f} ms  = {result['seconds'] / bound:5.2f}x {bound_name} "
                   f"({bound * 1e3:.1f} ms, best {bound_best * 1e3:.1f}, for {nbytes / 2**20:.0f} MiB); engine RSS "
@@ -292,7 +316,12 @@ def print_summary(rows: list[dict], lora_rows: list[dict]) -> None:
               f"{r['bound'] * 1e3:9.1f} {r['seconds'] / r['bound']:6.2f}x {r['best'] / r['bound_best']:10.2f}x "
               f"{r['rss_growth']:16.0f} {r['bucket_mib']:11.0f}")
     print("(ratio = median seconds per sync / median seconds of the transport's bound on the same bytes; best ratio: "
-          "the fastest sync / the fastest bound; fixed = sync - push: pause, flush, version, continue)")
+          "the fastest sync / the fastest bound; fixed = sync - push: pause and continue, and for disk the flush and "
+          "version calls, which the other transports' loads carry)")
+    for r in rows:
+        if r["transport"] == "tensor":
+            print(f"{r['size']}: two memcpys at once (threads) take {r['two_copies'] * 1e3:.1f} ms = "
+                  f"{r['two_copies'] / r['bound']:.2f}x one memcpy: the floor of the tensor transport's two copies")
     if lora_rows:
         print("\nsize   adapter     transport     adapter MiB  adapter ms   full MiB   full ms  full / adapter")
         for r in lora_rows:

@@ -274,3 +274,136 @@ def test_factory_maps_config_and_device_to_transports(tmp_path):
         build_syncer(cfg(check_weights=True), fleet)
     syncer = build_syncer(cfg(transport="tensor", pause_mode="abort", interval=2), fleet)
     assert syncer.describe() == {"transport": "tensor", "pause_mode": "abort", "interval": 2, "check_weights": False}
+
+
+class LoadingFleet(RecordingFleet):
+    """Also takes the tensor transport's loads: records each one's version and reads its tensors back."""
+
+    async def update_weights_from_tensor(self, manifest, weight_version, **adapter):
+        from verst.inference_client.weights import read_shm_bucket
+
+        names = [name for name, _ in read_shm_bucket(manifest)]
+        return await self._all("load", weight_version, names, sorted(adapter))
+
+
+def test_a_transport_with_versioned_loads_flushes_and_versions_with_its_loads():
+    # one tensor per piece: three loads, the last of which alone carries the version
+    fleet = LoadingFleet()
+    transport = TensorTransport(fleet, bucket_bytes=3 * 12)
+    three = [[("a", torch.zeros(3)), ("b", torch.ones(3)), ("c", torch.full((3,), 2.0))]]
+
+    async def main():
+        try:
+            return await WeightSyncer(fleet, transport).sync(three, 4)
+        finally:
+            await transport.close()
+
+    metrics = asyncio.run(main())
+    assert transport.versioned_loads and metrics["sync/buckets"] == 3
+    assert fleet.log == [("pause", "retract"), ("load", None, ["a"], []), ("load", None, ["b"], []),
+                         ("load", "4", ["c"], []), ("continue_generation",)]
+
+
+class SlowLoadingFleet(LoadingFleet):
+    """Each load takes 0.2 s; logs when it is sent and when it is done."""
+
+    async def update_weights_from_tensor(self, manifest, weight_version, **adapter):
+        from verst.inference_client.weights import read_shm_bucket
+
+        names = [name for name, _ in read_shm_bucket(manifest)]
+        self.log.append(("sent", names[0], weight_version))
+        await asyncio.sleep(0.2)
+        self.log.append(("done", names[0]))
+
+
+def test_shm_loads_are_queued_behind_each_other_and_the_versioned_one_goes_last():
+    # a piece's load is sent while the ones before it still run (the engines need not wait a round trip
+    # between copies), at most one per shm file; the last load, which sets the version, only once every
+    # other is done
+    fleet = SlowLoadingFleet()
+    transport = TensorTransport(fleet, bucket_bytes=3 * 12)
+    five = [[(name, torch.full((3,), float(i))) for i, name in enumerate("abcde")]]
+
+    async def main():
+        try:
+            await WeightSyncer(fleet, transport).sync(five, 4)
+        finally:
+            await transport.close()
+
+    asyncio.run(main())
+    loads = fleet.log[1:-1]
+    assert [entry[1] for entry in loads if entry[0] == "sent"] == list("abcde")
+    assert loads.index(("sent", "c", None)) < loads.index(("done", "a"))  # three in flight at once
+    in_flight = [sum(1 if e[0] == "sent" else -1 for e in loads[: i + 1]) for i in range(len(loads))]
+    assert max(in_flight) == 3
+    assert loads[-2:] == [("sent", "e", "4"), ("done", "e")] and in_flight[-3] == 0
+
+
+def test_shm_pieces_are_at_most_a_third_of_a_bucket_and_ipc_piece_bytes(monkeypatch):
+    import verst.sync.tensor as tensor_module
+
+    four = [[(name, torch.zeros(2**16)) for name in "abcd"]]  # 256 KiB each
+
+    def pieces(bucket_bytes):
+        fleet = LoadingFleet()
+        transport = TensorTransport(fleet, bucket_bytes=bucket_bytes)
+
+        async def main():
+            try:
+                await WeightSyncer(fleet, transport).sync(four, 1)
+            finally:
+                await transport.close()
+
+        asyncio.run(main())
+        return [entry[2] for entry in fleet.log if entry[0] == "load"]
+
+    assert pieces(3 * 2**19) == [["a", "b"], ["c", "d"]]  # thirds of the bucket
+    monkeypatch.setattr(tensor_module, "IPC_PIECE_BYTES", 2**18)
+    assert pieces(3 * 2**19) == [["a"], ["b"], ["c"], ["d"]]
+
+
+def test_an_adapter_push_leaves_the_flush_and_the_version_to_the_syncer():
+    from verst.sync import AdapterSpec
+
+    fleet = LoadingFleet()
+    transport = TensorTransport(fleet, bucket_bytes=2**20, adapter=AdapterSpec("policy", {"r": 1}))
+
+    async def main():
+        try:
+            await WeightSyncer(fleet, transport).sync([[("a", torch.zeros(3))]], 2)
+        finally:
+            await transport.close()
+
+    asyncio.run(main())
+    assert not transport.versioned_loads
+    assert actions(fleet.log) == ["pause", "flush_cache", "load", "update_weight_version", "update_weight_version",
+                                  "continue_generation"]
+    assert fleet.log[2] == ("load", None, ["a"], ["lora_config", "lora_name"])
+
+
+def test_a_failed_versioned_push_says_engines_may_report_either_version():
+    fleet = LoadingFleet(fail={"load": ["http://b"]})
+    transport = TensorTransport(fleet, bucket_bytes=2**20)
+
+    async def main():
+        try:
+            await WeightSyncer(fleet, transport).sync(BUCKETS, 3)
+        finally:
+            await transport.close()
+
+    with pytest.raises(WeightSyncError, match=r"still report version 0 \(or 3, where their load of the last bucket"):
+        asyncio.run(main())
+    assert actions(fleet.log) == ["pause", "load", "continue_generation"]
+
+
+def test_bucket_stream_says_whether_the_bucket_returned_is_the_last():
+    from verst.sync.buckets import BucketStream
+
+    async def main():
+        stream, seen = BucketStream([[("a", torch.zeros(2))], [("b", torch.zeros(2))]], 8), []
+        async for bucket in stream:
+            seen.append((bucket[0][0], await stream.at_end()))
+        await stream.aclose()
+        return seen
+
+    assert asyncio.run(main()) == [("a", False), ("b", True)]

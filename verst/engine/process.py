@@ -120,16 +120,14 @@ class BackgroundServer:
         import uvicorn
 
         from verst.engine.runner import EngineRunner
-        from verst.engine.server import create_app, listening_socket
+        from verst.engine.server import create_app, listening_socket, uvicorn_config
         from verst.engine.service import ServerState
 
         sock = listening_socket(self.host, 0)
         self.port = sock.getsockname()[1]
         state = ServerState(runner=EngineRunner(self.core), tokenizer=self.core.tokenizer, model_path=self.model_path,
                             served_model_name=self.served_model_name, host=self.host, port=self.port)
-        config = uvicorn.Config(create_app(state), log_level="warning", timeout_keep_alive=30,
-                                timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn.Server(uvicorn_config(create_app(state)))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name=f"verst-engine-http-{self.port}")
         self._thread.start()

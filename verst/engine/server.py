@@ -396,6 +396,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)  # connections made before uvicorn starts wait in the backlog instead of failing
     return sock
 
+def uvicorn_config(app: FastAPI, log_level: str = "warning") -> Any:
+    """How the engine's app is served: uvloop and httptools, whose request handling costs a fraction of
+    asyncio's loop and h11's parser (a weight sync's control calls are a few small requests each)."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, loop="uvloop", http="httptools", timeout_keep_alive=30,
+                          timeout_graceful_shutdown=5)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     arm_stack_dump()  # SIGUSR1 prints every thread's stack into the engine's log (hang reports)
@@ -442,8 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model)),
         host=args.host, port=port,
     )
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=args.log_level, timeout_keep_alive=30,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(create_app(state), args.log_level))
     if args.port_file:
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:

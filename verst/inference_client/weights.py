@@ -165,7 +165,7 @@ class ShmReader:
     size), so a sender's reused slot costs no page faults after the first push; at most `keep` files stay
     mapped, and one found deleted or replaced is dropped at the next read."""
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 3):  # the tensor transport's three files
         self.keep = keep
         self._mapped: collections.OrderedDict[str, tuple[tuple[int, int, int], torch.Tensor]] = collections.OrderedDict()
         self._lock = threading.Lock()

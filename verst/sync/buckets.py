@@ -75,6 +75,13 @@ class BucketStream:
         self._pending = self._read()
         return bucket
 
+    async def at_end(self) -> bool:
+        """Whether the bucket last returned is the last one: waits for the read of the next (started when
+        that bucket was returned) without taking it, so a transport can send the version with the last load."""
+        if self._pending is None:
+            return True
+        return (await asyncio.shield(self._pending)) is _END
+
     async def aclose(self) -> None:
         if self._pending is not None:
             await asyncio.gather(self._pending, return_exceptions=True)

@@ -68,6 +68,12 @@ class DistributedTransport:
         self._flat = FlatBuffer(device)  # the trainer's packed bucket, kept from push to push
         self.groups_built = 0  # 1 in a healthy run; each failed push adds one rebuild
 
+    @property
+    def versioned_loads(self) -> bool:
+        """Full weights: each load flushes the cache and the last sets the version (`WeightTransport`);
+        an adapter's load leaves the base model's cache alone, so the syncer flushes for it."""
+        return self.adapter is None
+
     async def connect(self) -> None:
         """Build the group unless one is up: the trainer joins as rank 0 while every engine joins over HTTP."""
         if self.group is not None:
@@ -91,7 +97,8 @@ class DistributedTransport:
         stats, stream = PushStats(), BucketStream(buckets, self._push_bytes, by_dtype=self.adapter is None)
         try:
             async for bucket in stream:
-                await self._push_bucket(bucket, stats.buckets)
+                last = self.versioned_loads and await stream.at_end()
+                await self._push_bucket(bucket, stats.buckets, str(version) if last else None)
                 stats.add(bucket)
         except BaseException:
             self.group = None
@@ -102,7 +109,7 @@ class DistributedTransport:
             await stream.aclose()
         return stats.metrics()
 
-    async def _push_bucket(self, bucket: WeightBucket, index: int) -> None:
+    async def _push_bucket(self, bucket: WeightBucket, index: int, weight_version: str | None) -> None:
         group = self.group
         assert group is not None
         names = [name for name, _ in bucket]
@@ -110,12 +117,11 @@ class DistributedTransport:
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         flat = len(set(dtypes)) == 1
-        # Versions are set by the syncer once every bucket is in, so none is sent with a bucket.
         extra: dict[str, Any] = {"load_format": FLATTENED} if flat else {}
         if self.adapter is not None:
             extra.update(lora_name=self.adapter.name, lora_config=self.adapter.config)
         remote = _each(self.fleet, lambda url, c: c.update_weights_from_distributed(
-            names, dtypes, shapes, None, group.name, **extra))  # type: ignore[arg-type]
+            names, dtypes, shapes, weight_version, group.name, **extra))  # type: ignore[arg-type]
         if flat:
             local = _in_collective_thread(broadcast_flat, group, tensors, self._flat, timeout_s=self.timeout_s)
         else:  # an adapter of mixed dtypes: a broadcast per tensor

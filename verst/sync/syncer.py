@@ -49,7 +49,8 @@ class WeightSyncer:
 
     `pause_mode` is how in-flight requests wait (SGLang's modes). The cache is flushed after pausing,
     except under `in_place`, whose point is to keep in-flight KV (SGLang also refuses to flush while
-    requests are in flight); the weight loads themselves still drop the prefix cache. `checker` runs
+    requests are in flight); the weight loads themselves still drop the prefix cache. A transport with
+    `versioned_loads` flushes with its loads and sets the version with its last one (one request each). `checker` runs
     once, after the first successful sync. `interval` is how many train steps apart syncs are (`due`).
     """
 
@@ -104,13 +105,16 @@ class WeightSyncer:
         # The first bucket is read before the pause, so the engines wait only for the push itself.
         source = await PrefetchedSource.read_first(buckets)
         paused = time.perf_counter()
+        # a transport with versioned loads flushes with its loads and sets the version with the last one
+        folded = getattr(self.transport, "versioned_loads", False)
         try:
             await self.fleet.pause(self.pause_mode)
-            if self.pause_mode != "in_place":
+            if self.pause_mode != "in_place" and not folded:
                 await self.fleet.flush_cache()
             metrics = await self.transport.push(source, version)
-            await self.fleet.each(f"update_weight_version({version})",
-                                  lambda c: c.update_weight_version(str(version)))
+            if not folded:
+                await self.fleet.each(f"update_weight_version({version})",
+                                      lambda c: c.update_weight_version(str(version)))
         except BaseException as exc:
             source.close()  # a transport that failed before reading it leaves the trainer's stream open
             await self._continue_after_failure(exc, version, previous)
@@ -142,9 +146,12 @@ class WeightSyncer:
             raise WeightSyncError(f"{failed}. Then continue_generation failed too, so these engines may still be "
                                   f"PAUSED: {cont}") from exc
         if isinstance(exc, Exception):
+            reported = f"they still report version {previous}"
+            if getattr(self.transport, "versioned_loads", False):
+                reported += f" (or {version}, where their load of the last bucket went through)"
             raise WeightSyncError(
-                f"{failed}. Every engine was continued; they still report version {previous} but may hold some "
-                f"tensors of version {version}: sync again before trusting their weights.") from exc
+                f"{failed}. Every engine was continued; {reported} but may hold some tensors of version "
+                f"{version}: sync again before trusting their weights.") from exc
 
     async def reconnect(self) -> None:
         """An engine was replaced by a new server at the same URL: drop what the transport holds (a

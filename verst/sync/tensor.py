@@ -1,10 +1,11 @@
 """The `tensor` transport for colocated engines: each bucket is handed over in memory, written once and
-read by every engine. CPU: two reused /dev/shm files (`verst.inference_client.weights`); GPU: CUDA IPC (SGLang).
+read by every engine. CPU: three reused /dev/shm files (`verst.inference_client.weights`); GPU: CUDA IPC (SGLang).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -18,11 +19,17 @@ from verst.types import WeightBucket
 IPC_MODES = ("shm", "cuda_ipc")
 
 
+IPC_PIECE_BYTES = 64 * 2**20  # shm: the most one file holds (a bigger tensor goes alone)
+SHM_FILES = 3  # shm files written in turn (the engine keeps as many mapped: `ShmReader`)
+
+
 class TensorTransport:
-    """`ipc="shm"`: two shared-memory files of half a bucket each, written in turn: the trainer writes one
-    while the engines copy from the other straight into their parameters (engines on this host; the embedded
-    engine and `load_format="shm"`). The files are kept and rewritten by every push, and deleted by
-    `close()`: together they hold one bucket. `ipc="cuda_ipc"`: SGLang's own scheme. With `adapter`, each
+    """`ipc="shm"`: the push goes in pieces of at most a third of a bucket and `IPC_PIECE_BYTES`, through
+    three shared-memory files written in turn: the trainer writes the next piece while the engines copy
+    the ones before it straight into their parameters (engines on this host; the embedded engine and
+    `load_format="shm"`), so an engine finds the next piece waiting when it is done with one. Together
+    the files hold at most one bucket, which bounds what an engine maps. They are kept and rewritten by
+    every push, and deleted by `close()`. `ipc="cuda_ipc"`: SGLang's own scheme. With `adapter`, each
     push is the adapter in one shm file, which the engines serve under its name.
     """
 
@@ -38,20 +45,26 @@ class TensorTransport:
         self.fleet, self.bucket_bytes, self.ipc, self.shm_dir = fleet, bucket_bytes, ipc, shm_dir
         self.adapter = adapter
         # an adapter goes as one bucket: the engines build it from all of its tensors at once; shared memory
-        # goes in halves, one written while the other is read
+        # goes in pieces, one written while the engines copy the others
         if adapter is not None:
             self._push_bytes = sys.maxsize
         else:
-            self._push_bytes = max(1, bucket_bytes // 2) if ipc == "shm" else bucket_bytes
-        self._slots = [ShmSlot(shm_dir), ShmSlot(shm_dir)]
+            self._push_bytes = max(1, min(bucket_bytes // SHM_FILES, IPC_PIECE_BYTES)) if ipc == "shm" else bucket_bytes
+        self._slots = [ShmSlot(shm_dir) for _ in range(SHM_FILES)]
         self._tp_sizes: dict[str, int] = {}
+
+    @property
+    def versioned_loads(self) -> bool:
+        """Full weights: each load flushes the cache and the last sets the version (`WeightTransport`);
+        an adapter's load leaves the base model's cache alone, so the syncer flushes for it."""
+        return self.adapter is None
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
         stats, stream = PushStats(), BucketStream(buckets, self._push_bytes)
         try:
             if self.ipc == "shm":
                 try:
-                    await self._push_shm(stream, stats)
+                    await self._push_shm(stream, stats, version)
                 except BaseException:
                     # an engine may still be copying from a slot it was abandoned on: the next push writes
                     # into new files instead of under its copy
@@ -59,34 +72,40 @@ class TensorTransport:
                     raise
             else:
                 async for bucket in stream:
-                    await self._push_cuda_ipc(bucket)
+                    await self._push_cuda_ipc(bucket, await self._version_with(stream, version))
                     stats.add(bucket)
         finally:
             await stream.aclose()
         return stats.metrics()
 
-    async def _push_shm(self, stream: BucketStream, stats: PushStats) -> None:
-        """Bucket k+1 is written into one slot while the engines copy bucket k from the other; a slot is
-        rewritten only once every engine has replied for the bucket it held."""
-        loading: asyncio.Future | None = None
+    async def _version_with(self, stream: BucketStream, version: int) -> str | None:
+        """The version to send with the load of the bucket `stream` returned last: set by the last load."""
+        return str(version) if self.versioned_loads and await stream.at_end() else None
+
+    async def _push_shm(self, stream: BucketStream, stats: PushStats, version: int) -> None:
+        """Each piece's load is sent as soon as it is written, queued behind the loads before it, so the
+        engines go from one copy to the next without a round trip between. A slot is rewritten only once
+        every engine has replied for the piece it held; the load that sets the version waits for every
+        other to be done."""
+        loads: collections.deque[asyncio.Future] = collections.deque()  # in flight, oldest first, one per slot
+        adapter = {} if self.adapter is None else {"lora_name": self.adapter.name, "lora_config": self.adapter.config}
         try:
             async for bucket in stream:
-                manifest = await self._write(self._slots[stats.buckets % 2], bucket)
-                if loading is not None:
-                    previous, loading = loading, None
-                    await previous
-                adapter = {} if self.adapter is None else {"lora_name": self.adapter.name,
-                                                           "lora_config": self.adapter.config}
-                call = self.fleet.update_weights_from_tensor(manifest, None, **adapter)  # type: ignore[arg-type]
-                loading = asyncio.ensure_future(call)
+                if len(loads) == len(self._slots):
+                    await _done(loads)  # the slot this bucket goes into is free
+                manifest = await self._write(self._slots[stats.buckets % len(self._slots)], bucket)
+                weight_version = await self._version_with(stream, version)
+                while weight_version is not None and loads:
+                    await _done(loads)
+                call = self.fleet.update_weights_from_tensor(manifest, weight_version, **adapter)  # type: ignore[arg-type]
+                loads.append(asyncio.ensure_future(call))
                 stats.add(bucket)
-            if loading is not None:
-                previous, loading = loading, None
-                await previous
+            while loads:
+                await _done(loads)
         finally:
-            if loading is not None:  # an error elsewhere: stop waiting for this bucket's load
-                loading.cancel()
-                await asyncio.gather(loading, return_exceptions=True)
+            for load in loads:  # an error elsewhere: stop waiting for these buckets' loads
+                load.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)
 
     @staticmethod
     async def _write(slot: ShmSlot, bucket: WeightBucket) -> str:
@@ -104,7 +123,7 @@ class TensorTransport:
     # after `monkey_patch_torch_reductions()` (devices travel as UUIDs, so engines with other
     # CUDA_VISIBLE_DEVICES map them right); `load_format` None. The engine copies out of the handles
     # before it replies, so the tensors only have to outlive the call.
-    async def _push_cuda_ipc(self, bucket: WeightBucket) -> None:
+    async def _push_cuda_ipc(self, bucket: WeightBucket, weight_version: str | None) -> None:
         serialize = _sglang_serializer()
         import torch
 
@@ -118,7 +137,7 @@ class TensorTransport:
 
         async def send(client: Any) -> Any:
             body = {"serialized_named_tensors": [payload] * tp_sizes[client.base_url], "load_format": None,
-                    "flush_cache": True, "weight_version": None}
+                    "flush_cache": True, "weight_version": weight_version}
             # EngineClient has no public call for a raw serialized payload yet (reported); same POST path.
             return await client._post("/update_weights_from_tensor", body, client.timeouts.weights)
 
@@ -134,6 +153,12 @@ class TensorTransport:
     async def close(self) -> None:
         for slot in self._slots:
             slot.close()
+
+
+async def _done(loads: collections.deque[asyncio.Future]) -> None:
+    """Wait for the oldest load, then drop it (an error leaves it there for the caller's clean-up)."""
+    await loads[0]
+    loads.popleft()
 
 
 def _sglang_serializer():

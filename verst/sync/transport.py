@@ -1,5 +1,5 @@
 """The WeightTransport contract (DESIGN.md): push bucketed, HF-named full tensors (or a LoRA adapter's,
-`AdapterSpec`) to every engine of a fleet, and close. Pausing, versions and checks belong to `WeightSyncer`.
+`AdapterSpec`) to every engine of a fleet, and close. Pausing and checks belong to `WeightSyncer`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,16 @@ from verst.types import WeightBucket
 
 @runtime_checkable
 class WeightTransport(Protocol):
-    """Moves weights to every engine; never pauses engines nor sets their version (the syncer does).
+    """Moves weights to every engine; never pauses engines (the syncer does).
 
     `push` may be handed buckets of any size: it regroups them to its own `bucket_bytes`. A push that
     raises may have left engines with some tensors of the new weights and the rest of the old ones.
+
+    A transport whose `versioned_loads` is true flushes the engines' caches with every load (the update
+    requests' `flush_cache`) and sets `version` with its last one (`weight_version`, as SGLang's update
+    routes take it): the syncer then sends no flush and no version update of its own, two round trips
+    per engine fewer. Without it (or when false) the syncer flushes before the push and sets the version
+    after it.
     """
 
     name: str
