@@ -15,16 +15,13 @@ import torch
 pytest.importorskip("strands", reason="the strands extra: pip install 'verst[strands]'")
 
 from examples.strands_calculator.agent import calculator  # noqa: E402
-from tests.e2e.engine_tokens import RecordingEngine, check_trained_tokens_are_the_engines, model_runs  # noqa: E402
+from tests.agent_accounting import check_trained_tokens_are_the_engines, model_runs, run_recorded_rollout  # noqa: E402
 from verst.config import RewardConfig, RolloutConfig, SamplingConfig  # noqa: E402
 from verst.connectors.strands import ANSWER_KEY, STOP_KEY, TOOL_CALLS_KEY, TURNS_KEY, StrandsAgent  # noqa: E402
 from verst.data import PromptSource, make_splits  # noqa: E402
-from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
-from verst.engine.process import BackgroundServer  # noqa: E402
 from verst.inference_client.client import EngineClient  # noqa: E402
-from verst.models.loader import load_model_and_tokenizer, load_tokenizer  # noqa: E402
+from verst.models.loader import load_tokenizer  # noqa: E402
 from verst.rollout.plugins import RolloutContext  # noqa: E402
-from verst.rollout.rollout_fn import run_rollout  # noqa: E402
 from verst.session.scripted import ScriptedEngine  # noqa: E402
 from verst.types import Sample, Status  # noqa: E402
 
@@ -40,22 +37,9 @@ def calculator_prompts(n: int) -> PromptSource:
 
 
 def test_strands_episodes_train_on_the_engines_tokens(tiny_model_dir):
-    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     rollout_cfg = RolloutConfig(**AGENT, n_samples_per_prompt=2, max_response_tokens=8,
                                 max_prompt_tokens=1024, sampling=SamplingConfig(temperature=1.0, seed=0))
-
-    async def main():
-        async with EngineClient(server.url) as client:
-            engine = RecordingEngine(client)
-            ctx = RolloutContext(engine=engine, tokenizer=tokenizer, rollout=rollout_cfg, reward=REWARD,
-                                 source=calculator_prompts(20))
-            try:
-                return await run_rollout(ctx, 2), engine.calls
-            finally:
-                await ctx.aclose()
-
-    with BackgroundServer(EngineCore(model, tokenizer, EngineConfig(max_running_requests=8))) as server:
-        batch, calls = asyncio.run(main())
+    batch, calls = run_recorded_rollout(tiny_model_dir, rollout_cfg, 2, reward=REWARD, source=calculator_prompts(20))
 
     samples = batch.samples
     assert [len(g) for g in batch.groups] == [2, 2]
@@ -88,8 +72,7 @@ def test_a_strands_tool_call_round_trip_masks_the_tool_result(tmp_path):
                 await ctx.aclose()
 
     result = asyncio.run(main())
-    calls = [(c.input_ids, c.output_ids, c.logprobs) for c in scripted.calls]
-    assert check_trained_tokens_are_the_engines([result], calls) == 2
+    assert check_trained_tokens_are_the_engines([result], scripted.calls) == 2
     (_, first_end), (second_start, _) = model_runs(result)
     between = tokenizer.decode(result.tokens[first_end:second_start])
     assert calculator("9-9-6") in between  # the tool ran; its result is masked

@@ -13,13 +13,11 @@ import torch
 pytest.importorskip("verifiers", reason="the verifiers extra: pip install 'verst[verifiers]'")
 
 from examples.verifiers_addition.env import RETRY  # noqa: E402
-from tests.e2e.engine_tokens import RecordingEngine, check_trained_tokens_are_the_engines  # noqa: E402
+from tests.agent_accounting import check_trained_tokens_are_the_engines, run_recorded_rollout  # noqa: E402
 from verst.config import RolloutConfig, SamplingConfig  # noqa: E402
 from verst.connectors.verifiers import METRICS_KEY, STOP_KEY  # noqa: E402
-from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
-from verst.engine.process import BackgroundServer  # noqa: E402
 from verst.inference_client.client import EngineClient  # noqa: E402
-from verst.models.loader import load_model_and_tokenizer  # noqa: E402
+from verst.models.loader import load_tokenizer  # noqa: E402
 from verst.rollout.plugins import RolloutContext  # noqa: E402
 from verst.rollout.rollout_fn import run_rollout  # noqa: E402
 
@@ -27,21 +25,10 @@ torch.set_num_threads(1)
 
 
 def test_verifiers_rollouts_train_on_the_engines_tokens(tiny_model_dir):
-    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    tokenizer = load_tokenizer(tiny_model_dir)
     rollout_cfg = RolloutConfig(rollout_fn="examples.verifiers_addition.env:rollout", n_samples_per_prompt=3,
                                 max_response_tokens=6, sampling=SamplingConfig(temperature=1.0, seed=0))
-
-    async def main():
-        async with EngineClient(server.url) as client:
-            engine = RecordingEngine(client)
-            ctx = RolloutContext(engine=engine, tokenizer=tokenizer, rollout=rollout_cfg)
-            try:
-                return await run_rollout(ctx, 2), engine.calls
-            finally:
-                await ctx.aclose()
-
-    with BackgroundServer(EngineCore(model, tokenizer, EngineConfig(max_running_requests=8))) as server:
-        batch, calls = asyncio.run(main())
+    batch, calls = run_recorded_rollout(tiny_model_dir, rollout_cfg, 2)
 
     assert [len(g) for g in batch.groups] == [3, 3]
     samples = batch.samples
