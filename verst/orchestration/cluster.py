@@ -24,7 +24,7 @@ from verst.config.schema import ClusterConfig
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.capacity import check_fits, ray_nodes
 from verst.orchestration.engine_actors import EngineActorGroup, check_engine_type
-from verst.orchestration.placement import BundlePlan, Placement, plan_bundles
+from verst.orchestration.placement import BundlePlan, Placement, Role, plan_bundles
 from verst.orchestration.ray_session import RaySession
 from verst.orchestration.rollout_manager import PartsFactory, RolloutBatch, RolloutManager, RouterSpec
 from verst.types import Group
@@ -111,10 +111,7 @@ class Orchestration:
         With `wait=False` the servers start in the background until `group.wait_ready()`."""
         if not self.engines:
             raise RuntimeError("this orchestration was planned without engines (engines=False)")
-        group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
-                                 startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait)
-        self._stack.append(group)
-        return group
+        return self._engine_group(model, args, wait, "engine")
 
     def start_teacher_engines(self, model: str | Path, *, args: list[str] | None = None,
                               wait: bool = True) -> EngineActorGroup:
@@ -122,11 +119,7 @@ class Orchestration:
         bundles of their own; never in the weight sync."""
         if not self.teacher_engines:
             raise RuntimeError("this orchestration was planned without teacher engines (teacher_engines=0)")
-        group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
-                                 startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait,
-                                 role="teacher")
-        self._stack.append(group)
-        return group
+        return self._engine_group(model, args, wait, "teacher")
 
     def start_eval_engines(self, model: str | Path, *, args: list[str] | None = None,
                            wait: bool = True) -> EngineActorGroup:
@@ -134,9 +127,12 @@ class Orchestration:
         in bundles of their own; never in the weight sync."""
         if not self.eval_engines:
             raise RuntimeError("this orchestration was planned without evaluation engines (eval_engines=0)")
+        return self._engine_group(model, args, wait, "eval")
+
+    def _engine_group(self, model: str | Path, args: list[str] | None, wait: bool, role: Role) -> EngineActorGroup:
+        """The engine actors of the placement's `role` bundles, stopped with the orchestration."""
         group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
-                                 startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait,
-                                 role="eval")
+                                 startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait, role=role)
         self._stack.append(group)
         return group
 
