@@ -13,7 +13,7 @@ from typing import Any
 
 from verst.config import VerstConfig
 from verst.eval.backend import in_daemon_thread
-from verst.eval.local import held_out_prompts, score_url
+from verst.eval.local import held_out_prompts, run_tokenizer, score_url
 from verst.eval.skip import EvalSkip, skip_reason
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, FleetError
@@ -117,9 +117,7 @@ class EvalFleet:
 
     def _held_out(self) -> tuple[Any, list]:
         if self._inputs is None:
-            from verst.models import load_tokenizer
-
-            self._inputs = load_tokenizer(self.cfg.model.path), held_out_prompts(self.cfg)
+            self._inputs = run_tokenizer(self.cfg.model.path), held_out_prompts(self.cfg)
         return self._inputs
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,14 @@ def serve_snapshot(snapshot: str | Path, step: int, *, device: str = "cpu", mode
     with EngineProcess(snapshot, args=args, entry=SERVE_ENGINE, log_path=log_path,
                        startup_timeout=startup_timeout) as engine:
         yield engine.url
+
+
+@functools.lru_cache(maxsize=4)
+def run_tokenizer(path: str) -> Any:
+    """The tokenizer of a run's model, loaded once per process (every evaluation of the run uses it)."""
+    from verst.models import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 def held_out_prompts(cfg: VerstConfig, dataset: str | None = None) -> list:

@@ -24,10 +24,9 @@ from verst.eval.backend import (
     retire_snapshots,
     snapshot_dir,
 )
-from verst.eval.local import held_out_prompts
+from verst.eval.local import held_out_prompts, run_tokenizer
 from verst.eval.skip import EvalSkip, accept, skip_reason, skipped
 from verst.inference_client.client import EngineClient
-from verst.models import load_tokenizer
 from verst.schedules.rollout_side import request_batch
 
 if TYPE_CHECKING:
@@ -81,7 +80,7 @@ class EvaluationSteps:
         return metrics | {"eval/weight_version": float(served), "eval/mixed_version_ratio": 0.0}
 
     async def _score_on_engines(self: RLRun, cfg: Any, rollout: Any, served: int) -> dict[str, float]:
-        tokenizer, prompts, version = _tokenizer(cfg.model.path), held_out_prompts(cfg), str(served)
+        tokenizer, prompts, version = run_tokenizer(cfg.model.path), held_out_prompts(cfg), str(served)
         if cfg.rollout.agent_fn:  # a tool-using task: the first reply is a tool call, so run whole episodes
             async with EngineClient(self.router_url, affinity=True, lora_path=cfg.lora.served_adapter) as client:
                 return await evaluate_agentic(cfg, client, tokenizer, prompts, expect_version=version)
@@ -237,11 +236,6 @@ def _move_export(export: Path, target: Path, lora: bool) -> None:
     shutil.rmtree(target, ignore_errors=True)
     source.rename(target)
     shutil.rmtree(export, ignore_errors=True)
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(path: str) -> Any:
-    return load_tokenizer(path)
 
 
 @functools.lru_cache(maxsize=4)

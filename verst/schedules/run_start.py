@@ -17,6 +17,7 @@ from verst.config import VerstConfig, batch_plan
 from verst.config.adapters import adapter_names, adapter_run_config
 from verst.engines.kinds import engine_kind, resolve_engine_python
 from verst.eval.fleet import open_eval_fleet
+from verst.eval.local import run_tokenizer
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.models.loader import check_same_tokenizer
@@ -28,7 +29,6 @@ from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, fai
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.schedules import checkpointing
 from verst.schedules.checkpointing import RunCheckpointer
-from verst.schedules.evaluation import _tokenizer
 from verst.schedules.lanes import Lane, push_adapters
 from verst.schedules.rollout_side import build_rollout_parts, prepare_rollout_parts
 from verst.schedules.run import RLRun
@@ -60,7 +60,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     resume = checkpointing.prepare_resume(cfg)  # refused before anything starts
     if cfg.teacher.model_path is not None:
         check_same_tokenizer(cfg.model.path, cfg.teacher.model_path)
-    _load_in_background(_tokenizer, cfg.model.path)  # the evaluations' (transformers' import), while Ray starts
+    _load_in_background(run_tokenizer, cfg.model.path)  # the evaluations' (transformers' import), while Ray starts
     run_dir = prepare_run_dir(cfg)
     (run_dir / "logs").mkdir(exist_ok=True)
     plan = batch_plan(cfg)
