@@ -8,8 +8,10 @@ the run, and impossible placements are refused.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -36,18 +38,23 @@ def cluster():
 
     if ray.is_initialized():
         pytest.skip("Ray is already initialised in this process; this module starts a cluster of its own")
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR")}
     saved_switch = constants.ENABLE_RAY_CLUSTER
     # The nodes' processes inherit this: the workers import this checkout; every node binds loopback.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved["PYTHONPATH"]]))
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     constants.ENABLE_RAY_CLUSTER = False
-    temp_dir = tempfile.mkdtemp(prefix="verst-cluster-")
+    # Ray's default home is TMPDIR/ray (or /tmp/ray), shared by every Ray on the machine and absent on a new
+    # one; `Cluster` writes its address file there. This cluster keeps everything in a home of its own.
+    temp_dir = tempfile.mkdtemp(prefix="vc-")  # short: Ray's sockets live under it
+    ray_home = Path(temp_dir) / "ray"
+    ray_home.mkdir()
+    os.environ["RAY_TMPDIR"] = temp_dir
     nodes = None
     try:
         common = {"object_store_memory": OBJECT_STORE, "node_ip_address": "127.0.0.1"}
         nodes = Cluster(initialize_head=True, head_node_args={
-            **common, **HEAD, "include_dashboard": False, "temp_dir": temp_dir})
+            **common, **HEAD, "include_dashboard": False, "temp_dir": str(ray_home)})
         worker = nodes.add_node(**common, **WORKER)
         nodes.wait_for_nodes()
         yield nodes.address, nodes.head_node.node_id, worker.node_id
@@ -84,6 +91,32 @@ def test_joining_starts_nothing_and_leaves_the_cluster_running(cluster):
         session.shutdown()
     assert not ray.is_initialized()
     assert alive_nodes(address) == {head, worker}  # disconnecting did not end the cluster
+
+
+def test_a_local_session_starts_a_ray_of_its_own_beside_another_cluster(cluster, monkeypatch):
+    """Another Ray runs on the machine, its address is in Ray's address file (`Cluster` wrote it) and in
+    RAY_ADDRESS: a session without `cluster.ray_address` still starts a Ray of its own and leaves that one be."""
+    address, head, worker = cluster
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    assert (Path(os.environ["RAY_TMPDIR"]) / "ray" / "ray_current_cluster").read_text() == address
+    with RaySession(slots=1, log_to_driver=False) as session:
+        assert session.tmp_dir is not None  # a local Ray with the run's own temporary directory
+        ours = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert len(ours) == 1 and not ours & {head, worker}, ours
+        assert ray.get(ray.remote(lambda: 7).remote()) == 7
+    assert alive_nodes(address) == {head, worker}
+
+
+def test_a_dead_ray_address_in_the_environment_is_ignored_and_named(monkeypatch, caplog):
+    with socket.socket() as probe:  # a port where nothing listens
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setenv("RAY_ADDRESS", dead)
+    with caplog.at_level(logging.WARNING, logger="verst.orchestration.ray_session"):
+        with RaySession(slots=1, log_to_driver=False) as session:
+            assert session.tmp_dir is not None
+            assert ray.get(ray.remote(lambda: 7).remote()) == 7
+    assert f"RAY_ADDRESS={dead} is set and ignored" in caplog.text and "cluster.ray_address" in caplog.text
 
 
 def test_impossible_placements_are_refused_by_field_before_anything_is_reserved(cluster):

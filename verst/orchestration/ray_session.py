@@ -29,9 +29,11 @@ _QUIET_ENV = {
     "RAY_DEDUP_LOGS": "1",
 }
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+_RAY_ADDRESS_ENV = "RAY_ADDRESS"
 JOIN_PROBE_TIMEOUT_S = 10.0
 # Announces at every start that token authentication is on (Ray's default, which we keep).
 _AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+logger = logging.getLogger(__name__)
 
 
 class RaySession:
@@ -91,6 +93,13 @@ class RaySession:
             raise
 
     def _start_local(self) -> None:
+        """A new one-node Ray of this run's own. `address="local"` is what makes it new: without it
+        `ray.init` joins whatever `RAY_ADDRESS` or the machine's last `ray start` (Ray's
+        `ray_current_cluster` file) names, which may be another user's cluster or a dead address."""
+        stray = os.environ.get(_RAY_ADDRESS_ENV)
+        if stray:
+            logger.warning("%s=%s is set and ignored: verst starts a Ray of its own unless "
+                           "cluster.ray_address names the cluster to join", _RAY_ADDRESS_ENV, stray)
         self._set_env(_QUIET_ENV)
         self._use_loopback()
         self._start_reaper()
@@ -102,6 +111,7 @@ class RaySession:
         notice.setLevel(logging.ERROR)
         try:
             ray.init(
+                address="local",
                 num_cpus=num_cpus,
                 num_gpus=self.num_gpus,
                 resources={SLOT_RESOURCE: float(self.slots)} if self.slots else None,
