@@ -151,3 +151,17 @@ def test_the_tensor_transport_is_refused_across_machines(monkeypatch):
     orch.check_transport("distributed")
     orch.placement = SimpleNamespace(nodes_of=lambda role: [a.node_id])  # one machine: shared memory works
     orch.check_transport("tensor")
+
+
+def test_a_run_directory_for_ray_stays_within_the_unix_socket_path_limit(monkeypatch):
+    """Ray's sockets live under the run's temporary directory; a long TMPDIR (a fresh machine's
+    `TMPDIR=$(mktemp -d)`, or a run started from inside another run's directory) moves it to /tmp."""
+    import tempfile
+
+    from verst.orchestration.ray_session import _RAY_SOCKET_TAIL, socket_safe_temp_root
+
+    for root, expected in (("/tmp/tmp.AbCdEfGhIj", "/tmp/tmp.AbCdEfGhIj"),
+                           ("/tmp/tmp.AbCdEfGhIj/verst-abcdefgh", "/tmp"), ("/tmp/" + "d" * 60, "/tmp")):
+        monkeypatch.setattr(tempfile, "tempdir", root)
+        assert socket_safe_temp_root() == expected, root
+        assert len(socket_safe_temp_root()) + len("/verst-xxxxxxxx") + _RAY_SOCKET_TAIL <= 107

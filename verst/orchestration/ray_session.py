@@ -31,6 +31,9 @@ _QUIET_ENV = {
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 _RAY_ADDRESS_ENV = "RAY_ADDRESS"
 JOIN_PROBE_TIMEOUT_S = 10.0
+_UNIX_SOCKET_MAX = 107
+# What Ray puts under its temp dir before a socket's name: /session_<date>_<time>_<micros>_<pid>/sockets/plasma_store
+_RAY_SOCKET_TAIL = len("/session_2026-12-04_15-06-44_233281_4194304/sockets/plasma_store")
 # Announces at every start that token authentication is on (Ray's default, which we keep).
 _AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 logger = logging.getLogger(__name__)
@@ -156,7 +159,7 @@ class RaySession:
         """A run-owned temporary directory, for Ray's session files and, through TMPDIR (which Ray's
         processes inherit), every temporary path of the run's processes; and the reaper that ends those
         processes and removes it when this driver dies. A short path: Ray's sockets live under it."""
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix="verst-"))
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="verst-", dir=socket_safe_temp_root()))
         self._saved_env.setdefault("TMPDIR", os.environ.get("TMPDIR"))
         os.environ["TMPDIR"] = str(self.tmp_dir)
         self._reaper = Reaper.start(self.tmp_dir)
@@ -206,6 +209,15 @@ class RaySession:
 
             constants.ENABLE_RAY_CLUSTER = self._saved_loopback
             del self._saved_loopback
+
+
+def socket_safe_temp_root() -> str:
+    """Where a run's temporary directory goes: the system's (TMPDIR), unless Ray's sockets under it would
+    pass the 107-byte limit of a Unix socket path (a long TMPDIR, or a run started from inside another
+    run's), then /tmp."""
+    root = tempfile.gettempdir()
+    longest = len(root) + len("/verst-xxxxxxxx") + _RAY_SOCKET_TAIL
+    return root if longest <= _UNIX_SOCKET_MAX else "/tmp"
 
 
 def split_address(address: str) -> tuple[str, int | None]:
