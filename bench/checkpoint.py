@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.train_throughput import make_batch  # noqa: E402
 from verst.config.schema import ModelConfig, TrainerConfig  # noqa: E402
 from verst.models.factory import init_model  # noqa: E402
-from verst.monitor import checkpoints as layout  # noqa: E402
+from verst.monitor import checkpoint_dirs as layout  # noqa: E402
 from verst.trainer import FSDP2Backend, sft_loss_fn  # noqa: E402
 
 

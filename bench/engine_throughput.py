@@ -47,9 +47,9 @@ from _models import resolve_model  # noqa: E402
 from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
 from verst.engine.process import EngineProcess  # noqa: E402
 from verst.engine.request import Request  # noqa: E402
-from verst.engines import engine_kind  # noqa: E402
-from verst.engines.kinds import module_found, resolve_engine_python  # noqa: E402
-from verst.engines.vllm import VLLMAdapter  # noqa: E402
+from verst.engine_kinds import engine_kind  # noqa: E402
+from verst.engine_kinds.kinds import module_found, resolve_engine_python  # noqa: E402
+from verst.engine_kinds.vllm import VLLMAdapter  # noqa: E402
 from verst.inference_client.client import EngineClient  # noqa: E402
 from verst.inference_client.protocol import SamplingParams  # noqa: E402
 from verst.models.factory import init_model  # noqa: E402

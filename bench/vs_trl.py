@@ -185,7 +185,7 @@ def sft_checkpoint(path: str | None, work_dir: Path, task: str) -> Path:
     stages = recipes(task)[1]
     source = Path(path) if path else ROOT / "runs" / load_config(stages[-1]).name / "hf"
     if path is None and not (source / "config.json").exists():
-        from verst.schedules.demo import make_artifacts
+        from examples.demo import make_artifacts
         from verst.schedules.sft import run_sft
 
         for data in dict.fromkeys(("addition", task)):  # every task's first stage is sft_addition

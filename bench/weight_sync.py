@@ -48,7 +48,7 @@ from verst.models.chat_template import TINY_CHAT_TEMPLATE  # noqa: E402
 from verst.models.factory import count_parameters, model_config  # noqa: E402
 from verst.models.tokenizer import save_tokenizer  # noqa: E402
 from verst.sync import AdapterSpec, build_syncer  # noqa: E402
-from verst.trainer.checkpoint import named_tensors  # noqa: E402
+from verst.trainer.persistence import named_tensors  # noqa: E402
 
 # Qwen3 shapes giving ~1M, ~10M and ~100M parameters with the tiny byte-level vocabulary.
 SIZES = {

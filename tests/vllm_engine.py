@@ -3,7 +3,7 @@ is not installed) and the flags that keep its start-up short on CPU."""
 
 import pytest
 
-from verst.engines.kinds import module_found, resolve_engine_python
+from verst.engine_kinds.kinds import module_found, resolve_engine_python
 
 # Eager mode (no graph compilation) and a short context: start-up in tens of seconds on 2 CPU cores.
 VLLM_FLAGS = {"enforce-eager": True, "max-model-len": 512}

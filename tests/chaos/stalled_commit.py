@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from verst.cli.main import main
-from verst.monitor import checkpoints as layout
+from verst.monitor import checkpoint_dirs as layout
 
 _commit = layout.commit
 

@@ -17,7 +17,7 @@ import pytest
 from tests.chaos.runs import BackgroundRun
 from tests.e2e.test_resume import SEEDED, kill_tagged, verst
 from tests.e2e.test_rl_schedules import rl_args, rl_config, run_schedule
-from verst.monitor import checkpoints as layout
+from verst.monitor import checkpoint_dirs as layout
 from verst.monitor import read_metrics
 
 

@@ -36,21 +36,21 @@ def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(ray_ses
                                                                          addition_data_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from verst.schedules import run as run_module
+    from verst.run.training import TrainerGroup
 
     cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "sync", "--sync.transport", "disk",
                     "--cluster.placement", "disaggregated", "--rollout.num-rollouts", "5",
                     "--checkpoint.interval", "1", "--fault.max-restarts", "1")
-    on_ranks, calls, killed = run_module.on_ranks, [], []
+    on_ranks, calls, killed = TrainerGroup.on_ranks, [], []
 
-    def kill_as_step_3_starts(trainer, step, *args):
+    def kill_as_step_3_starts(group, step, *args):
         calls.append(step)
         if len(calls) == 3:  # train step 3, after step 2's checkpoint
             killed.append(run.pid_of("trainer rank 0"))
             signal_quietly(killed[0], signal.SIGKILL)
-        return on_ranks(trainer, step, *args)
+        return on_ranks(group, step, *args)
 
-    monkeypatch.setattr(run_module, "on_ranks", kill_as_step_3_starts)
+    monkeypatch.setattr(TrainerGroup, "on_ranks", kill_as_step_3_starts)
     run = BackgroundRun(cfg)
     summary = run.result(timeout_s=480)
     assert len(killed) == 1 and summary["train/steps"] == 5

@@ -5,8 +5,8 @@ import torch
 
 from tests.component.test_train_steps import _on_policy, _weights, make_groups
 from verst.config import load_config
-from verst.schedules.train_steps import train_on_groups, train_rollout_step
-from verst.schedules.trainer_setup import open_trainer
+from verst.run.trainer_setup import open_trainer
+from verst.trainer.rl_steps import train_on_groups, train_rollout_step
 
 
 def ppo_config(model_dir, *extra):
@@ -119,8 +119,8 @@ def test_two_critic_ranks_match_one(tiny_model_dir):
     from tests.component.test_trainer_actor_group import BATCHES, CONFIG, TOTAL_STEPS, trainer_ranks
     from verst.config import AlgorithmConfig, CriticConfig, ModelConfig
     from verst.orchestration import RaySession
-    from verst.schedules.train_steps import value_loss_fn
     from verst.trainer import FSDP2Backend
+    from verst.trainer.rl_steps import value_loss_fn
 
     make = functools.partial(FSDP2Backend, ModelConfig(path=str(tiny_model_dir)), CONFIG, total_steps=TOTAL_STEPS,
                              device="cpu", critic=CriticConfig(lr=1e-3))

@@ -24,12 +24,11 @@ from verst.orchestration import (
     Orchestration,
     Placement,
     RaySession,
-    RolloutParts,
-    RouterSpec,
     check_engine_type,
     plan_bundles,
 )
 from verst.orchestration.placement import current_bundle
+from verst.rollout.manager import RolloutParts, RouterSpec
 from verst.trainer import FSDP2Backend, RankError, TrainItem, sft_loss_fn
 from verst.types import Sample, Status
 

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from verst.orchestration import RolloutEndpoints, RolloutManager, RolloutParts
 from verst.rollout import AsyncRolloutWorker, FifoBuffer
+from verst.rollout.manager import RolloutEndpoints, RolloutManager, RolloutParts
 from verst.types import Sample, Status, expand_group
 
 N = 2  # samples per prompt

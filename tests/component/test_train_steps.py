@@ -4,19 +4,19 @@ import asyncio
 import contextlib
 import functools
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from verst.config import batch_plan, load_config
 from verst.config.schema import ClusterConfig
-from verst.orchestration import Orchestration, RaySession, RolloutBatch
-from verst.schedules.lanes import Lane
-from verst.schedules.run import RLRun
-from verst.schedules.train_steps import old_logprob_source, old_logprobs, train_on_groups
-from verst.schedules.trainer_setup import open_trainer
+from verst.orchestration import Orchestration, RaySession, TrainBatchRef
+from verst.run.guard import Guard
+from verst.run.lanes import Lane
+from verst.run.trainer_setup import open_trainer
+from verst.run.training import DeviceShare, TrainerGroup
 from verst.trainer import FSDP2Backend, InProcessRank
+from verst.trainer.rl_steps import old_logprob_source, old_logprobs, train_on_groups
 from verst.types import Sample, Status
 
 
@@ -97,13 +97,13 @@ def ray_rank(cfg, total_steps):
 
 
 def in_process_batch(groups):
-    return RolloutBatch(groups, len(groups))
+    return TrainBatchRef(groups, len(groups))
 
 
 def object_store_batch(groups):
     import ray
 
-    return RolloutBatch(ray.put(groups), len(groups))
+    return TrainBatchRef(ray.put(groups), len(groups))
 
 
 @pytest.mark.parametrize("start_trainer, as_ranks, make_batch", [
@@ -120,19 +120,19 @@ def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_mod
                              "--trainer.global-batch-size", "8"])
     assert old_logprob_source(cfg) == "recompute"
     groups = make_groups(4, 4, seed=2)
-    plan = batch_plan(cfg)
-    run = SimpleNamespace(cfg=cfg, plan=plan, trainer=None, engines=None, version=0, started_at=0.0,
-                          watchdog=None, lanes=[Lane(cfg, plan, rollout=None)])  # no phase limits: unguarded steps
-    run.guard = functools.partial(RLRun.guard, run)
+    lane = Lane(cfg, batch_plan(cfg), rollout=None)
 
-    async def steps(batch) -> list[dict[str, float]]:
-        return [m async for m in RLRun.train(run, batch)]
+    async def steps(group, batch) -> list[dict[str, float]]:
+        return [m async for m in group.train(batch, lane, version=0)]
+
+    async def nothing_to_settle() -> None:
+        pass
 
     with start_trainer(cfg) as trainer:
-        run.trainer = as_ranks(trainer)
+        # no watchdog: unguarded steps; disaggregated: no engine memory to release
+        group = TrainerGroup(as_ranks(trainer), Guard(cfg.fault), DeviceShare(None, nothing_to_settle), started_at=0.0)
         _on_policy(trainer, groups)
-        first, second = asyncio.run(steps(make_batch(groups)))
-    assert run.version == 2
+        first, second = asyncio.run(steps(group, make_batch(groups)))
     assert first["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy has not moved yet
     assert abs(second["train/ppo_kl"]) > 1e-4  # it has, by the first step (a per-step recompute gives 0 here)
     assert second["train/rollout_logprob_abs_diff"] < 1e-5  # old policy = the sampling policy

@@ -12,7 +12,7 @@ from verst.config.schema import ModelConfig, TrainerConfig
 from verst.models.factory import init_model
 from verst.models.native import NativeCausalLM
 from verst.trainer import ForwardOutputs, FSDP2Backend, MicroBatch, TrainBackend, TrainItem, sft_loss_fn
-from verst.trainer.schedule import lr_factor
+from verst.trainer.optim import lr_factor
 
 VOCAB = 256  # ids drawn from the byte range of the tiny tokenizer
 
@@ -255,7 +255,7 @@ def test_save_and_load_resume_in_process(model_path, tmp_path):
 def test_a_background_save_holds_the_state_of_its_call(model_path, tmp_path):
     """The shards are copied at the call: steps taken while the thread writes do not leak in; the
     directory is complete once the rank's write has ended and COMPLETE is written."""
-    from verst.monitor.checkpoints import wait_trainer_writes
+    from verst.monitor.checkpoint_dirs import wait_trainer_writes
 
     make = functools.partial(make_backend, model_path, lr_schedule="linear", total_steps=4)
     batches = [make_items(LENGTHS, seed=s) for s in range(3)]

@@ -11,7 +11,7 @@ from verst.config.schema import LoraConfig, ModelConfig, TrainerConfig
 from verst.models.factory import init_model
 from verst.models.native import NativeCausalLM
 from verst.trainer import FSDP2Backend, sft_loss_fn
-from verst.trainer.checkpoint import SHARDS_DIR
+from verst.trainer.persistence import SHARDS_DIR
 
 from .test_trainer_backend import LENGTHS, hf_model, make_items, pg_loss, plain_logprobs
 

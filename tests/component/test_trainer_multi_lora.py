@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from verst.config.schema import LoraAdapterConfig, LoraConfig
-from verst.trainer.checkpoint import saved_extra
+from verst.trainer.persistence import saved_extra
 
 from .test_trainer_backend import LENGTHS, make_items, pg_loss
 from .test_trainer_lora import make_backend, max_diff, model_path  # noqa: F401

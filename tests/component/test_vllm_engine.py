@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tests.vllm_engine import VLLM_FLAGS, vllm_python_or_skip
 from verst.config.schema import ModelConfig, SyncConfig, TrainerConfig
 from verst.engine.process import EngineProcess
-from verst.engines import engine_kind
+from verst.engine_kinds import engine_kind
 from verst.inference_client.client import EngineClient
 from verst.inference_client.fleet import EngineFleet
 from verst.models.factory import init_model

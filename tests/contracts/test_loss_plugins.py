@@ -14,9 +14,9 @@ from tests.contracts import loss_plugins
 from verst.algo import aggregation_normalizer, load_loss_plugins
 from verst.config import ConfigError, load_config
 from verst.config.schema import AlgorithmConfig
-from verst.schedules.train_steps import rl_loss_fn
 from verst.trainer import ForwardOutputs, make_items
 from verst.trainer.batching import collate
+from verst.trainer.rl_steps import rl_loss_fn
 from verst.types import Sample, Status
 
 RESPONSES = [3, 1, 4]  # response lengths; sequence 2 has an environment token

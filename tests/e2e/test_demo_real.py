@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from examples import demo_real
 from verst.models import load_model, load_tokenizer
-from verst.schedules import demo_real
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -128,11 +128,11 @@ def test_both_adapters_raise_their_held_out_accuracy(ray_session, tiny_model_dir
     """recipes/grpo_multi_lora.toml as docs/lora.md measures it, on the `make demo` SFT warm start made here
     (the teacher's addition data, recipes/sft_addition.toml): `add` (addition) and `chain` (chain addition)
     both raise their held-out accuracy in one run."""
+    from examples.demo import SFT_DATA_NAME, TEACHER_CARRY_ERROR_RATE
     from tests.e2e.test_sft import sft_args
     from verst.cli.main import main
     from verst.data import make_splits, write_jsonl
     from verst.data.teachers import forgets_carry
-    from verst.schedules.demo import SFT_DATA_NAME, TEACHER_CARRY_ERROR_RATE
 
     data, trains = {}, {}
     for task, n_train in (("addition", 4000), ("chain_addition", 5000)):  # as `make demo`, `verst data make`

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from examples import demo
 from tests.metrics_doc import undocumented
 from verst.config import load_config
 from verst.monitor import read_metrics
-from verst.schedules import SCHEDULES, demo
+from verst.schedules import SCHEDULES
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["--logging.progress", "false", "--logging.tensorboard", "false"]

@@ -26,7 +26,7 @@ from tests.e2e.test_rl_schedules import (
     run_schedule,
 )
 from verst.monitor import read_metrics
-from verst.monitor.checkpoints import CheckpointError, read_latest, read_manifest
+from verst.monitor.checkpoint_dirs import CheckpointError, read_latest, read_manifest
 
 SEEDED = ("--rollout.sampling.seed", "7", "--schedule", "sync", "--sync.transport", "disk")
 ACCOUNTED = ("--schedule", "fully_async", "--sync.transport", "disk", "--buffer.max-staleness", "0",
@@ -89,7 +89,7 @@ def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, a
 def test_resume_refuses_a_changed_field_then_continues(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
-    from verst.schedules.checkpointing import prepare_resume
+    from verst.run.checkpointer import prepare_resume
 
     cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts", "1")
     run_schedule(cfg)

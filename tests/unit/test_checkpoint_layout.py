@@ -10,7 +10,7 @@ import os
 import pytest
 
 from verst.config import load_config
-from verst.monitor import checkpoints as layout
+from verst.monitor import checkpoint_dirs as layout
 
 
 def fake_step(run_dir, step, keep_last=0):

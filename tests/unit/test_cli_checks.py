@@ -179,7 +179,7 @@ def test_wandb_without_the_package_is_refused(tmp_path, tiny_model_dir, addition
 
 def test_resume_takes_the_runs_config_and_passes_preflight(tmp_path, tiny_model_dir, addition_data_dir):
     from verst.cli.config_command import parse_config_command
-    from verst.monitor import checkpoints as layout
+    from verst.monitor import checkpoint_dirs as layout
 
     cfg = good_config(tmp_path, tiny_model_dir, addition_data_dir, "--trainer.lr", "3e-4")
     run = prepare_run_dir(cfg)

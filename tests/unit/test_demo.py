@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from examples import demo
 from verst.config import batch_plan, load_config
 from verst.config.arithmetic import check_batch_arithmetic
-from verst.schedules import demo
 
 
 def test_rl_recipe_is_fully_async_on_one_trainer_rank_and_one_engine():

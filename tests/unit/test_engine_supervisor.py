@@ -9,6 +9,7 @@ import concurrent.futures
 from verst.config.schema import FaultConfig
 from verst.orchestration import health
 from verst.orchestration.health import EngineSupervisor, RestartWeights
+from verst.run.weights import RestartSource
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 
@@ -98,20 +99,20 @@ def test_where_a_restarted_engine_gets_its_weights(tmp_path):
     exported = []
 
     class Trainer:
-        def apply(self, fn, directory):
-            exported.append((fn, directory))
+        def apply(self, fn, directory, merge_lora):
+            exported.append((fn, directory, merge_lora))
             return [5, 5]  # the steps each rank's weights have taken
 
     def weights(transport, version):
         cfg = load_config(None, ["--sync.transport", transport, "--model.path", "MODEL"])
-        return asyncio.run(health.restart_weights(cfg, SimpleNamespace(version=version), Trainer(), tmp_path))
+        return asyncio.run(RestartSource(cfg, SimpleNamespace(version=version), Trainer(), tmp_path / "weights")())
 
     assert weights("distributed", None) == RestartWeights("MODEL", 0)  # before the first push
     assert weights("disk", 4) == RestartWeights(str(snapshot_path(tmp_path / "weights", 4)), 4)
     assert exported == []
     for transport in ("distributed", "tensor"):
         assert weights(transport, 4) == RestartWeights(str(tmp_path / "weights" / "restart"), 5)
-    assert exported == [(export_at_step, str(tmp_path / "weights" / "restart"))] * 2
+    assert exported == [(export_at_step, str(tmp_path / "weights" / "restart"), False)] * 2
 
 
 def test_with_lora_adapter_sync_a_restarted_engine_loads_the_base_then_the_adapter(tmp_path):
@@ -124,20 +125,20 @@ def test_with_lora_adapter_sync_a_restarted_engine_loads_the_base_then_the_adapt
     exported = []
 
     class Trainer:
-        def apply(self, fn, directory):
-            exported.append((fn, directory))
+        def apply(self, fn, directory, merge_lora):
+            exported.append((fn, directory, merge_lora))
             return [5]
 
     def weights(transport, version):
         cfg = load_config(None, ["--sync.transport", transport, "--model.path", "MODEL", "--lora.enabled", "true"])
-        return asyncio.run(health.restart_weights(cfg, SimpleNamespace(version=version), Trainer(), tmp_path))
+        return asyncio.run(RestartSource(cfg, SimpleNamespace(version=version), Trainer(), tmp_path / "weights")())
 
     assert weights("distributed", None) == RestartWeights("MODEL", 0)  # before the step-0 adapter's push
     assert weights("disk", 0) == RestartWeights("MODEL", 0, ("policy", str(snapshot_path(tmp_path / "weights", 0))))
     assert weights("disk", 4) == RestartWeights("MODEL", 4, ("policy", str(snapshot_path(tmp_path / "weights", 4))))
     restart = str(tmp_path / "weights" / "restart")
     assert weights("tensor", 0) == RestartWeights("MODEL", 5, ("policy", restart))  # the adapter export, no merge
-    assert exported == [(export_at_step, restart)]
+    assert exported == [(export_at_step, restart, False)]
 
 
 def test_with_multi_lora_a_restarted_engine_loads_every_adapter_and_every_router_learns_of_it(tmp_path,
@@ -150,17 +151,17 @@ def test_with_multi_lora_a_restarted_engine_loads_every_adapter_and_every_router
     exported = []
 
     class Trainer:
-        def apply(self, fn, directory):
-            exported.append((fn, directory))
+        def apply(self, fn, directory, merge_lora):
+            exported.append((fn, directory, merge_lora))
             return [6]
 
     cfg = VerstConfig.model_validate({"schedule": "fully_async", "model": {"path": "MODEL"}, "sync": {"transport": "disk"},
                                       "lora": {"enabled": True, "adapters": [{"name": "add"}, {"name": "rev"}]}})
     restart = tmp_path / "weights" / "restart"
-    weights = asyncio.run(health.restart_weights(cfg, SimpleNamespace(version=4), Trainer(), tmp_path))
+    weights = asyncio.run(RestartSource(cfg, SimpleNamespace(version=4), Trainer(), tmp_path / "weights")())
     assert weights == RestartWeights("MODEL", 6, adapters=(("add", str(restart / "add")), ("rev", str(restart / "rev"))))
     assert weights.loaded_adapters == [("add", str(restart / "add")), ("rev", str(restart / "rev"))]
-    assert exported == [(export_at_step, str(restart))]  # the trainer's adapters, whatever the transport
+    assert exported == [(export_at_step, str(restart), False)]  # the trainer's adapters, whatever the transport
 
     # one rollout manager per adapter: each one's router takes the engine out and back
     monkeypatch.setattr(health, "_check_version", no_check)

@@ -10,15 +10,15 @@ import pytest
 from verst.cli.preflight import PreflightError, preflight
 from verst.config.engines import flag_argv
 from verst.config.load import ConfigError, load_config
-from verst.engines import EngineAPI, engine_kind
-from verst.engines import kinds as kinds_module
-from verst.engines.gateway import create_app, vllm_command, vllm_env
-from verst.engines.kinds import preflight_problems
-from verst.engines.sglang_launcher import sglang_command
-from verst.engines.untie import LM_HEAD_FILE, ties_embeddings, untied_view, with_untied_override
-from verst.engines.vllm import VLLMAdapter
+from verst.engine_kinds import EngineAPI, engine_kind
+from verst.engine_kinds import kinds as kinds_module
+from verst.engine_kinds.gateway import create_app, vllm_command, vllm_env
+from verst.engine_kinds.kinds import preflight_problems
+from verst.engine_kinds.sglang_launcher import sglang_command
+from verst.engine_kinds.untie import LM_HEAD_FILE, ties_embeddings, untied_view, with_untied_override
+from verst.engine_kinds.vllm import VLLMAdapter
 from verst.inference_client.client import EngineClient, EngineError
-from verst.schedules.run_start import engine_server_args
+from verst.run.setup import engine_server_args
 
 VLLM_DISK = ["--cluster.engine", "vllm", "--sync.transport", "disk"]
 
@@ -70,7 +70,7 @@ def test_server_args_per_kind():
     assert engine_server_args(cfg, version=3) == [
         "--dtype", "float32", "--engine-flags", '["--enforce-eager"]', "--engine-python", "/opt/vllm/bin/python",
         "--weight-version", "3"]
-    assert engine_kind("vllm").entry == ("-m", "verst.engines.gateway")
+    assert engine_kind("vllm").entry == ("-m", "verst.engine_kinds.gateway")
     with pytest.raises(ValueError, match="cluster.engine = 'tgi' is not one of"):
         engine_kind("tgi")
 

@@ -14,15 +14,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from tests.metrics_doc import undocumented
+from tests.run_harness import harness_run, train_step
 from tests.unit.test_cluster_placement import node
-from tests.unit.test_eval_modes import Export, Idle, Logger, Syncer, train_step
-from verst.config import ConfigError, batch_plan, load_config
+from verst.config import ConfigError, load_config
 from verst.eval.backend import SNAPSHOTS_DIR
 from verst.eval.fleet import EvalFleet
-from verst.monitor.progress import RunProgress
 from verst.orchestration.capacity import PlacementRefused, check_fits
 from verst.orchestration.placement import plan_bundles
-from verst.schedules.run import RLRun
+from verst.run.rl_run import RLRun
 
 
 def stand_in_engine(eos: int, stale_at: set[str], seen: dict) -> FastAPI:
@@ -96,31 +95,30 @@ def engine(tiny_model_dir):
 
 
 def fleet_run(tmp_path, model_dir, data_dir) -> RLRun:
-    cfg = load_config(None, ["--eval.interval", "1", "--eval.num-engines", "1", "--eval.max-prompts", "4",
-                             "--eval.keep-snapshots", "1", "--model.path", str(model_dir),
-                             "--data.test-path", str(data_dir / "test.jsonl"), "--data.apply-chat-template", "false"])
-    return RLRun(cfg, batch_plan(cfg), tmp_path / "run", Logger(), Export(), None, None, Syncer([]), "", Idle(),
-                 RunProgress("sync", 3, mode="off"))
+    """A stand-in run scoring with an evaluation fleet (`run.evaluator.fleet`, set once the fleet is open)."""
+    return harness_run(tmp_path, "--eval.num-engines", "1", "--eval.max-prompts", "4", "--eval.keep-snapshots", "1",
+                       "--model.path", str(model_dir), "--data.test-path", str(data_dir / "test.jsonl"),
+                       "--data.apply-chat-template", "false")
 
 
 def test_a_fleet_engine_reporting_another_version_is_skipped_and_training_goes_on(
         engine, tmp_path, tiny_model_dir, addition_data_dir):
     url, seen = engine
-    run = fleet_run(tmp_path, tiny_model_dir, addition_data_dir)
     trained = []
+    run = fleet_run(tmp_path, tiny_model_dir, addition_data_dir)
 
     async def loop():
         async with EvalFleet(run.cfg, [url]) as fleet:
-            run.eval_fleet = fleet
-            await run.start_evaluation()
+            run.evaluator.fleet = fleet
+            await run.begin()
             for _ in range(2):
                 await train_step(run)
                 trained.append(run.version)
-                await run.start_evaluation()
-            await run.evaluate_last_version()
+                await run.evaluator.start(run.version)
+            await run.evaluator.finish(run.version)
 
     asyncio.run(asyncio.wait_for(loop(), 60))
-    evals = {step: m for step, m in run.logger.rows if any(k.startswith("eval/") for k in m)}
+    evals = {step: m for step, m in run.monitor.logger.rows if any(k.startswith("eval/") for k in m)}
     assert trained == [1, 2] and sorted(evals) == [0, 1, 2]
     snapshots = tmp_path / "run" / SNAPSHOTS_DIR
     assert seen["loads"] == [(str(tiny_model_dir), "0"), (str(snapshots / "step_00000001"), "1"),
@@ -131,7 +129,7 @@ def test_a_fleet_engine_reporting_another_version_is_skipped_and_training_goes_o
         assert evals[step]["eval/weight_version"] == step and evals[step]["eval/n_prompts"] == 4
         assert evals[step]["eval/fleet_restarts"] == 0 and evals[step]["eval/fleet_load_seconds"] > 0
         assert 0 <= evals[step]["eval/lag_steps"] <= 2 - step and evals[step]["eval/duration_seconds"] > 0
-    assert [step for step, _ in run.eval_history] == [0, 2]
+    assert [step for step, _ in run.evaluator.history] == [0, 2]
     assert [p.name for p in snapshots.iterdir()] == ["step_00000002"]  # eval.keep_snapshots = 1
     assert undocumented(list(evals.values())) == []
 
@@ -144,13 +142,13 @@ def test_an_engine_that_does_not_answer_is_skipped_as_unhealthy(tmp_path, tiny_m
 
     async def loop():
         async with EvalFleet(run.cfg, [gone]) as fleet:  # no actor group: nothing to restart
-            run.eval_fleet = fleet
-            await run.start_evaluation()
+            run.evaluator.fleet = fleet
+            await run.begin()
             await train_step(run)
-            await run.evaluate_last_version()
+            await run.evaluator.finish(run.version)
 
     asyncio.run(asyncio.wait_for(loop(), 60))
-    assert [(step, m.get("eval/skipped_unhealthy")) for step, m in run.logger.rows] == [(0, 1.0), (1, 1.0)]
+    assert [(step, m.get("eval/skipped_unhealthy")) for step, m in run.monitor.logger.rows] == [(0, 1.0), (1, 1.0)]
 
 
 def test_an_engine_that_stopped_answering_is_restarted_serving_the_snapshot(
@@ -170,10 +168,10 @@ def test_an_engine_that_stopped_answering_is_restarted_serving_the_snapshot(
 
     async def loop():
         async with EvalFleet(run.cfg, [f"http://127.0.0.1:{sock.getsockname()[1]}"], engines=Engines()) as fleet:
-            run.eval_fleet = fleet
+            run.evaluator.fleet = fleet
             await train_step(run)
-            await run.start_evaluation()
-            await run.settle_evaluation()
+            await run.evaluator.start(run.version)
+            await run.evaluator.settle()
 
     try:
         asyncio.run(asyncio.wait_for(loop(), 60))
@@ -181,7 +179,7 @@ def test_an_engine_that_stopped_answering_is_restarted_serving_the_snapshot(
         for server, thread in servers:
             server.should_exit = True
             thread.join(10)
-    [(step, metrics)] = run.logger.rows
+    [(step, metrics)] = run.monitor.logger.rows
     snapshot = str(tmp_path / "run" / SNAPSHOTS_DIR / "step_00000001")
     assert step == 1 and Engines.restarts == [(0, snapshot, 1)] and seen["loads"] == []
     assert metrics["eval/fleet_restarts"] == 1 and metrics["eval/weight_version"] == 1

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.metrics_doc import undocumented
-from tests.unit.test_run_evaluation import ScriptedRun, Syncer, scripted_run, train_step
-from verst.config import batch_plan, load_config
+from tests.run_harness import harness_run, train_step
+from tests.unit.test_run_evaluation import scripted_run
+from verst.config import load_config
 from verst.eval import EvalSkip
 from verst.eval.backend import SNAPSHOTS_DIR, call_backend, link_snapshot, retire_snapshots, snapshot_dir
 from verst.eval.skip import accept, skip_reason, version_metrics
 from verst.inference_client.client import EngineError
-from verst.monitor.progress import RunProgress
-from verst.schedules.run import RLRun
+from verst.run.rl_run import RLRun
 
 # ---- scores and skips ------------------------------------------------------------------------------
 
@@ -44,82 +44,55 @@ def test_skip_reasons():
         EvalSkip("Not A Reason")
 
 
-class VersionedRun(ScriptedRun):
-    """Its evaluation reports the version the engines serve, which may not be the step's."""
-
-    async def evaluate(self, step=None):
-        version = self.syncer.version
-        await asyncio.sleep(self.eval_s)
-        return {"eval/accuracy": 0.5, "eval/weight_version": float(version)}
-
-
-def versioned_run(*overrides) -> VersionedRun:
-    cfg = load_config(None, ["--eval.interval", "1", *overrides])
-    return VersionedRun(cfg, batch_plan(cfg), None, Logger(), None, None, None, Syncer([]), "", Idle(),
-                        RunProgress("sync", 3, mode="off"))
-
-
-class Logger:
-    def __init__(self):
-        self.rows: list[tuple[int, dict]] = []
-
-    def log(self, metrics, step):
-        self.rows.append((step, dict(metrics)))
-
-
-class Idle:
-    async def read(self):
-        return None
-
-
-def test_a_score_of_other_weights_is_skipped_as_a_pin_violation():
-    run = versioned_run()
+def test_a_score_of_other_weights_is_skipped_as_a_pin_violation(tmp_path):
+    run = scripted_run(tmp_path, versioned=True)
 
     async def loop():
-        await run.start_evaluation()
+        await run.begin()
         await train_step(run)  # version 1, not pushed: the engines still serve 0
-        await run.start_evaluation()
-        await run.settle_evaluation()
+        await run.evaluator.start(run.version)
+        await run.evaluator.settle()
 
     asyncio.run(loop())
-    assert run.logger.rows[1] == (1, {"eval/skipped": 1.0, "eval/skipped_pin_violation": 1.0})
-    step, first = run.logger.rows[0]
+    rows = run.monitor.logger.rows
+    assert rows[1] == (1, {"eval/skipped": 1.0, "eval/skipped_pin_violation": 1.0})
+    step, first = rows[0]
     assert step == 0 and first["eval/accuracy"] == 0.5 and first["eval/weight_version"] == 0
-    assert first["eval/lag_steps"] == 1 and first["eval/duration_seconds"] >= run.eval_s
-    assert run.eval_history == [(0, 0.5)]
-    assert undocumented([row for _, row in run.logger.rows]) == []
+    assert first["eval/lag_steps"] == 1 and first["eval/duration_seconds"] >= 0.05
+    assert run.evaluator.history == [(0, 0.5)]
+    assert undocumented([row for _, row in rows]) == []
 
 
-def test_overflow_skip_logs_the_point_as_busy():
-    run = scripted_run(None, "--eval.overflow", "skip")
-    run.eval_s = 0.3
+def test_overflow_skip_logs_the_point_as_busy(tmp_path):
+    run = scripted_run(tmp_path, None, "--eval.overflow", "skip", eval_s=0.3)
 
     async def loop():
-        await run.start_evaluation()
+        await run.begin()
         await train_step(run)
-        await run.start_evaluation()  # the step-0 evaluation is still running
-        await run.settle_evaluation()
+        await run.evaluator.start(run.version)  # the step-0 evaluation is still running
+        await run.evaluator.settle()
 
     asyncio.run(loop())
-    assert (1, {"eval/skipped": 1.0, "eval/skipped_busy": 1.0}) in run.logger.rows
-    assert [step for step, m in run.logger.rows if "eval/accuracy" in m] == [0]
+    rows = run.monitor.logger.rows
+    assert (1, {"eval/skipped": 1.0, "eval/skipped_busy": 1.0}) in rows
+    assert [step for step, m in rows if "eval/accuracy" in m] == [0]
 
 
-def test_backpressure_waits_for_the_oldest_beyond_max_in_flight():
-    run = scripted_run(None, "--eval.max-in-flight", "2")
-    run.eval_s = 0.2
+def test_backpressure_waits_for_the_oldest_beyond_max_in_flight(tmp_path):
+    run = scripted_run(tmp_path, None, "--eval.max-in-flight", "2", eval_s=0.2)
 
     async def loop():
         for _ in range(3):
-            await run.start_evaluation()
-            assert len(run._evaluations) <= 2
-            run.version += 1
-        await run.settle_evaluation()
+            await run.evaluator.start(run.version)
+            assert sum(not task.done() for task in run.evaluator._tasks) <= 2
+            await train_step(run)
+        await run.evaluator.settle()
 
     asyncio.run(loop())
-    starts = [e for e in run.syncer.events if e[0] == "eval start"]
-    assert len(starts) == 3 and run.syncer.events.index(("eval end", 0)) < len(run.syncer.events) - 2
-    assert sorted(step for step, _ in run.logger.rows) == [0, 1, 2]
+    events = run.weights.syncer.events
+    starts = [e for e in events if e[0] == "eval start"]
+    assert len(starts) == 3 and events.index(("eval end", 0)) < len(events) - 2
+    assert sorted(step for step, _ in run.monitor.logger.rows) == [0, 1, 2]
 
 
 # ---- eval.backend ----------------------------------------------------------------------------------
@@ -142,28 +115,11 @@ def configured_backend(snapshot_dir: str, step: int, config) -> dict:
     return {"accuracy": float(config.eval.max_prompts)}
 
 
-class Export:
-    """A trainer whose export writes a small checkpoint directory."""
-
-    def __init__(self):
-        self.exports: list[str] = []
-
-    def apply(self, fn, *args):
-        return [fn(self, *args)]
-
-    def export_hf(self, directory, merge_lora=False):
-        self.exports.append(directory)
-        Path(directory).mkdir(parents=True)
-        (Path(directory) / "config.json").write_text("{}")
-
-
 def backend_run(tmp_path, *overrides) -> RLRun:
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    cfg = load_config(None, ["--eval.interval", "1", "--eval.backend", "tests.unit.test_eval_modes:scoring_backend",
-                             "--model.path", str(tmp_path / "model"), *overrides])
-    return RLRun(cfg, batch_plan(cfg), tmp_path / "run", Logger(), Export(), None, None, Syncer([]), "", Idle(),
-                 RunProgress("sync", 3, mode="off"))
+    return harness_run(tmp_path, "--eval.backend", "tests.unit.test_eval_modes:scoring_backend",
+                       "--model.path", str(tmp_path / "model"), *overrides)
 
 
 def test_a_backend_scores_snapshots_while_training_goes_on_and_its_failures_are_skipped(tmp_path):
@@ -173,18 +129,16 @@ def test_a_backend_scores_snapshots_while_training_goes_on_and_its_failures_are_
     trained = []
 
     async def loop():
-        await run.start_evaluation()
+        await run.begin()
         for _ in range(3):
-            await train_step(run)
-            await run.log({"train/loss": 0.5}, step_start=0.0)  # does not wait for the backend
+            await run.end_step(await train_step(run), 0.0)  # logs without waiting for the backend
             trained.append(run.version)
-            await run.start_evaluation()
-        assert trained == [1, 2, 3] and [step for step, _ in run.logger.rows] == [1, 2, 3]  # no score yet
+        assert trained == [1, 2, 3] and [step for step, _ in run.monitor.logger.rows] == [1, 2, 3]  # no score yet
         RELEASE.set()
-        await run.evaluate_last_version()
+        await run.evaluator.finish(run.version)
 
     asyncio.run(asyncio.wait_for(loop(), 20))
-    evals = {step: m for step, m in run.logger.rows if any(k.startswith("eval/") for k in m)}
+    evals = {step: m for step, m in run.monitor.logger.rows if any(k.startswith("eval/") for k in m)}
     assert sorted(evals) == [0, 1, 2, 3]
     assert evals[0]["eval/accuracy"] == 0 and evals[1]["eval/accuracy"] == pytest.approx(0.1)
     assert evals[1]["eval/n_prompts"] == 4 and evals[1]["eval/snapshot_reused"] == 0
@@ -194,9 +148,9 @@ def test_a_backend_scores_snapshots_while_training_goes_on_and_its_failures_are_
     assert evals[3]["eval/skipped_harness_busy"] == 1.0
     assert sorted(step for _, step in CALLS) == [0, 1, 2, 3]
     assert dict((step, path) for path, step in CALLS)[0] == str(tmp_path / "model")  # step 0: the base model
-    assert run.trainer.exports == [str(tmp_path / "run" / SNAPSHOTS_DIR / f".tmp-step_{s:08d}") for s in (1, 2, 3)]
+    assert run.trainer.ranks.exports == [str(tmp_path / "run" / SNAPSHOTS_DIR / f".tmp-step_{s:08d}") for s in (1, 2, 3)]
     assert sorted(p.name for p in (tmp_path / "run" / SNAPSHOTS_DIR).iterdir()) == ["step_00000003"]  # keep 1
-    assert run.eval_history == [(0, 0.0), (1, pytest.approx(0.1))]
+    assert run.evaluator.history == [(0, 0.0), (1, pytest.approx(0.1))]
     assert undocumented([m for m in evals.values()]) == []
 
 
@@ -206,15 +160,14 @@ def test_a_failed_export_is_skipped(tmp_path):
     def broken(*args):
         raise OSError("No space left on device")
 
-    run.trainer.apply = broken
-
     async def loop():
         await train_step(run)
-        await run.start_evaluation()
-        await run.settle_evaluation()
+        run.trainer.ranks.apply = broken
+        await run.evaluator.start(run.version)
+        await run.evaluator.settle()
 
     asyncio.run(loop())
-    assert run.logger.rows == [(1, {"eval/skipped": 1.0, "eval/skipped_export_failed": 1.0})]
+    assert run.monitor.logger.rows == [(1, {"eval/skipped": 1.0, "eval/skipped_export_failed": 1.0})]
 
 
 def test_call_backend(tmp_path):
@@ -267,15 +220,14 @@ def test_verst_eval_names_the_weights_it_did_not_find(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2 and "no config.yaml" in capsys.readouterr().err
 
 
-def test_the_last_point_waits_for_a_free_slot_under_overflow_skip():
-    run = scripted_run(None, "--eval.overflow", "skip")
-    run.eval_s = 0.2
+def test_the_last_point_waits_for_a_free_slot_under_overflow_skip(tmp_path):
+    run = scripted_run(tmp_path, None, "--eval.overflow", "skip", eval_s=0.2)
 
     async def loop():
-        await run.start_evaluation()
+        await run.begin()
         await train_step(run)
-        run.syncer.version = run.version  # pushed without waiting for the evaluation (as eval.backend's are)
-        await run.evaluate_last_version()  # the step-0 evaluation is still running
+        run.weights.syncer.version = run.version  # pushed without waiting for the evaluation (as eval.backend's are)
+        await run.evaluator.finish(run.version)  # the step-0 evaluation is still running
 
     asyncio.run(loop())
-    assert [(step, "eval/accuracy" in m) for step, m in run.logger.rows] == [(0, True), (1, True)]
+    assert [(step, "eval/accuracy" in m) for step, m in run.monitor.logger.rows] == [(0, True), (1, True)]

@@ -1,15 +1,15 @@
 """The layer order as a test: a package imports only packages at a strictly lower position.
 
 Positions are (layer, sublayer). Layer 0 holds the record and the config, layer 1 algorithms, data and
-models, layer 2 the running parts, layer 3 orchestration, layer 4 the schedules and the command line.
-Inside layer 2:
+models, layer 2 the running parts, layer 3 orchestration, layer 4 the run's parts, the schedules and the
+command line. Inside layer 2:
   2.0 inference_client                    what every caller of an engine needs (client, wire, fleet)
-  2.1 engine, engines, router, session, trainer, sync   each alone, on top of the client (sync hands the
+  2.1 engine, engine_kinds, router, session, trainer, sync   each alone, on top of the client (sync hands the
       trainer's weights to engines and asks the trainer for logprobs through callables, not imports)
   2.2 rollout (uses session)
   2.3 eval (uses rollout, and runs an in-process engine for agent evaluation); connectors (agent and
       environment libraries plugged into the rollout layers)
-Packages at one position never import each other; only orchestration and schedules import ray.
+Packages at one position never import each other; only orchestration imports ray.
 """
 
 import ast
@@ -23,13 +23,14 @@ LAYERS = {
     "types": (0, 0), "config": (0, 1),  # the config's sampling section extends types' SamplingKnobs
     "algo": (1, 0), "data": (1, 0), "rewards": (1, 0), "monitor": (1, 0), "models": (1, 0),
     "inference_client": (2, 0),
-    "engine": (2, 1), "engines": (2, 1), "router": (2, 1), "session": (2, 1), "trainer": (2, 1), "sync": (2, 1),
+    "engine": (2, 1), "engine_kinds": (2, 1), "router": (2, 1), "session": (2, 1), "trainer": (2, 1), "sync": (2, 1),
     "rollout": (2, 2),
     "eval": (2, 3), "connectors": (2, 3),
     "orchestration": (3, 0),
-    "schedules": (4, 0), "cli": (4, 1),  # the command line starts the schedules
+    "run": (4, 0),  # an RL run's parts over the orchestration's handles, and how it starts
+    "schedules": (4, 1), "cli": (4, 2),  # the loops over a run's named steps; the command line starts them
 }
-RAY_AWARE = {"orchestration", "schedules"}
+RAY_AWARE = {"orchestration"}
 
 
 def imports_of(path: Path) -> list[str]:

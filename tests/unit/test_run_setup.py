@@ -9,8 +9,8 @@ import pytest
 
 from verst.config import load_config
 from verst.eval.agentic import score_key
-from verst.schedules.rollout_side import request_batch
-from verst.schedules.run_start import StartupClock, router_spec
+from verst.rollout.from_config import request_batch
+from verst.run.setup import StartupClock, router_spec
 
 
 @pytest.mark.parametrize("overrides, engines, expected", [
@@ -58,7 +58,7 @@ def test_the_rollout_side_module_loads_without_the_trainer_stack():
     import subprocess
     import sys
 
-    code = ("import sys, verst.schedules.rollout_side; "
+    code = ("import sys, verst.rollout.from_config; "
             "print(sorted(m for m in ('torch', 'ray', 'verst.trainer', 'verst.sync') if m in sys.modules))")
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "[]"
 
@@ -69,17 +69,17 @@ def test_the_driver_hands_the_ranks_objects_without_importing_torch():
     import subprocess
     import sys
 
-    code = ("import pickle, sys; from verst.schedules import run, sync, one_step_off, fully_async, trainer_setup; "
-            "from verst.schedules.train_steps import train_rollout_step; from verst.trainer import fsdp2_backend; "
+    code = ("import pickle, sys; from verst.schedules import sync, one_step_off, fully_async; from verst.run import rl_run, start, trainer_setup; "
+            "from verst.trainer.rl_steps import train_rollout_step; from verst.trainer import fsdp2_backend; "
             "assert pickle.loads(pickle.dumps(train_rollout_step)) is train_rollout_step; "
             "assert pickle.loads(pickle.dumps(fsdp2_backend)) is fsdp2_backend; print('torch' in sys.modules)")
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
 
 
 def test_the_run_handles_offer_what_their_protocols_ask():
-    """`RLRun`'s fields are typed by protocols; the Ray handles of an RL run (and the in-process rank)
-    have every member those protocols name."""
-    from verst.orchestration import EngineMemory, RolloutSource, WeightPush
+    """The run's parts take their handles typed by protocols; the Ray handles of an RL run (and the in-process
+    rank) have every member those protocols name."""
+    from verst.orchestration import EngineMemory, RolloutSource, WeightSyncHandle
     from verst.orchestration.cluster import RolloutManagerHandle
     from verst.orchestration.engine_actors import EngineActorGroup
     from verst.orchestration.trainer_actors import TrainerActorGroup
@@ -91,7 +91,7 @@ def test_the_run_handles_offer_what_their_protocols_ask():
         return names - {"mro"}
 
     for protocol, handles in [(TrainerRanks, [TrainerActorGroup, InProcessRank]), (EngineMemory, [EngineActorGroup]),
-                              (RolloutSource, [RolloutManagerHandle]), (WeightPush, [TrainerWeightSync])]:
+                              (RolloutSource, [RolloutManagerHandle]), (WeightSyncHandle, [TrainerWeightSync])]:
         for handle in handles:
             # a member is a class attribute or one `__init__` sets
             missing = {n for n in members(protocol)

@@ -16,7 +16,7 @@ from verst.trainer.batching import (
     split_to_count,
 )
 from verst.trainer.losses import combine_metric, sft_loss_fn
-from verst.trainer.schedule import lr_factor
+from verst.trainer.optim import lr_factor
 from verst.types import Sample, Status
 
 

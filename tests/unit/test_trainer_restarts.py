@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from verst.config import load_config
-from verst.monitor import checkpoints as layout
+from verst.monitor import checkpoint_dirs as layout
 from verst.orchestration.watchdog import RunFailure
-from verst.schedules.restarts import run_restarting
+from verst.run.restarts import run_restarting
 
 
 def config(tmp_path, max_restarts=1):

@@ -62,7 +62,7 @@ def run_config_command(prog: str, argv: list[str], description: str, run: Callab
 
 def interrupted_message(prog: str, cfg: VerstConfig) -> str:
     """What Ctrl-C leaves: the run's latest checkpoint and how to continue from it (no traceback)."""
-    from verst.monitor.checkpoints import read_latest
+    from verst.monitor.checkpoint_dirs import read_latest
     from verst.monitor.run_dir import run_dir_of
 
     run_dir = run_dir_of(cfg)
@@ -101,7 +101,7 @@ def _resume_args(recipe: str | None, args: list[str]) -> tuple[str | None, list[
     run_dir = args[at + 1]
     rest = args[:at] + args[at + 2:]
     if recipe is None:
-        from verst.monitor.checkpoints import CheckpointError, base_config_file
+        from verst.monitor.checkpoint_dirs import CheckpointError, base_config_file
 
         try:
             recipe = str(base_config_file(run_dir))

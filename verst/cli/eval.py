@@ -65,7 +65,7 @@ def run_config(run_dir: Path, max_prompts: int | None) -> VerstConfig:
 
 def last_step(run_dir: Path) -> int:
     """The run's last step: summary.json's `train/steps`, else its latest checkpoint's."""
-    from verst.monitor import checkpoints as layout
+    from verst.monitor import checkpoint_dirs as layout
 
     summary = run_dir / "summary.json"
     if summary.is_file():
@@ -79,7 +79,7 @@ def last_step(run_dir: Path) -> int:
 def find_weights(run_dir: Path, step: int, cfg: VerstConfig) -> Path:
     """A Hugging Face checkpoint directory of the weights at `step` (see the module's docstring)."""
     from verst.eval.backend import snapshot_dir
-    from verst.monitor import checkpoints as layout
+    from verst.monitor import checkpoint_dirs as layout
     from verst.sync.disk import snapshot_path
 
     final = run_dir / "hf" / "merged" if cfg.lora.enabled else run_dir / "hf"
@@ -102,8 +102,8 @@ def export_checkpoint(checkpoint: Path, target: Path, cfg: VerstConfig) -> Path:
     """The checkpoint's trainer state exported as a Hugging Face checkpoint at `target`, by one trainer rank
     in this process (the state is resharded from the run's ranks)."""
     from verst.eval.backend import link_snapshot
-    from verst.monitor import checkpoints as layout
-    from verst.schedules.trainer_setup import open_trainer
+    from verst.monitor import checkpoint_dirs as layout
+    from verst.run.trainer_setup import open_trainer
 
     device = cfg.cluster.device
     if device == "auto":

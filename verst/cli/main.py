@@ -9,6 +9,8 @@ import importlib
 import os
 import sys
 
+from verst.monitor.logs import configure_logging
+
 COMMANDS = {
     "model": ("verst.cli.model", "make a model locally: verst model init --arch qwen3 --size tiny --out DIR"),
     "data": ("verst.cli.data", "write a procedural task: verst data make addition --n 2000 --out DIR"),
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     # resolve from the working directory, which a console script does not put on sys.path by itself.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    configure_logging()
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(argv[1:]) or 0)
 

@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 
 from verst.config import VerstConfig
-from verst.engines.kinds import preflight_problems
+from verst.engine_kinds.kinds import preflight_problems
 from verst.models.loader import check_checkpoint_dir, check_same_tokenizer
 from verst.models.native_config import native_config_reason
 from verst.monitor import RunDirError, check_run_dir
-from verst.monitor.checkpoints import CheckpointError, check_resume_config, resolve
+from verst.monitor.checkpoint_dirs import CheckpointError, check_resume_config, resolve
 
 BUILTIN_FILTERS = ("zero_std",)
 

@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     from verst.models.native import NativeCausalLM, load_causal_lm
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("verst").setLevel(min(logging.INFO, logging.getLevelName(args.log_level.upper())))
     torch.set_num_threads(args.torch_threads)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     model = load_causal_lm(args.model, args.model_impl, args.dtype, args.device, args.trust_remote_code)
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         from verst.engine.model_runner import check_native_model
 
         diff = check_native_model(model, load_model(args.model, args.dtype, args.device))
-        print(f"native model checked against transformers': max |logit difference| {diff:.1e}", file=sys.stderr)
+        log.info("native model checked against transformers': max |logit difference| %.1e", diff)
     config = EngineConfig(
         max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
         context_length=args.context_length, prefix_cache_tokens=args.prefix_cache_tokens,
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, args.port_file)
-    print(f"verst engine serving {args.model} on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    log.info("serving %s on http://%s:%d", args.model, args.host, port)
     server.run(sockets=[sock])
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,8 @@ from verst.eval.skip import EvalSkip, skip_reason
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, FleetError
 from verst.router.manager import RouterManager
+
+log = logging.getLogger(__name__)
 
 
 class EvalFleet:
@@ -113,7 +116,7 @@ class EvalFleet:
         except Exception as error:
             raise EvalSkip("unhealthy", f"evaluation engine {index} ({url}) did not answer and did not restart: "
                            f"{type(error).__name__}: {error}") from error
-        print(f"[eval] evaluation engine {index} ({url}) restarted serving the snapshot of step {step}", flush=True)
+        log.warning("evaluation engine %d (%s) restarted serving the snapshot of step %d", index, url, step)
 
     def _held_out(self) -> tuple[Any, list]:
         if self._inputs is None:

@@ -16,6 +16,7 @@ from verst.data import load_prompts_from_config
 from verst.eval.agentic import evaluate_agentic
 from verst.eval.engine import engine_greedy_generate
 from verst.eval.greedy import evaluate_greedy
+from verst.inference_client.client import EngineClient
 
 SERVE_ENGINE = ["-m", "verst.cli.main", "serve", "engine"]  # `verst serve engine`, with this interpreter
 
@@ -54,22 +55,24 @@ def held_out_prompts(cfg: VerstConfig, dataset: str | None = None) -> list:
     return load_prompts_from_config(data, "test")[: cfg.eval.max_prompts]
 
 
-def score_url(cfg: VerstConfig, url: str, tokenizer: Any, prompts: list, version: int) -> dict[str, float]:
-    """The run's held-out score (greedy accuracy, or agent success) through the engine at `url`, every
-    reply of which must come from weight version `version`."""
-    if cfg.rollout.agent_fn:
-        from verst.inference_client.client import EngineClient
-
-        async def episodes() -> dict[str, float]:
-            async with EngineClient(url, affinity=True) as client:
-                return await evaluate_agentic(cfg, client, tokenizer, prompts, expect_version=str(version))
-
-        return asyncio.run(episodes())
+async def score_engines(cfg: VerstConfig, url: str, tokenizer: Any, prompts: list, version: int, *,
+                        max_batch: int = 1, lora_path: str | None = None) -> dict[str, float]:
+    """The run's held-out score (greedy accuracy, or agent success) through the engine or router at `url`,
+    every reply of which must come from weight version `version`; `lora_path` names the adapter scored."""
+    if cfg.rollout.agent_fn:  # a tool-using task: the first reply is a tool call, so run whole episodes
+        async with EngineClient(url, affinity=True, lora_path=lora_path) as client:
+            return await evaluate_agentic(cfg, client, tokenizer, prompts, expect_version=str(version))
     max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
-    generate = engine_greedy_generate(url, max_new, expect_version=str(version))
-    metrics = evaluate_greedy(prompts, generate, tokenizer, cfg.reward, cfg.data, max_new)
+    generate = engine_greedy_generate(url, max_new, expect_version=str(version), max_batch=max_batch,
+                                      lora_path=lora_path)
+    metrics = await asyncio.to_thread(evaluate_greedy, prompts, generate, tokenizer, cfg.reward, cfg.data, max_new)
     # every reply carried `version` (else MixedVersionError): the mean is it, none mixed
     return metrics | {"eval/weight_version": float(version), "eval/mixed_version_ratio": 0.0}
+
+
+def score_url(cfg: VerstConfig, url: str, tokenizer: Any, prompts: list, version: int) -> dict[str, float]:
+    """`score_engines` from a thread without an event loop (the evaluation fleet's and a snapshot's)."""
+    return asyncio.run(score_engines(cfg, url, tokenizer, prompts, version))
 
 
 def score_snapshot(cfg: VerstConfig, snapshot: str | Path, step: int, *, dataset: str | None = None,

@@ -86,16 +86,20 @@ class RunProgress:
         elif self.mode == "lines" and (
             step % self.line_every == 0 or step == self.total or any(key in metrics for key in EVAL_KEYS)
         ):
-            print(f"[{self.title}] step {step}/{self.total}: {headline(metrics)}", file=self.stream, flush=True)
+            self._line(f"step {step}/{self.total}: {headline(metrics)}")
 
     def evaluated(self, step: int, metrics: dict[str, Any]) -> None:
         """A held-out evaluation of step `step` finished (in the background, while later steps ran)."""
         scores = {key: float(metrics[key]) for key in EVAL_KEYS if isinstance(metrics.get(key), int | float)}
         self.last_eval.update(scores)
         if self.mode == "lines" and scores:
-            print(f"[{self.title}] step {step} evaluated: {headline(scores)}", file=self.stream, flush=True)
+            self._line(f"step {step} evaluated: {headline(scores)}")
 
     def __exit__(self, *exc: Any) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+    def _line(self, text: str) -> None:
+        self.stream.write(f"[{self.title}] {text}\n")
+        self.stream.flush()

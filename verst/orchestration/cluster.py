@@ -24,9 +24,10 @@ from verst.config.schema import ClusterConfig
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.capacity import check_fits, ray_nodes
 from verst.orchestration.engine_actors import EngineActorGroup, check_engine_type
+from verst.orchestration.handles import TrainBatchRef
 from verst.orchestration.placement import BundlePlan, Placement, Role, plan_bundles
 from verst.orchestration.ray_session import RaySession
-from verst.orchestration.rollout_manager import PartsFactory, RolloutBatch, RolloutManager, RouterSpec
+from verst.rollout.manager import PartsFactory, RolloutManager, RouterSpec
 from verst.types import Group
 
 FULLY_ASYNC_COLOCATED = (
@@ -255,7 +256,7 @@ class RolloutManagerHandle:
     def start_async(self) -> None:
         self._call("start_async")
 
-    def generate_train_batch(self, rollout_id: int, weight_version: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def generate_train_batch(self, rollout_id: int, weight_version: int) -> tuple[TrainBatchRef, dict[str, float]]:
         """One rollout step: a reference to its groups, which stay in the object store for the trainer
         ranks to fetch, and its metrics."""
         return self._batch("generate_train_batch", rollout_id, weight_version)
@@ -265,7 +266,7 @@ class RolloutManagerHandle:
         wait = self.timeout_s if timeout is None else timeout + 30.0
         return self._call("take_into_batch", n, version, timeout, timeout_s=wait)
 
-    def taken_batch(self) -> tuple[RolloutBatch, dict[str, float]]:
+    def taken_batch(self) -> tuple[TrainBatchRef, dict[str, float]]:
         """Fully async: the assembled train batch (a reference, as `generate_train_batch`) and its metrics."""
         return self._batch("taken_batch")
 
@@ -306,12 +307,12 @@ class RolloutManagerHandle:
         finally:
             ray.kill(self.actor, no_restart=True)  # Ray also ends a router the shutdown did not stop
 
-    def _batch(self, method: str, *args: Any) -> tuple[RolloutBatch, dict[str, float]]:
+    def _batch(self, method: str, *args: Any) -> tuple[TrainBatchRef, dict[str, float]]:
         """Call a method returning (groups, summary) as two objects: only the summary comes here."""
         self._check_open(method)
         groups, summary = getattr(self.actor, method).options(num_returns=2).remote(*args)
         num_groups, metrics = self._get(summary, method, self.timeout_s)
-        return RolloutBatch(groups, num_groups), metrics
+        return TrainBatchRef(groups, num_groups), metrics
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         self._check_open(method)

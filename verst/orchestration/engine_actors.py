@@ -14,7 +14,7 @@ import httpx
 import ray
 
 from verst.engine.process import EngineProcess
-from verst.engines.kinds import ENGINE_KINDS, engine_kind
+from verst.engine_kinds.kinds import ENGINE_KINDS, engine_kind
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, Role, current_bundle
 

@@ -3,9 +3,18 @@ the few methods the loops call, as protocols (the Ray handles of this package sa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
-from verst.orchestration.rollout_manager import RolloutBatch
+
+@dataclasses.dataclass(frozen=True)
+class TrainBatchRef:
+    """The driver's handle of one batch of groups to train on: the groups where they are (in an RL run an
+    object reference into Ray's object store, which the trainer ranks resolve; or the groups themselves,
+    in one process) and how many there are."""
+
+    groups: Any  # ray.ObjectRef of list[Group], or list[Group]
+    num_groups: int
 
 
 class EngineMemory(Protocol):
@@ -26,7 +35,7 @@ class RolloutSource(Protocol):
 
     router_url: str | None
 
-    def generate_train_batch(self, rollout_id: int, weight_version: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def generate_train_batch(self, rollout_id: int, weight_version: int) -> tuple[TrainBatchRef, dict[str, float]]:
         """Sync and one-step-off: one rollout step."""
         ...
 
@@ -38,7 +47,7 @@ class RolloutSource(Protocol):
         """Fully async: up to n fresh groups into the train batch being assembled; how many came."""
         ...
 
-    def taken_batch(self) -> tuple[RolloutBatch, dict[str, float]]:
+    def taken_batch(self) -> tuple[TrainBatchRef, dict[str, float]]:
         """Fully async: the assembled train batch."""
         ...
 
@@ -55,7 +64,7 @@ class RolloutSource(Protocol):
         ...
 
 
-class WeightPush(Protocol):
+class WeightSyncHandle(Protocol):
     """The weight syncer, as the loops use it (`TrainerWeightSync`)."""
 
     @property
@@ -70,4 +79,12 @@ class WeightPush(Protocol):
     async def sync(self, version: int, **options: Any) -> dict[str, float]:
         """Push the trainer's weights as `version`; the `sync/` metrics. Multi-LoRA passes `lora_path`, the
         adapter the push carries, and at start-up or resume `first` (`TrainerWeightSync.sync`)."""
+        ...
+
+    async def close(self) -> None:
+        """Close rank 0's syncer (its transport's group or files); once."""
+        ...
+
+    async def close_within(self, seconds: float) -> None:
+        """After a failure: close if it can be done within `seconds`, errors ignored."""
         ...

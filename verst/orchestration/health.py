@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
+import logging
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 import ray
 
-from verst.config.schema import FaultConfig, VerstConfig
+from verst.config.schema import FaultConfig
 from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
-from verst.sync.disk import snapshot_path
-from verst.trainer.backend import MERGED_LORA_DIR, export_at_step
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +99,8 @@ class EngineSupervisor:
                 await self._routers("add_engine", self.urls[index])
                 del self._waiting[index]
                 self._recovery_s = time.perf_counter() - started
-                print(f"[fault] engine {index} ({self.urls[index]}) serves version {version} with the others "
-                      f"again after {self._recovery_s:.1f} s", flush=True)
+                log.info("engine %d (%s) serves version %d with the others again after %.1f s", index,
+                         self.urls[index], version, self._recovery_s)
 
     async def check_now(self) -> None:
         """Probe every engine once and restart those found dead (before a weight sync reaches them)."""
@@ -157,7 +156,7 @@ class EngineSupervisor:
             self.watchdog.fail(await self._failure(index, why))
             return False
         url, started = self.urls[index], time.perf_counter()
-        print(f"[fault] engine {index} ({url}) failed: {why}; restarting it", flush=True)
+        log.warning("engine %d (%s) failed: %s; restarting it", index, url, why)
         try:
             # Out of the router and killed first, without the lock: a push waiting on a hung engine fails
             # now instead of at its own timeout, and is made again after the restart.
@@ -182,11 +181,11 @@ class EngineSupervisor:
         self.restarts += 1
         if index not in self._waiting:
             self._recovery_s = time.perf_counter() - started
-            print(f"[fault] engine {index} ({url}) serves version {weights.version} again after "
-                  f"{self._recovery_s:.1f} s", flush=True)
+            log.info("engine %d (%s) serves version %d again after %.1f s", index, url, weights.version,
+                     self._recovery_s)
         else:
-            print(f"[fault] engine {index} ({url}) restarted at version {weights.version}; it rejoins the router "
-                  f"with the next weight push (the others serve {served})", flush=True)
+            log.info("engine %d (%s) restarted at version %d; it rejoins the router with the next weight push "
+                     "(the others serve %d)", index, url, weights.version, served)
         return True
 
     async def _failure(self, index: int, why: str) -> RunFailure:
@@ -198,41 +197,6 @@ class EngineSupervisor:
         limit = self.fault.health_interval_s * self.fault.health_failures
         return await self.watchdog.stuck(f"engine {index} ({url}) answering /health", limit,
                                          "fault.health_interval_s x fault.health_failures")
-
-
-async def restart_weights(cfg: VerstConfig, syncer: Any, trainer: Any, run_dir: Path) -> RestartWeights:
-    """What a restarted engine loads. Before the first push: the source model, version 0. The disk
-    transport: its snapshot of the version the engines serve. The other transports keep no copy, so the
-    trainer exports its current weights on demand into `RUN/weights/restart` (an HF checkpoint), with the
-    number of steps they have taken as their version, which may be ahead of the engines' until the next push
-    (with LoRA: the merged model of that export). With LoRA's adapter sync, once the step-0 adapter is pushed:
-    the base model, then the adapter (the disk snapshot, or the trainer's adapter export)."""
-    version = syncer.version or 0
-    if cfg.lora.adapters and syncer.version is not None:  # multi-LoRA: every adapter, as the trainer holds it
-        directory = run_dir / "weights" / "restart"
-        shutil.rmtree(directory, ignore_errors=True)
-        steps = await asyncio.to_thread(trainer.apply, export_at_step, str(directory))
-        names = [adapter.name for adapter in cfg.lora.adapters]
-        return RestartWeights(cfg.model.path, int(steps[0]), adapters=tuple((n, str(directory / n)) for n in names))
-    if cfg.lora.served_adapter and syncer.version is not None:
-        if cfg.sync.transport == "disk":
-            snapshot = str(snapshot_path(run_dir / "weights", version))
-            return RestartWeights(cfg.model.path, version, (cfg.lora.served_adapter, snapshot))
-        directory = run_dir / "weights" / "restart"
-        shutil.rmtree(directory, ignore_errors=True)
-        steps = await asyncio.to_thread(trainer.apply, export_at_step, str(directory))
-        return RestartWeights(cfg.model.path, int(steps[0]), (cfg.lora.served_adapter, str(directory)))
-    if not version:
-        return RestartWeights(cfg.model.path, 0)
-    if cfg.sync.transport == "disk":
-        return RestartWeights(str(snapshot_path(run_dir / "weights", version)), version)
-    directory = run_dir / "weights" / "restart"
-    shutil.rmtree(directory, ignore_errors=True)
-    if cfg.lora.enabled:  # a LoRA export is an adapter: the engine loads the merged model beside it
-        steps = await asyncio.to_thread(trainer.apply, export_at_step, str(directory), True)
-        return RestartWeights(str(directory / MERGED_LORA_DIR), int(steps[0]))
-    steps = await asyncio.to_thread(trainer.apply, export_at_step, str(directory))
-    return RestartWeights(str(directory), int(steps[0]))
 
 
 async def _ray(ref: ray.ObjectRef, timeout_s: float = 60.0) -> Any:

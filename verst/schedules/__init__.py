@@ -1,4 +1,4 @@
-"""Layer 4: the readable loops — sync, one-step-off and fully async RL, SFT — and the demo job.
+"""Layer 4.1: the readable loops — sync, one-step-off and fully async RL, and SFT.
 
 `SCHEDULES` maps `schedule` to its loop, restarted after a trainer rank's death as `fault.max_restarts`
 allows (`restarts`); each imports its heavy parts only when run.
@@ -14,7 +14,7 @@ def _lazy(module: str, name: str) -> Callable[..., Awaitable[Any]]:
     def run(cfg):
         import importlib
 
-        from verst.schedules.restarts import run_restarting
+        from verst.run.restarts import run_restarting
 
         return run_restarting(getattr(importlib.import_module(module), name), cfg)
 

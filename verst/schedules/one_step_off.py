@@ -11,27 +11,22 @@ import time
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.schedules.run_start import open_rl_run
+from verst.run import open_rl_run
 
 
 async def run_one_step_off(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
     async with open_rl_run(cfg, restarts) as run:
         await run.begin()  # the step-0 evaluation, while the first rollouts generate
-        if run.first_rollout < cfg.rollout.num_rollouts:  # a run resumed at its end has none to make
+        last = cfg.rollout.num_rollouts
+        if run.first_rollout < last:  # a run resumed at its end has none to make
             next_batch = asyncio.create_task(run.generate(run.first_rollout))
-        for rollout_id in range(run.first_rollout, cfg.rollout.num_rollouts):
+        for rollout_id in range(run.first_rollout, last):
             start = time.perf_counter()
             batch, rollout_metrics = await next_batch
-            wait_s = time.perf_counter() - start
-            if rollout_id + 1 < cfg.rollout.num_rollouts:
+            rollout_metrics["perf/trainer_wait_s"] = time.perf_counter() - start
+            if rollout_id + 1 < last:
                 next_batch = asyncio.create_task(run.generate(rollout_id + 1))  # overlaps the training below
             async for step_metrics in run.train(batch):
-                metrics = {**rollout_metrics, **step_metrics, "perf/trainer_wait_s": wait_s}
-                metrics.update(await run.sync_weights())
-                await run.log(metrics, start)
-                if run.eval_due():
-                    await run.start_evaluation()  # overlaps the next step
-                await run.checkpoint_if_due()
-                start, rollout_metrics, wait_s = time.perf_counter(), {}, 0.0
-        await run.evaluate_last_version()
-        return run.finish()
+                await run.end_step({**rollout_metrics, **step_metrics}, start)  # push, log, evaluate, save
+                start, rollout_metrics = time.perf_counter(), {"perf/trainer_wait_s": 0.0}
+        return await run.finish()

@@ -5,6 +5,7 @@ success through the session server) before, during and after; save, export, summ
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,13 @@ from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
-from verst.schedules import checkpointing
-from verst.schedules.trainer_setup import load_weights_into, open_trainer
+from verst.run.checkpointer import prepare_resume
+from verst.run.sft_checkpoints import finish_sft, restore_sft, save_sft
+from verst.run.trainer_setup import load_weights_into, open_trainer
 from verst.trainer import sft_loss_fn
 from verst.types import Sample, Status
+
+log = logging.getLogger(__name__)
 
 
 def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
@@ -32,7 +36,7 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     if cfg.eval.num_engines:
         raise ValueError(f"eval.num_engines = {cfg.eval.num_engines}: the evaluation fleet scores RL runs; SFT "
                          "evaluates with the trainer's model (set eval.num_engines = 0)")
-    resume = checkpointing.prepare_resume(cfg)  # refused before anything starts
+    resume = prepare_resume(cfg)  # refused before anything starts
     run_dir = prepare_run_dir(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     source = PromptSource.from_config(cfg.data, "train")
@@ -61,10 +65,10 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
         if resume is None:
             before = evaluate()
             logger.log(before, step=0)
-            print(f"[sft] step 0: held-out {scored_by} {before[score]:.1%}", flush=True)
+            log.info("step 0: held-out %s %.1f%%", scored_by, 100 * before[score])
             history, first = [(0, before[score])], 1
         else:
-            history = checkpointing.restore_sft(trainer, source, resume)
+            history = restore_sft(trainer, source, resume)
             before, first = {score: history[0][1]}, resume.version + 1
         encoded: dict[int, Sample] = {}  # data_index -> training sample; each prompt is rendered once
         metrics: dict[str, float] = {}
@@ -82,12 +86,12 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
                 logger.log(metrics, step=step)
                 progress.step(step, metrics)
                 if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step != cfg.sft.num_steps:
-                    seconds = checkpointing.save_sft(trainer, source, cfg, run_dir, step, history)
+                    seconds = save_sft(trainer, source, cfg, run_dir, step, history)
                     logger.log({"time/checkpoint_s": seconds}, step=step)
         after = evaluate(trainer)
         logger.log(after, step=cfg.sft.num_steps)
         history.append((cfg.sft.num_steps, after[score]))
-        checkpointing.finish_sft(trainer, source, cfg, run_dir, history)
+        finish_sft(trainer, source, cfg, run_dir, history)
     summary = {
         f"{score}_before": before[score],
         f"{score}_after": after[score],
@@ -96,9 +100,9 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
         "time/total_s": time.perf_counter() - start,
     }
     write_summary(run_dir, summary)
-    print(f"[sft] held-out greedy {scored_by} {before[score]:.1%} -> {after[score]:.1%} "
-          f"in {summary['time/total_s']:.0f} s; run directory {run_dir}", flush=True)
-    print(f"[sft] report {write_report(run_dir)}", flush=True)
+    log.info("held-out greedy %s %.1f%% -> %.1f%% in %.0f s; run directory %s", scored_by, 100 * before[score],
+             100 * after[score], summary["time/total_s"], run_dir)
+    log.info("report %s", write_report(run_dir))
     return summary, run_dir
 
 

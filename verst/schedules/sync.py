@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.schedules.run_start import open_rl_run
+from verst.run import open_rl_run
 
 
 async def run_sync(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
@@ -20,12 +20,6 @@ async def run_sync(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
             start = time.perf_counter()
             batch, rollout_metrics = await run.generate(rollout_id, lane)
             async for step_metrics in run.train(batch, lane):
-                metrics = {**rollout_metrics, **step_metrics}
-                metrics.update(await run.sync_weights(lane))
-                await run.log(metrics, start, lane)
-                if run.eval_due():
-                    await run.start_evaluation()  # overlaps the next step
-                await run.checkpoint_if_due()
+                await run.end_step({**rollout_metrics, **step_metrics}, start, lane)  # push, log, evaluate, save
                 start, rollout_metrics = time.perf_counter(), {}
-        await run.evaluate_last_version()
-        return run.finish()
+        return await run.finish()

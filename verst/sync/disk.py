@@ -127,6 +127,7 @@ class DiskTransport:
     """
 
     name = "disk"
+    snapshot_of = staticmethod(snapshot_path)  # where the push of a version leaves its snapshot
 
     def __init__(self, fleet: EngineFleet, directory: str | Path, *, bucket_bytes: int, keep_last: int = 2,
                  source_model: str | Path | None = None, adapter: AdapterSpec | None = None):

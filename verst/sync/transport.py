@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from verst.config.registries import WEIGHT_TRANSPORTS
 from verst.types import WeightBucket
 
 
@@ -70,3 +72,12 @@ class PushStats:
             "sync/tensors": float(self.tensors),
             "sync/push_seconds": time.perf_counter() - self.started,
         }
+
+
+def pushed_snapshot(transport: str, root: str | Path, version: int) -> Path | None:
+    """Where the push of `version` left its Hugging Face snapshot under `root` (a full model, or with LoRA's
+    adapter sync the adapter), for a transport that keeps them (`keeps_snapshots`: its class's
+    `snapshot_of`); None for one that keeps none. The newest `keep_last` of them are on disk."""
+    if not WEIGHT_TRANSPORTS.entry(transport).keeps_snapshots:
+        return None
+    return WEIGHT_TRANSPORTS.load(transport).snapshot_of(root, version)

@@ -10,7 +10,7 @@ import torch
 
 from verst.config.schema import CriticConfig, TrainerConfig
 from verst.trainer.batching import ForwardOutputs, MicroBatch
-from verst.trainer.schedule import build_optimizer
+from verst.trainer.optim import build_optimizer
 
 
 @dataclasses.dataclass

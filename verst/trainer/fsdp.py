@@ -23,8 +23,8 @@ from verst.config.adapters import adapter_lora_configs
 from verst.config.schema import CriticConfig, LoraConfig, ModelConfig, TrainerConfig
 from verst.models.native import load_causal_lm
 from verst.models.scoring import token_logprobs
-from verst.trainer import checkpoint
 from verst.trainer import lora as lora_mod
+from verst.trainer import persistence
 from verst.trainer.backend import Batch
 from verst.trainer.batching import (
     ForwardOutputs,
@@ -40,8 +40,8 @@ from verst.trainer.critic import Critic, add_value_head, check_same_vocabulary, 
 from verst.trainer.distributed import ensure_single_process_group, resolve_device
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
+from verst.trainer.optim import build_adapter_optimizer, build_optimizer
 from verst.trainer.routing import ROUTING_MODES, RoutingReplay
-from verst.trainer.schedule import build_adapter_optimizer, build_optimizer
 from verst.types import WeightBucket
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,7 +106,7 @@ class FSDP2Backend:
             torch.set_num_threads(1)  # one thread per rank process; see PLATFORM.md
         torch.manual_seed(trainer.seed + self.rank)
         self._step = 0
-        self._writing: checkpoint.BackgroundSave | None = None  # a background save in progress
+        self._writing: persistence.BackgroundSave | None = None  # a background save in progress
         self._checkpoint_group = None  # its own process group: the write's collectives run in a thread
         self._stager = None  # its copy of the shards, in a thread: the model waits for it before it changes
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -383,7 +383,7 @@ class FSDP2Backend:
         LoRA: the merged weights, under the base's names (the model itself is not changed)."""
         if self.adapters:
             raise ValueError("named_weights: a multi-LoRA model has no one merged policy; sync its adapters by name")
-        tensors = lora_mod.merged_tensors(self.model) if self.lora else checkpoint.named_tensors(self.model)
+        tensors = lora_mod.merged_tensors(self.model) if self.lora else persistence.named_tensors(self.model)
         yield from _buckets(tensors, bucket_bytes)
 
     @property
@@ -406,15 +406,15 @@ class FSDP2Backend:
 
     def save(self, directory: str | Path, *, background: bool = False) -> None:
         """With `background`, the shards are copied now and written by a thread; the directory is complete
-        once every rank's `done_rank<R>` is there and COMPLETE is written (`checkpoint.save`)."""
+        once every rank's `done_rank<R>` is there and COMPLETE is written (`persistence.save`)."""
         self.wait_saves()
         group = None
         if background:
             if self._checkpoint_group is None:  # collective: every rank saves at the same time
                 self._checkpoint_group = dist.new_group(backend="gloo")
-                self._stager = checkpoint.background_stager()
+                self._stager = persistence.background_stager()
             group = self._checkpoint_group
-        self._writing = checkpoint.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
+        self._writing = persistence.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
                                         background_group=group, stager=self._stager, critic=self.critic,
                                         extra={"adapter_step": dict(self.adapter_step)})
 
@@ -431,9 +431,9 @@ class FSDP2Backend:
 
     def load(self, directory: str | Path) -> None:
         self.wait_saves()
-        self._step = checkpoint.load(Path(directory), self.model, self.optimizer, self.scheduler, critic=self.critic)
+        self._step = persistence.load(Path(directory), self.model, self.optimizer, self.scheduler, critic=self.critic)
         if self.adapters:
-            saved = checkpoint.saved_extra(Path(directory)).get("adapter_step", {})
+            saved = persistence.saved_extra(Path(directory)).get("adapter_step", {})
             if set(saved) != set(self.adapters):
                 raise ValueError(f"checkpoint {directory} holds the adapters {sorted(saved)}, this run trains "
                                  f"{sorted(self.adapters)} (lora.adapters)")
@@ -446,7 +446,7 @@ class FSDP2Backend:
             lora_mod.export(Path(directory), self.model, self.model_config.path, self.model_config.dtype, merge_lora,
                             list(self.adapters) or None)
         else:
-            checkpoint.export_hf(Path(directory), self.model, self.model_config.path, self.model_config.dtype)
+            persistence.export_hf(Path(directory), self.model, self.model_config.path, self.model_config.dtype)
 
     # ---- cross-rank exchange of Python objects ------------------------------------------------
     def _gather_objects(self, value: object) -> list:

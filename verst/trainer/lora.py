@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from verst.config.schema import LoraConfig
-from verst.trainer import checkpoint
+from verst.trainer import persistence
 from verst.trainer.backend import MERGED_LORA_DIR
 
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model
@@ -97,14 +97,14 @@ def target_modules(model: torch.nn.Module, wanted: list[str] | str) -> list[str]
 
 
 def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective. The base's tensors under its own names (as `checkpoint.named_tensors` names them without
+    """Collective. The base's tensors under its own names (as `persistence.named_tensors` names them without
     PEFT), each adapted weight as W + B·A · scale; the adapters are not among them and the model is not
     changed. Full tensors (gathered from the shards), on the parameters' device."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
     layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    for name, tensor in checkpoint.named_tensors(base):
+    for name, tensor in persistence.named_tensors(base):
         if _ADAPTER_PART.search(name):
             continue
         owner, _, leaf = name.rpartition(".")
@@ -121,7 +121,7 @@ def adapter_tensors(model: torch.nn.Module, adapter: str = ADAPTER) -> Iterator[
     (`base_model.model.<module>.lora_A.weight`), full tensors (gathered from the shards); nothing of the base
     or of another adapter."""
     parts = {f".lora_A.{adapter}.": ".lora_A.", f".lora_B.{adapter}.": ".lora_B."}
-    for name, tensor in checkpoint.named_tensors(model.get_base_model()):
+    for name, tensor in persistence.named_tensors(model.get_base_model()):
         for part, saved in parts.items():
             if part in name:
                 yield f"base_model.model.{name.replace(part, saved)}", _full(tensor)
@@ -173,9 +173,9 @@ def export(directory: Path, model: torch.nn.Module, source_path: str, dtype: str
             config = model.peft_config[name]
             config.base_model_name_or_path = str(source_path)
             config.save_pretrained(str(target))
-            checkpoint.copy_side_files(Path(source_path), target)
+            persistence.copy_side_files(Path(source_path), target)
     if merge:
         merged = {name: tensor.cpu() for name, tensor in merged_tensors(model)}
-        checkpoint.write_hf(directory / MERGED_LORA_DIR, model.get_base_model(), merged, source_path, dtype)
+        persistence.write_hf(directory / MERGED_LORA_DIR, model.get_base_model(), merged, source_path, dtype)
     else:
         dist.barrier()

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import socket
 import sys
 from pathlib import Path
+
+from verst.monitor.logs import configure_logging
+
+log = logging.getLogger(__name__)
 
 
 def sglang_command(python: str, model: str, host: str, port: int, dtype: str, version: str, device: str,
@@ -54,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.port_file:  # the caller then polls /health until SGLang serves
         Path(f"{args.port_file}.tmp").write_text(str(port))
         os.replace(f"{args.port_file}.tmp", args.port_file)
-    print(f"verst: starting {' '.join(cmd)}", file=sys.stderr, flush=True)
+    configure_logging()
+    log.info("starting %s", " ".join(cmd))
     os.execv(shutil.which(cmd[0]) or cmd[0], cmd)  # a bare name (python3) is looked up on PATH
     return 0  # not reached
 

@@ -2,7 +2,8 @@
 source, rollout fn, buffer, fully async worker), which a parts factory builds once the router is up.
 
 `RolloutManager` is a plain class (async methods, testable without Ray); the orchestration runs it as
-an async Ray actor so the fully async worker lives on the actor's event loop across training steps.
+an async Ray actor (`verst.orchestration`) so the fully async worker lives on the actor's event loop across
+training steps.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from verst.rollout import AsyncRolloutWorker, DataBuffer
+from verst.rollout.buffer import DataBuffer
+from verst.rollout.worker import AsyncRolloutWorker
 from verst.router import RouterManager
 from verst.types import Group
 
@@ -26,16 +28,6 @@ GenerateBatch = Callable[[int, int], Awaitable[list[Group]]]
 """`async generate_batch(rollout_id, weight_version) -> groups`: one rollout step (the rollout fn)."""
 BatchSummary = tuple[int, dict[str, float]]
 """(groups in a train batch, its metrics): what the driver reads of a train batch."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutBatch:
-    """The driver's handle of one batch of groups to train on: the groups where they are (in an RL run an
-    object reference into Ray's object store, which the trainer ranks resolve; or the groups themselves,
-    in one process) and how many there are."""
-
-    groups: Any  # ray.ObjectRef of list[Group], or list[Group]
-    num_groups: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ from verst.data import PromptSource
 from verst.inference_client.client import EngineClient
 from verst.models import load_tokenizer
 from verst.monitor.samples import append_samples
-from verst.orchestration.rollout_manager import RolloutEndpoints, RolloutParts
 from verst.rollout import (
     AsyncRolloutWorker,
     RolloutContext,
@@ -24,6 +23,7 @@ from verst.rollout import (
     sample_metrics,
     worker_hooks,
 )
+from verst.rollout.manager import RolloutEndpoints, RolloutParts
 from verst.rollout.teacher import TeacherScorer
 from verst.types import Group
 

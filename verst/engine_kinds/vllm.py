@@ -36,7 +36,7 @@ class VLLMError(RuntimeError):
 class VLLMAdapter:
     """One vLLM server at `url`. `model_info`: what `get_model_info` reports besides the version (at least
     `model_path` and `vocab_size`, read from the checkpoint by the caller). `weights_path(path)`: the
-    directory vLLM reloads for the checkpoint `path` (default: `path`; see `verst.engines.untie`)."""
+    directory vLLM reloads for the checkpoint `path` (default: `path`; see `verst.engine_kinds.untie`)."""
 
     def __init__(self, url: str, *, weight_version: str = "0", model_info: dict[str, Any] | None = None,
                  timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,

@@ -41,8 +41,8 @@ class EngineKind:
 EMBEDDED = EngineKind("embedded", ("-m", "verst.engine.server"))
 # vLLM serves behind verst's gateway, which speaks the SGLang dialect to the router, the rollout side and
 # the syncer, and vLLM's own HTTP API to the server it starts.
-VLLM = EngineKind("vllm", ("-m", "verst.engines.gateway"))
-SGLANG = EngineKind("sglang", ("-m", "verst.engines.sglang_launcher"))
+VLLM = EngineKind("vllm", ("-m", "verst.engine_kinds.gateway"))
+SGLANG = EngineKind("sglang", ("-m", "verst.engine_kinds.sglang_launcher"))
 _KINDS = {kind.name: kind for kind in (EMBEDDED, VLLM, SGLANG)}
 
 

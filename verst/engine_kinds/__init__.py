@@ -2,7 +2,7 @@
 (`EngineAPI`), and one kind per server (embedded, vLLM, SGLang) that launches it and maps that API to it.
 """
 
-from verst.engines.api import EngineAPI
-from verst.engines.kinds import ENGINE_KINDS, EngineKind, engine_kind
+from verst.engine_kinds.api import EngineAPI
+from verst.engine_kinds.kinds import ENGINE_KINDS, EngineKind, engine_kind
 
 __all__ = ["ENGINE_KINDS", "EngineAPI", "EngineKind", "engine_kind"]

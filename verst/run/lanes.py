@@ -77,41 +77,33 @@ def rollout_ids(lanes: list[Lane]) -> Iterator[tuple[int, Lane]]:
                 yield rollout_id, lane
 
 
+Span = tuple[tuple[int | None, float | None], tuple[int | None, float | None]]
+
+
+def score_span(history: list[tuple[int, float]]) -> Span:
+    """The first and last (version, score) of an evaluation history; (None, None) twice when it is empty
+    (every evaluation was skipped: `eval.on_error = "skip"`)."""
+    return (history[0], history[-1]) if history else ((None, None), (None, None))
+
+
 def summary(lanes: list[Lane], score_key: str) -> dict[str, Any]:
     """summary.json's per-adapter scores: `lora/<name>/eval/accuracy_before` and `_after` (with versions)."""
     out: dict[str, Any] = {}
     for lane in lanes:
         if lane.adapter is None:
             continue
-        (v0, before), (v1, after) = (lane.eval_history[0], lane.eval_history[-1]) if lane.eval_history else \
-            ((None, None), (None, None))
+        (v0, before), (v1, after) = score_span(lane.eval_history)
         out |= {f"{lane.prefix}{score_key}_before": before, f"{lane.prefix}{score_key}_after": after,
                 f"{lane.prefix}eval/version_before": v0, f"{lane.prefix}eval/version_after": v1,
                 f"{lane.prefix}train/steps": lane.steps}
     return out
 
 
-def print_adapter_scores(lanes: list[Lane], summary: dict[str, Any], score_key: str, schedule: str) -> str:
-    """One line per adapter with its held-out score before and after; returns the run's own line."""
+def adapter_score_lines(lanes: list[Lane], summary: dict[str, Any], score_key: str) -> list[str]:
+    """One line per adapter with its held-out score before and after (multi-LoRA's end of run)."""
+    lines = []
     for lane in lanes:
         before, after = summary[f"{lane.prefix}{score_key}_before"], summary[f"{lane.prefix}{score_key}_after"]
         moved = "no evaluation" if before is None else f"{before:.1%} -> {after:.1%}"
-        print(f"[{schedule}] adapter {lane.adapter}: held-out greedy {score_key[5:]} {moved} in {lane.steps} steps",
-              flush=True)
-    return f"{len(lanes)} adapters, {sum(lane.steps for lane in lanes)} steps"
-
-
-async def push_adapters(run: Any, version: int) -> dict[str, float]:
-    """Multi-LoRA: push every adapter, each under its name, as `version` (start-up: 0, the engines' base
-    version; resume: the checkpoint's), before any rollout. The pushes after the first of a version carry
-    the version the engines already serve (`first`), as does a step-0 push; none is weight-checked."""
-    import asyncio
-
-    from verst.schedules.train_steps import use_adapter
-
-    metrics: dict[str, float] = {}
-    for index, lane in enumerate(run.lanes):
-        await asyncio.to_thread(run.trainer.apply, use_adapter, lane.adapter)
-        pushed = await run.syncer.sync(version, first=index > 0 or version == 0, lora_path=lane.adapter)
-        metrics |= lane.namespaced(pushed)
-    return metrics
+        lines.append(f"adapter {lane.adapter}: held-out greedy {score_key[5:]} {moved} in {lane.steps} steps")
+    return lines

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from examples.demo import FRESH, run_rl_and_report
 from verst.config import load_config
-from verst.schedules.demo import FRESH, run_rl_and_report
 
 MODEL_NAME = "smollm2-135m-instruct"
 MODEL_DIR = Path("artifacts/models/smollm2-135m-instruct")

@@ -19,7 +19,7 @@ LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
 TRAINER_DIR = "trainer"
 TMP_PREFIX = ".tmp-"
-# The trainer's files (verst.trainer.checkpoint, which imports torch): its completion marker and the
+# The trainer's files (verst.trainer.persistence, which imports torch): its completion marker and the
 # per-rank records of a background write.
 TRAINER_COMPLETE, DONE_PREFIX, FAILED_PREFIX = "COMPLETE", "done_rank", "failed_rank"
 FORMAT = 1

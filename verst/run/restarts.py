@@ -3,14 +3,16 @@ same process, exactly as `verst train --resume RUN_DIR` would, at most `fault.ma
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.monitor import checkpoints as layout
+from verst.monitor import checkpoint_dirs as layout
 from verst.monitor.run_dir import run_dir_of
 from verst.orchestration.watchdog import RunFailure
 
+log = logging.getLogger(__name__)
 RLLoop = Callable[..., Awaitable[dict[str, Any]]]  # loop(cfg, restarts=n) -> summary
 
 
@@ -28,8 +30,8 @@ async def run_restarting(loop: RLLoop, cfg: VerstConfig) -> dict[str, Any]:
                 raise
             cfg = restart_config(cfg, failure)
             restarts += 1
-            print(f"[fault] a trainer rank died; restart {restarts} of {cfg.fault.max_restarts} from "
-                  f"{layout.read_latest(run_dir_of(cfg))}:\n{failure}", flush=True)
+            log.warning("a trainer rank died; restart %d of %d from %s:\n%s", restarts, cfg.fault.max_restarts,
+                        layout.read_latest(run_dir_of(cfg)), failure)
 
 
 def restart_config(cfg: VerstConfig, failure: RunFailure) -> VerstConfig:

@@ -26,8 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from verst.engines.api import EngineAPI
-from verst.engines.untie import ties_embeddings, untied_view, with_untied_override
+from verst.engine_kinds.api import EngineAPI
+from verst.engine_kinds.untie import ties_embeddings, untied_view, with_untied_override
 from verst.inference_client.ports import wait_healthy
 from verst.inference_client.protocol import (
     AbortRequest,
@@ -40,7 +40,7 @@ from verst.inference_client.protocol import (
     is_batch,
 )
 
-log = logging.getLogger("verst.engines.gateway")
+log = logging.getLogger("verst.engine_kinds.gateway")
 _stopping = threading.Event()  # set once the gateway itself stops the vLLM server
 # What verst's syncer and transports may call that this engine does not take; config load refuses them first.
 UNSUPPORTED = {
@@ -217,7 +217,7 @@ def model_info(model: str) -> dict[str, Any]:
 
 
 class UntiedViews:
-    """Untied views (`verst.engines.untie`) of each checkpoint vLLM loads, under `root`; the two newest kept."""
+    """Untied views (`verst.engine_kinds.untie`) of each checkpoint vLLM loads, under `root`; the two newest kept."""
 
     def __init__(self, root: str | Path):
         self.root, self.count = Path(root), 0
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from verst.engines.vllm import VLLMAdapter
+    from verst.engine_kinds.vllm import VLLMAdapter
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         views = UntiedViews(scratch)
         served, flags = views(args.model), with_untied_override(flags)
     cmd = vllm_command(args.engine_python, served, vllm_port, args.dtype, flags)
-    print(f"verst gateway: starting {' '.join(cmd)}", file=sys.stderr, flush=True)
+    log.info("starting %s", " ".join(cmd))
     child = subprocess.Popen(cmd, env=vllm_env(), preexec_fn=_die_with_parent)
     signal.signal(signal.SIGTERM, lambda *_: (_stop(child), sys.exit(0)))
     try:
@@ -306,8 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.port_file:
         Path(f"{args.port_file}.tmp").write_text(str(sock.getsockname()[1]))
         os.replace(f"{args.port_file}.tmp", args.port_file)
-    print(f"verst gateway: vLLM serving {args.model} on http://{args.host}:{sock.getsockname()[1]}",
-          file=sys.stderr, flush=True)
+    log.info("vLLM serving %s on http://%s:%d", args.model, args.host, sock.getsockname()[1])
     try:
         server.run(sockets=[sock])
     finally:
@@ -321,7 +320,7 @@ def _exit_with(child: subprocess.Popen) -> None:
     code = child.wait()
     if _stopping.is_set():
         return
-    print(f"verst gateway: the vLLM server exited with code {code}; exiting", file=sys.stderr, flush=True)
+    log.error("the vLLM server exited with code %d; exiting", code)
     os._exit(1)
 
 
