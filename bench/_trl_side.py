@@ -33,12 +33,12 @@ def prompt_rows(cfg: VerstConfig, tokenizer: Any, split: str) -> list[dict[str, 
 
 def reward_fn(cfg: VerstConfig):
     """A TRL reward fn over the recipe's built-in reward (`reward.type`): one float per completion."""
-    from verst.rewards.builtin import BUILTIN_REWARDS
+    from verst.rewards import REWARDS
 
-    if cfg.reward.type not in BUILTIN_REWARDS:
-        raise ValueError(f"reward.type = {cfg.reward.type!r}: the TRL side runs only built-in rewards "
-                         f"{sorted(BUILTIN_REWARDS)}")
-    score = BUILTIN_REWARDS[cfg.reward.type]
+    if cfg.reward.type not in REWARDS:
+        raise ValueError(f"reward.type = {cfg.reward.type!r}: the TRL side runs only registered rewards "
+                         f"{REWARDS.names()}")
+    score = REWARDS.load(cfg.reward.type)
 
     async def score_all(completions: list[str], labels: list[Any]) -> list[float]:
         samples = [Sample(tokens=[0], response=c, label=label, index=i)

@@ -7,13 +7,13 @@ from verst.data import load_prompts
 from verst.engine.process import EngineProcess
 from verst.eval import MixedVersionError, engine_greedy_generate, evaluate_greedy, hf_greedy_generate
 from verst.models import load_model, load_tokenizer
-from verst.rewards import BUILTIN_REWARDS
+from verst.rewards import REWARDS
 
 
 def test_engine_eval_matches_hf_and_checks_version(tiny_model_dir, addition_data_dir):
     tok = load_tokenizer(tiny_model_dir)
     prompts = load_prompts(addition_data_dir / "test.jsonl")[:12]
-    reward = BUILTIN_REWARDS["numeric_match"]
+    reward = REWARDS.load("numeric_match")
     data = DataConfig(apply_chat_template=False)
     hf = hf_greedy_generate(load_model(tiny_model_dir), tok, max_new_tokens=6, batch_size=4)
     prompt_ids = [tok.encode(p.prompt[0]["content"], add_special_tokens=False) for p in prompts]

@@ -79,7 +79,7 @@ def test_a_request_for_one_adapter_never_sees_the_others_weights(engine, trainer
 
     async def push(syncer, adapter, version, first=False):
         trainer.use_adapter(adapter)
-        syncer.transport.adapter = AdapterSpec(*trainer.sync_adapter)  # as trainer rank 0 does before each push
+        syncer.use_adapter(AdapterSpec(*trainer.sync_adapter))  # as trainer rank 0 does before each push
         return await syncer.sync(trainer.synced_weights(cfg.bucket_bytes), version, first=first)
 
     async def main():

@@ -81,3 +81,25 @@ def test_docs_show_the_example_files_as_they_are():
     page = (root / "docs" / "plugins.md").read_text()
     for example in sorted((root / "examples" / "plugins").glob("[!_]*.py")):
         assert example.read_text().rstrip() in page, f"docs/plugins.md does not show {example.name} as it is"
+
+
+def test_registered_names_are_valid_config_values_and_run_as_their_fields_say():
+    """`plugins` imports the module before the fields are checked; the names resolve where the run uses them."""
+    import torch
+
+    from verst.algo import compute_advantages
+    from verst.config import ConfigError, load_config
+    from verst.rewards import build_reward_fn
+
+    chosen = ["--algorithm.advantage-estimator", "median_baseline", "--reward.type", "answer_then_stop"]
+    with pytest.raises(ConfigError, match="'median_baseline' is not registered"):
+        load_config(None, chosen[:2])  # without the module nothing registers the name
+    cfg = load_config(None, ["--plugins", "[examples.plugins.registered]", *chosen])
+    rewards, groups = torch.tensor([1.0, 0.0, 0.0, 5.0]), torch.tensor([0, 0, 0, 1])
+    advantages, returns = compute_advantages(cfg.algorithm, rewards, groups, torch.ones(4, 2))
+    assert advantages[:, 0].tolist() == [1.0, 0.0, 0.0, 0.0] and returns is None  # the median, not the mean
+    reward = build_reward_fn(cfg.reward)
+    scores = [asyncio.run(reward(Sample(label="56", response=r))) for r in ("56", "so 56", "55")]
+    assert scores == [1.0, 0.5, 0.0]
+    with pytest.raises(ConfigError, match=r"plugins\[0\] = 'examples.plugins.nowhere': cannot import it"):
+        load_config(None, ["--plugins", "[examples.plugins.nowhere]"])

@@ -96,6 +96,16 @@ def check_run(cfg, summary, steps, steps_per_rollout=1):
     return records
 
 
+def test_names_registered_by_plugins_work_in_every_process_of_a_run(ray_session, tiny_model_dir,
+                                                                     addition_data_dir, tmp_path):
+    """`plugins` is imported by the rollout manager (which scores with the registered reward) and the trainer
+    ranks (which compute the registered advantages): looked up anywhere it is not, either name fails the run."""
+    cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "sync", "--sync.transport", "disk",
+                    "--plugins", "[examples.plugins.registered]", "--algorithm.advantage-estimator",
+                    "median_baseline", "--reward.type", "answer_then_stop")
+    check_run(cfg, run_schedule(cfg), steps=2)
+
+
 @pytest.mark.parametrize("schedule, placement, transport", [
     ("sync", "disaggregated", "disk"),
     ("one_step_off", "disaggregated", "distributed"),

@@ -68,5 +68,7 @@ def test_on_policy_the_weighted_and_plain_estimates_agree_in_value():
 
 
 def test_the_option_without_a_kl_loss_is_refused():
-    with pytest.raises(ValueError, match="kl_importance_weighted = true .*kl_loss_coef > 0"):
-        AlgorithmConfig(kl_importance_weighted=True)
+    from verst.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="kl_importance_weighted = true .*kl_loss_coef > 0"):
+        load_config(None, ["--algorithm.kl-importance-weighted", "true"])

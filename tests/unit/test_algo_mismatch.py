@@ -217,7 +217,7 @@ def test_bad_band_and_mode_fail_loudly():
     old, rollout = logprob_pair(2)
     with pytest.raises(ValueError, match="tis_clip_low=2.0, tis_clip=1.0"):
         mismatch_weights("tis", old, rollout, MASK, clip_low=2.0, clip_high=1.0)
-    with pytest.raises(ValueError, match="'none' has no weights"):
+    with pytest.raises(ValueError, match="'none' is not registered; registered: tis, mis_token"):
         mismatch_weights("none", old, rollout, MASK, clip_low=0.0, clip_high=2.0)
 
 

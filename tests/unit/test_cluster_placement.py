@@ -145,8 +145,8 @@ def test_the_tensor_transport_is_refused_across_machines(monkeypatch):
     orch = Orchestration(ClusterConfig(num_engines=2))
     orch.placement = SimpleNamespace(nodes_of=lambda role: [a.node_id] if role == "trainer" else [a.node_id, b.node_id])
     with pytest.raises(ValueError, match=r"sync.transport = 'tensor' .* engine\(s\) \[1\] were placed on "
-                                         r"\['10.0.0.2'\], not on trainer rank 0's 10.0.0.1; use sync.transport = "
-                                         "'distributed'"):
+                                         r"\['10.0.0.2'\], not on trainer rank 0's 10.0.0.1; use a transport that "
+                                         "crosses machines: 'distributed', 'disk'"):
         orch.check_transport("tensor")
     orch.check_transport("distributed")
     orch.placement = SimpleNamespace(nodes_of=lambda role: [a.node_id])  # one machine: shared memory works

@@ -160,7 +160,7 @@ def test_config_import_does_not_import_torch():
     (["--teacher.model-path", "t"], "teacher.model_path = 't' with algorithm.distill_coef = 0"),
     (["--algorithm.reward-coef", "0"], "algorithm.reward_coef = 0 with algorithm.distill_coef = 0"),
     (["--critic.lr", "1e-4", "--critic.model-path", "m"],
-     r"critic.model_path, critic.lr changed from the default, but only algorithm.advantage_estimator = 'ppo'"),
+     r"critic.model_path, critic.lr changed from the default, but algorithm.advantage_estimator = 'grpo' trains no value model"),
 ])
 def test_modes_a_run_cannot_carry_out_are_refused_at_start_up(override, message):
     with pytest.raises(ConfigError, match=message):

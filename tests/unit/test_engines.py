@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from verst.cli.preflight import PreflightError, preflight
-from verst.config.engines import flag_argv
+from verst.config.engine_flags import flag_argv
 from verst.config.load import ConfigError, load_config
 from verst.engine_kinds import EngineAPI, engine_kind
 from verst.engine_kinds import kinds as kinds_module
@@ -71,7 +71,7 @@ def test_server_args_per_kind():
         "--dtype", "float32", "--engine-flags", '["--enforce-eager"]', "--engine-python", "/opt/vllm/bin/python",
         "--weight-version", "3"]
     assert engine_kind("vllm").entry == ("-m", "verst.engine_kinds.gateway")
-    with pytest.raises(ValueError, match="cluster.engine = 'tgi' is not one of"):
+    with pytest.raises(ValueError, match="cluster.engine = 'tgi' is not registered; registered: embedded, vllm, sglang"):
         engine_kind("tgi")
 
 

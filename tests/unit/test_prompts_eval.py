@@ -4,7 +4,7 @@ from verst.config import DataConfig
 from verst.eval import evaluate_greedy
 from verst.models import load_tokenizer
 from verst.models.prompts import encode_prompt, encode_sft_example, prompt_messages
-from verst.rewards import BUILTIN_REWARDS
+from verst.rewards import REWARDS
 from verst.types import Sample
 
 
@@ -50,7 +50,7 @@ def test_evaluate_greedy_scores_with_reward_and_counts_truncation(tok):
         return out
 
 
-    m = evaluate_greedy(prompts, fake_generate, tok, BUILTIN_REWARDS["numeric_match"], DataConfig(), 8)
+    m = evaluate_greedy(prompts, fake_generate, tok, REWARDS.load("numeric_match"), DataConfig(), 8)
     assert m["eval/accuracy"] == pytest.approx(0.75)
     assert m["eval/truncated_ratio"] == pytest.approx(0.25)
     assert m["eval/n_prompts"] == 4

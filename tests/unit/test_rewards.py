@@ -9,8 +9,8 @@ import pytest
 
 from verst.config import ConfigError, ImportPathError, RewardConfig
 from verst.rewards import (
-    BUILTIN_REWARDS,
     REWARD_ERROR_KEY,
+    REWARDS,
     RewardError,
     build_reward_fn,
     compute_rewards,
@@ -45,7 +45,7 @@ def not_async(sample: Sample) -> float:
 
 
 def test_registry_names():
-    assert set(BUILTIN_REWARDS) == {"exact_match", "numeric_match", "math_verify", "token_f1"}
+    assert set(REWARDS) == {"exact_match", "numeric_match", "math_verify", "token_f1"}
 
 
 def test_exact_match():
@@ -138,7 +138,6 @@ def test_build_builtin_and_custom_by_import_path():
 @pytest.mark.parametrize(
     "cfg, message",
     [
-        (dict(type="bleu"), r"reward.type = 'bleu' is unknown; known: \['exact_match', 'math_verify', 'numeric_match', 'token_f1', 'remote', 'custom'\]"),
         (dict(type="custom"), "needs reward.path"),
         (dict(type="custom", path="tests.unit.test_rewards:not_async"), "is not an async function"),
         (dict(type="exact_match", path="x.y:z"), "reward.path = 'x.y:z' is set but reward.type = 'exact_match'"),
@@ -228,3 +227,11 @@ def test_compute_rewards_lets_bugs_propagate():
         asyncio.run(compute_rewards([Sample()], buggy))
     with pytest.raises(TypeError, match="pass group/key through the RewardConfig"):
         asyncio.run(compute_rewards([Sample()], RewardConfig(), key="x"))
+
+
+def test_an_unregistered_reward_is_refused_naming_the_registered_ones():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"reward.type = 'bleu' is not registered; registered: exact_match, "
+                                              r"numeric_match, math_verify, token_f1.*'remote' .*'custom'"):
+        RewardConfig(type="bleu")

@@ -55,7 +55,7 @@ class RecordingFleet:
 
 
 class RecordingTransport:
-    name = "tensor"
+    versioned_loads = False
 
     def __init__(self, log, error=None):
         self.log, self.error, self.closed = log, error, False

@@ -24,7 +24,6 @@ from verst.algo.aggregation import (
 from verst.algo.kl import KL_ESTIMATORS, importance_weighted_kl, kl_estimate
 from verst.algo.losses import rl_loss, sft_loss
 from verst.algo.mismatch import (
-    CORRECTIONS,
     ess_ratio,
     ess_ratio_from_moments,
     mismatch_log_ratio,
@@ -37,14 +36,22 @@ from verst.algo.policy_loss import (
     clipped_surrogate,
     explained_variance,
     gspo_log_ratio,
+    gspo_token_loss,
     policy_loss,
-    policy_token_loss,
+    ppo_clip_token_loss,
     value_loss,
 )
+from verst.config.registries import ADVANTAGE_ESTIMATORS, MISMATCH_CORRECTIONS, POLICY_LOSSES
+
+# Your own, by name: `@register_advantage_estimator("name")` over `fn(cfg, rewards, group_ids, loss_mask, *, kl,
+# values) -> (advantages, returns | None)`, `@register_policy_loss("name")` over a `PolicyLossFn`,
+# `@register_mismatch_correction("name")` over a `MismatchFn`, in a module that the config's `plugins` lists.
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+register_policy_loss = POLICY_LOSSES.register
+register_mismatch_correction = MISMATCH_CORRECTIONS.register
 
 __all__ = [
     "AGGREGATIONS",
-    "CORRECTIONS",
     "KL_ESTIMATORS",
     "LossPlugins",
     "LossReducer",
@@ -73,7 +80,11 @@ __all__ = [
     "mismatch_weights",
     "opsm_keep",
     "policy_loss",
-    "policy_token_loss",
+    "gspo_token_loss",
+    "ppo_clip_token_loss",
+    "register_advantage_estimator",
+    "register_mismatch_correction",
+    "register_policy_loss",
     "reinforce_plus_plus",
     "rl_loss",
     "rloo_rewards",

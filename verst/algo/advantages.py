@@ -1,6 +1,7 @@
 """Advantage estimators: rewards (and critic values) to per-token advantages [batch, resp_len].
 
-GRPO, Dr.GRPO, RLOO, REINFORCE++ (and its group baseline) and PPO's GAE, plus one dispatcher.
+GRPO, Dr.GRPO, RLOO, REINFORCE++ (and its group baseline) and PPO's GAE, each registered by name
+(`verst.config.registries.ADVANTAGE_ESTIMATORS`), and `compute_advantages`, which runs the configured one.
 
 Conventions (see `verst.algo.aggregation`): `rewards [batch]`, `group_ids [batch]` (samples of one
 prompt share an id; groups may differ in size and appear in any order), `loss_mask [batch, resp_len]`.
@@ -16,10 +17,12 @@ import torch
 
 from verst.algo.aggregation import check_token_shapes
 from verst.algo.kl import kl_estimate
+from verst.config.registries import ADVANTAGE_ESTIMATORS
 from verst.config.schema import AlgorithmConfig
 
 # Added to a std before dividing (GRPO groups, REINFORCE++ batch whitening).
 STD_EPS = 1e-6
+Estimate = tuple[torch.Tensor, torch.Tensor | None]  # (advantages, returns or None), [batch, resp_len] each
 
 
 def _group_index(group_ids: torch.Tensor, rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -223,38 +226,64 @@ def _estimate(
     ref_logprobs: torch.Tensor | None,
     values: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`compute_advantages` before whitening."""
+    """`compute_advantages` before whitening: the registered estimator of `cfg.advantage_estimator`."""
     rewards = _float_rewards(rewards)
     check_token_shapes(loss_mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values)
     if rewards.shape != loss_mask.shape[:1]:
         raise ValueError(f"rewards has shape {tuple(rewards.shape)}; expected [batch] = {tuple(loss_mask.shape[:1])}")
-    estimator = cfg.advantage_estimator
-    token_level = estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-    if cfg.kl_penalty_coef > 0 and not token_level:
-        raise ValueError(
-            f"kl_penalty_coef = {cfg.kl_penalty_coef} is folded into rewards only by reinforce_plus_plus(_baseline) "
-            f"and ppo, not by advantage_estimator = {estimator!r}; use kl_loss_coef"
-        )
+    name = cfg.advantage_estimator
+    if cfg.kl_penalty_coef > 0 and not ADVANTAGE_ESTIMATORS.entry(name).token_level:
+        raise ValueError(f"kl_penalty_coef = {cfg.kl_penalty_coef} is folded into rewards only by the token-level "
+                         f"estimators, not by advantage_estimator = {name!r}; use kl_loss_coef")
     kl = None
     if cfg.kl_penalty_coef > 0:
         if logprobs is None or ref_logprobs is None:
             raise ValueError(f"kl_penalty_coef = {cfg.kl_penalty_coef} needs logprobs and ref_logprobs")
         kl = kl_estimate(logprobs.detach(), ref_logprobs, cfg.kl_estimator)
-    if estimator in ("grpo", "dr_grpo"):
-        std_normalize = estimator == "grpo" and cfg.grpo_std_normalization
-        scalar = group_relative_rewards(rewards, group_ids, std_normalize=std_normalize)
-        return broadcast_to_tokens(scalar, loss_mask), None
-    if estimator == "rloo":
-        return broadcast_to_tokens(rloo_rewards(rewards, group_ids), loss_mask), None
-    if estimator == "reinforce_plus_plus_baseline":
-        rewards = group_relative_rewards(rewards, group_ids, std_normalize=False)
-    if estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
-        return reinforce_plus_plus(rewards, loss_mask, gamma=cfg.gamma, kl_coef=cfg.kl_penalty_coef, kl=kl), None
-    if estimator == "ppo":
-        if values is None:
-            raise ValueError("advantage_estimator = 'ppo' needs critic values [batch, resp_len]")
-        return gae(rewards, values, loss_mask, gamma=cfg.gamma, lam=cfg.lam, kl_coef=cfg.kl_penalty_coef, kl=kl)
-    raise ValueError(f"advantage_estimator {estimator!r} is unknown")
+    return ADVANTAGE_ESTIMATORS.load(name)(cfg, rewards, group_ids, loss_mask, kl=kl, values=values)
+
+
+# ---- the registered estimators: `fn(cfg, rewards, group_ids, loss_mask, *, kl, values) -> (advantages, returns)`
+def grpo_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor, loss_mask: torch.Tensor,
+                    *, kl: torch.Tensor | None = None, values: torch.Tensor | None = None) -> Estimate:
+    """GRPO: the group-relative reward on every policy token (std-normalised with `grpo_std_normalization`)."""
+    scalar = group_relative_rewards(rewards, group_ids, std_normalize=cfg.grpo_std_normalization)
+    return broadcast_to_tokens(scalar, loss_mask), None
+
+
+def dr_grpo_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor, loss_mask: torch.Tensor,
+                       *, kl: torch.Tensor | None = None, values: torch.Tensor | None = None) -> Estimate:
+    """Dr. GRPO: r − group mean on every policy token, no std division."""
+    return broadcast_to_tokens(group_relative_rewards(rewards, group_ids, std_normalize=False), loss_mask), None
+
+
+def rloo_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor, loss_mask: torch.Tensor,
+                    *, kl: torch.Tensor | None = None, values: torch.Tensor | None = None) -> Estimate:
+    """RLOO: r − the mean of the group's other rewards, on every policy token."""
+    return broadcast_to_tokens(rloo_rewards(rewards, group_ids), loss_mask), None
+
+
+def reinforce_plus_plus_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor,
+                                   loss_mask: torch.Tensor, *, kl: torch.Tensor | None = None,
+                                   values: torch.Tensor | None = None) -> Estimate:
+    """REINFORCE++: discounted token returns (with the KL penalty), whitened over the batch."""
+    return reinforce_plus_plus(rewards, loss_mask, gamma=cfg.gamma, kl_coef=cfg.kl_penalty_coef, kl=kl), None
+
+
+def reinforce_plus_plus_baseline_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor,
+                                            loss_mask: torch.Tensor, *, kl: torch.Tensor | None = None,
+                                            values: torch.Tensor | None = None) -> Estimate:
+    """REINFORCE++ on group-centred rewards (r − group mean)."""
+    centred = group_relative_rewards(rewards, group_ids, std_normalize=False)
+    return reinforce_plus_plus(centred, loss_mask, gamma=cfg.gamma, kl_coef=cfg.kl_penalty_coef, kl=kl), None
+
+
+def ppo_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor, loss_mask: torch.Tensor,
+                   *, kl: torch.Tensor | None = None, values: torch.Tensor | None = None) -> Estimate:
+    """PPO: GAE over the critic's values; the returns are the value loss's targets."""
+    if values is None:
+        raise ValueError("advantage_estimator = 'ppo' needs critic values [batch, resp_len]")
+    return gae(rewards, values, loss_mask, gamma=cfg.gamma, lam=cfg.lam, kl_coef=cfg.kl_penalty_coef, kl=kl)
 
 
 def distill_advantages(

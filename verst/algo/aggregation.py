@@ -22,9 +22,13 @@ multiply the loss by the world size to keep that sum.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+from verst.config.training import LossAggregation
+
+AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 # exp() of a float32 above ~88 is inf, and inf times a zero gradient is NaN in backward. Every
 # log-ratio is clamped to ±20 (ratio ~4.9e8) before exp; beyond that the clip has long taken over.

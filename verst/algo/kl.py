@@ -6,11 +6,14 @@ Schulman, "Approximating KL Divergence" (2020, http://joschu.net/blog/kl-approx.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 from verst.algo.aggregation import LOG_RATIO_CLAMP
+from verst.config.training import KLEstimator
 
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 # low_var_kl bounds the k3 value, so one wild token cannot dominate the loss.
 LOW_VAR_KL_BOUND = 10.0

@@ -12,9 +12,10 @@ import torch
 from verst.algo.advantages import distill_advantages
 from verst.algo.aggregation import aggregate, check_token_shapes, metric_aggregation, to_global_share
 from verst.algo.kl import importance_weighted_kl, kl_estimate
-from verst.algo.mismatch import correction_metrics, mismatch_metrics, mismatch_weights, opsm_keep
+from verst.algo.mismatch import correction_metrics, mismatch_metrics, opsm_keep
 from verst.algo.plugins import LossPlugins, load_loss_plugins
-from verst.algo.policy_loss import policy_metrics, policy_token_loss, value_loss
+from verst.algo.policy_loss import policy_metrics, value_loss
+from verst.config.registries import MISMATCH_CORRECTIONS, NO_CORRECTION, POLICY_LOSSES
 from verst.config.schema import AlgorithmConfig
 
 
@@ -46,7 +47,7 @@ def _check_needed(cfg: AlgorithmConfig, custom_mismatch: bool, **given: torch.Te
         if custom_mismatch
         else f"mismatch_correction = {cfg.mismatch_correction!r}"
     )
-    if custom_mismatch or cfg.mismatch_correction != "none":
+    if custom_mismatch or cfg.mismatch_correction != NO_CORRECTION:
         if given["rollout_logprobs"] is None:
             raise ValueError(f"{correction} needs rollout_logprobs")
         if cfg.old_logprobs == "rollout":
@@ -79,15 +80,12 @@ def _token_weights(
         metrics |= mismatch_metrics(
             old_logprobs, rollout_logprobs, loss_mask, aggregation=mode, correction=cfg.mismatch_correction
         )
-    if plugins.mismatch_fn is not None or cfg.mismatch_correction != "none":
-        band = {"clip_low": cfg.tis_clip_low, "clip_high": cfg.tis_clip}
-        if plugins.mismatch_fn is not None:
-            weights, flags = plugins.mismatch_fn(old_logprobs.detach(), rollout_logprobs.detach(), loss_mask, **band)
-            check_token_shapes(loss_mask, **{"mismatch_fn weights": weights, "mismatch_fn flags": flags})
-        else:
-            weights, flags = mismatch_weights(
-                cfg.mismatch_correction, old_logprobs, rollout_logprobs, loss_mask, **band
-            )
+    if plugins.mismatch_fn is not None or cfg.mismatch_correction != NO_CORRECTION:
+        correct = plugins.mismatch_fn or MISMATCH_CORRECTIONS.load(cfg.mismatch_correction)
+        weights, flags = correct(old_logprobs.detach(), rollout_logprobs.detach(), loss_mask,
+                                 clip_low=cfg.tis_clip_low, clip_high=cfg.tis_clip)
+        which = "mismatch_fn" if plugins.mismatch_fn is not None else f"mismatch_correction {cfg.mismatch_correction!r}"
+        check_token_shapes(loss_mask, **{f"{which} weights": weights, f"{which} flags": flags})
         weights = weights.detach().to(logprobs.dtype)
         metrics |= correction_metrics(cfg.mismatch_correction, weights, flags, loss_mask, aggregation=mode)
     if cfg.opsm_delta is not None:
@@ -110,16 +108,10 @@ def _policy_term(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The local-mean policy-gradient loss with its mismatch weights and OPSM mask, and their metrics."""
     weights, metrics = _token_weights(cfg, plugins, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs)
-    if plugins.policy_loss_fn is not None:
-        token_loss, clipped = plugins.policy_loss_fn(
-            logprobs, old_logprobs.detach(), advantages.detach(), loss_mask, cfg
-        )
-        check_token_shapes(loss_mask, **{"policy_loss_fn token_loss": token_loss, "policy_loss_fn clipped": clipped})
-    else:
-        token_loss, clipped = policy_token_loss(
-            logprobs, old_logprobs, advantages, loss_mask,
-            kind=cfg.policy_loss, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, dual_clip_c=cfg.dual_clip_c,
-        )  # fmt: skip
+    token_loss_fn = plugins.policy_loss_fn or POLICY_LOSSES.load(cfg.policy_loss)
+    token_loss, clipped = token_loss_fn(logprobs, old_logprobs.detach(), advantages.detach(), loss_mask, cfg)
+    which = "policy_loss_fn" if plugins.policy_loss_fn is not None else f"policy_loss {cfg.policy_loss!r}"
+    check_token_shapes(loss_mask, **{f"{which} token_loss": token_loss, f"{which} clipped": clipped})
     if weights is not None:
         token_loss = token_loss * weights
     loss = reduce(token_loss)

@@ -19,28 +19,27 @@ from verst.algo.aggregation import (
     metric_aggregation,
 )
 from verst.algo.kl import kl_estimate
+from verst.config.registries import MISMATCH_CORRECTIONS, NO_CORRECTION
 
-CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis_token", "mis_sequence", "mis_geometric", "icepop", "band_mask")
-
-# IcePop's M(k) (Ring-1T report, inclusionAI 2025, §IcePop) is k inside [α, β] and 0 outside: exactly
-# the masked token importance weight of `mis_token`, so the two names run one computation.
-ALIASES: dict[str, str] = {"icepop": "mis_token"}
+RATIOS = ("token", "sequence", "geometric")  # what a correction tests (`CorrectionEntry.ratio`)
 
 
 def mismatch_log_ratio(
-    mode: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor
+    ratio: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor
 ) -> torch.Tensor:
-    """The log-ratio [batch, resp_len] that correction `mode` clips or tests (no gradient, 0 on masked tokens).
+    """The log-ratio [batch, resp_len] a correction clips or tests (no gradient, 0 on masked tokens).
 
-    log ρ_t = log π_old(y_t) − log π_rollout(y_t) per token; for `mis_sequence` the sequence's
-    Σ_t log ρ_t, for `mis_geometric` its mean over policy tokens, on every token of the sequence.
+    log ρ_t = log π_old(y_t) − log π_rollout(y_t) per token (`token`); for `sequence` the sequence's
+    Σ_t log ρ_t, for `geometric` its mean over policy tokens, on every token of the sequence.
     """
+    if ratio not in RATIOS:
+        raise ValueError(f"mismatch ratio {ratio!r} is not one of {RATIOS}")
     check_token_shapes(loss_mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
     mask = loss_mask != 0
     log_rho = torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach(), 0.0)  # [batch, resp_len]
-    if mode == "mis_sequence":
+    if ratio == "sequence":
         log_rho = log_rho.sum(dim=-1, keepdim=True).expand_as(log_rho)
-    elif mode == "mis_geometric":
+    elif ratio == "geometric":
         log_rho = masked_sequence_mean(log_rho, loss_mask)[:, None].expand_as(log_rho)
     return torch.where(mask, log_rho, 0.0)
 
@@ -54,34 +53,68 @@ def mismatch_weights(
     clip_low: float,
     clip_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token weights on the policy loss and the tokens they clip or reject, both [batch, resp_len].
-
-    With ρ from `mismatch_log_ratio` and the band [clip_low, clip_high]:
-    - `tis`: w_t = clip(ρ_t, low, high), truncated importance sampling (Yao et al. 2025, "Your
-      Efficient RL Framework Secretly Brings You Off-Policy RL Training"; flag = clipped);
-    - `mis_token`: w_t = ρ_t inside the band, 0 outside (masked importance sampling, Liu et al. 2025,
-      "When Speed Kills Stability");
-    - `icepop`: an alias of `mis_token`: IcePop's M(ρ_t) = ρ_t on [α, β], 0 elsewhere (Ring-1T report,
-      inclusionAI 2025), with α = low and β = high;
-    - `mis_sequence`: the same test and weight with the sequence ratio ρ = Π_t ρ_t;
-    - `mis_geometric`: with the geometric mean ρ = exp(mean_t log ρ_t), a length-independent band;
-    - `band_mask`: the token band as a plain 0/1 mask (1 inside, 0 outside), no reweighting.
-    For every mode but `tis` the flag marks rejected tokens. Weights carry no gradient; the band test
-    is done on log ρ, so extreme ratios are rejected exactly and weights stay finite.
-    """
-    if mode not in CORRECTIONS or mode == "none":
-        raise ValueError(f"mismatch_correction {mode!r} has no weights; expected one of {CORRECTIONS[1:]}")
+    """Per-token weights on the policy loss and the tokens they clip or reject, both [batch, resp_len], of
+    the registered correction `mode` (`verst.config.registries.MISMATCH_CORRECTIONS`). Weights carry no
+    gradient; the band test is done on log ρ, so extreme ratios are rejected exactly and weights stay finite."""
     if not 0.0 <= clip_low < clip_high:
         raise ValueError(f"need 0 <= tis_clip_low < tis_clip; got tis_clip_low={clip_low}, tis_clip={clip_high}")
-    mode = ALIASES.get(mode, mode)
-    log_rho = mismatch_log_ratio(mode, old_logprobs, rollout_logprobs, loss_mask)
+    return MISMATCH_CORRECTIONS.load(mode)(old_logprobs, rollout_logprobs, loss_mask, clip_low=clip_low,
+                                           clip_high=clip_high)
+
+
+def _band(ratio: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+          clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ρ of `ratio` (exp of `mismatch_log_ratio`, clamped) and the tokens outside [clip_low, clip_high]."""
+    log_rho = mismatch_log_ratio(ratio, old_logprobs, rollout_logprobs, loss_mask)
     log_low = math.log(clip_low) if clip_low > 0 else -math.inf
     outside = (log_rho < log_low) | (log_rho > math.log(clip_high))
-    rho = clamped_exp(log_rho)
-    if mode == "tis":
-        return rho.clamp(clip_low, clip_high), outside
-    keep = torch.where(outside, 0.0, 1.0).to(rho.dtype)
-    return (keep if mode == "band_mask" else rho * keep), outside
+    return clamped_exp(log_rho), outside
+
+
+def _masked(rho: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+    """ρ inside the band, 0 outside."""
+    return rho * torch.where(outside, 0.0, 1.0).to(rho.dtype)
+
+
+# ---- the registered corrections: `fn(old, rollout, mask, *, clip_low, clip_high) -> (weights, flags)` -----
+def tis_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+                   clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_t = clip(ρ_t, low, high): truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training"); the flags mark the clipped tokens."""
+    rho, outside = _band("token", old_logprobs, rollout_logprobs, loss_mask, clip_low, clip_high)
+    return rho.clamp(clip_low, clip_high), outside
+
+
+def mis_token_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+                         clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_t = ρ_t inside the band, 0 outside: masked importance sampling (Liu et al. 2025, "When Speed Kills
+    Stability"). It is also IcePop's M(ρ_t) = ρ_t on [α, β], 0 elsewhere (Ring-1T report, inclusionAI 2025)."""
+    rho, outside = _band("token", old_logprobs, rollout_logprobs, loss_mask, clip_low, clip_high)
+    return _masked(rho, outside), outside
+
+
+icepop_correction = mis_token_correction
+
+
+def mis_sequence_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+                            clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mis_token`'s test and weight with the sequence ratio ρ = Π_t ρ_t."""
+    rho, outside = _band("sequence", old_logprobs, rollout_logprobs, loss_mask, clip_low, clip_high)
+    return _masked(rho, outside), outside
+
+
+def mis_geometric_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+                             clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mis_token`'s test and weight with the geometric mean ρ = exp(mean_t log ρ_t): a length-independent band."""
+    rho, outside = _band("geometric", old_logprobs, rollout_logprobs, loss_mask, clip_low, clip_high)
+    return _masked(rho, outside), outside
+
+
+def band_mask_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+                         clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token band as a plain 0/1 mask (1 inside, 0 outside), no reweighting."""
+    rho, outside = _band("token", old_logprobs, rollout_logprobs, loss_mask, clip_low, clip_high)
+    return torch.where(outside, 0.0, 1.0).to(rho.dtype), outside
 
 
 def ess_ratio(weights: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -110,13 +143,13 @@ def mismatch_metrics(
     loss_mask: torch.Tensor,
     *,
     aggregation: str,
-    correction: str = "none",
+    correction: str = NO_CORRECTION,
 ) -> dict[str, float]:
     """Local metrics of the mismatch (means by `metric_aggregation`):
     - `train/rollout_logprob_abs_diff`: |log π_old − log π_rollout|;
     - `train/rollout_kl`: k3 estimate of KL(π_rollout ‖ π_old) on the rollout's tokens;
     - `train/mismatch_ratio_mean`, `_max`, `_min`: the raw ratio ρ that `correction` tests (see
-      `mismatch_log_ratio`; token ρ_t for `none`), before any clipping or masking; max and min
+      its registry entry's `ratio`; token ρ_t for `none`), before any clipping or masking; max and min
       only where there are policy tokens;
     - `train/mismatch_ratio_sq_mean`: the mean of ρ², from which `ess_ratio_from_moments` gives the
       effective sample size ratio of the combined micro-batches (`train/ess_ratio`, logged per step).
@@ -125,7 +158,8 @@ def mismatch_metrics(
     mode = metric_aggregation(aggregation)
     abs_diff = aggregate((old - rollout).abs(), loss_mask, mode)
     kl = aggregate(kl_estimate(rollout, old, "k3"), loss_mask, mode)
-    rho = clamped_exp(mismatch_log_ratio(ALIASES.get(correction, correction), old, rollout, loss_mask))
+    ratio = "token" if correction == NO_CORRECTION else MISMATCH_CORRECTIONS.entry(correction).ratio
+    rho = clamped_exp(mismatch_log_ratio(ratio, old, rollout, loss_mask))
     metrics = {
         "train/rollout_logprob_abs_diff": abs_diff.item(),
         "train/rollout_kl": kl.item(),
@@ -146,11 +180,13 @@ def correction_metrics(
     *,
     aggregation: str,
 ) -> dict[str, float]:
-    """`train/tis_mean` (mean applied weight) and `train/tis_clipfrac` (tis) or `train/mis_reject_frac`."""
+    """`train/tis_mean` (mean applied weight) and the share of flagged tokens, under the correction's
+    `flags_metric` (`train/tis_clipfrac` for tis; `train/mis_reject_frac` for the others and a `mismatch_fn`)."""
     per_token = metric_aggregation(aggregation)
     metrics = {"train/tis_mean": aggregate(weights, loss_mask, per_token).item()}
     share = aggregate(flags.to(weights.dtype), loss_mask, per_token).item()
-    metrics["train/tis_clipfrac" if mode == "tis" else "train/mis_reject_frac"] = share
+    name = "train/mis_reject_frac" if mode == NO_CORRECTION else MISMATCH_CORRECTIONS.entry(mode).flags_metric
+    metrics[name] = share
     return metrics
 
 

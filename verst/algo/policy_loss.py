@@ -17,6 +17,8 @@ from verst.algo.aggregation import (
     metric_aggregation,
     to_global_share,
 )
+from verst.config.registries import POLICY_LOSSES
+from verst.config.schema import AlgorithmConfig
 
 
 def clipped_surrogate(
@@ -92,10 +94,8 @@ def policy_loss(
     in a clipped branch), `train/ppo_kl`; the last two reduce by `metric_aggregation`.
     """
     check_token_shapes(loss_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
-    token_loss, clipped = policy_token_loss(
-        logprobs, old_logprobs, advantages, loss_mask,
-        kind=kind, eps_clip=eps_clip, eps_clip_high=eps_clip_high, dual_clip_c=dual_clip_c,
-    )  # fmt: skip
+    cfg = AlgorithmConfig(policy_loss=kind, eps_clip=eps_clip, eps_clip_high=eps_clip_high, dual_clip_c=dual_clip_c)
+    token_loss, clipped = POLICY_LOSSES.load(kind)(logprobs, old_logprobs, advantages, loss_mask, cfg)
     if weights is not None:
         check_token_shapes(loss_mask, weights=weights)
         token_loss = token_loss * weights.detach()
@@ -122,27 +122,19 @@ def policy_metrics(
     }
 
 
-def policy_token_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    kind: str,
-    eps_clip: float,
-    eps_clip_high: float | None,
-    dual_clip_c: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token policy loss and clipped flags for `kind` in ("ppo_clip", "gspo")."""
-    if kind == "ppo_clip":
-        log_ratio = logprobs - old_logprobs.detach()
-    elif kind == "gspo":
-        log_ratio = gspo_log_ratio(logprobs, old_logprobs.detach(), loss_mask)
-    else:
-        raise ValueError(f"policy_loss {kind!r} is unknown; expected 'ppo_clip' or 'gspo'")
-    return clipped_surrogate(
-        log_ratio, advantages.detach(), eps_clip=eps_clip, eps_clip_high=eps_clip_high, dual_clip_c=dual_clip_c
-    )
+# ---- the registered per-token losses: `fn(logprobs, old_logprobs, advantages, loss_mask, cfg) -> (loss, clipped)`
+def ppo_clip_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        loss_mask: torch.Tensor, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate on each token's ratio π/π_old (clip-higher and dual clip from `cfg`)."""
+    return clipped_surrogate(logprobs - old_logprobs.detach(), advantages.detach(), eps_clip=cfg.eps_clip,
+                             eps_clip_high=cfg.eps_clip_high, dual_clip_c=cfg.dual_clip_c)
+
+
+def gspo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    loss_mask: torch.Tensor, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: the clipped surrogate on the sequence's length-normalised ratio, on every token of it."""
+    return clipped_surrogate(gspo_log_ratio(logprobs, old_logprobs.detach(), loss_mask), advantages.detach(),
+                             eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, dual_clip_c=cfg.dual_clip_c)
 
 
 def value_loss(

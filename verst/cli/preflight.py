@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from verst.config import VerstConfig
+from verst.config.rules import check_sft_rules
 from verst.engine_kinds.kinds import preflight_problems
 from verst.models.loader import check_checkpoint_dir, check_same_tokenizer
 from verst.models.native_config import native_config_reason
@@ -45,9 +46,11 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
         problems += _missing_file("data.train_path", cfg.data.train_path)
     eval_path = ("eval.path", cfg.eval.path) if cfg.eval.path else ("data.test_path", cfg.data.test_path)
     problems += _missing_file(*eval_path)
-    if cfg.lora.adapters and not rl:
-        problems.append(f"lora.adapters ({[a.name for a in cfg.lora.adapters]}): multi-LoRA trains with RL only; "
-                        "SFT trains one adapter (lora.enabled = true without lora.adapters)")
+    if not rl:
+        try:
+            check_sft_rules(cfg)
+        except ValueError as error:
+            problems.append(str(error))
     for index, adapter in enumerate(cfg.lora.adapters if rl else []):  # each adapter's own prompts
         if adapter.data is not None and adapter.data.source is None:
             problems += _missing_file(f"lora.adapters[{index}].data.train_path", adapter.data.train_path)

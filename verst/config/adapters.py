@@ -1,27 +1,22 @@
 """Multi-LoRA configs: each `[[lora.adapters]]` entry as the run config of that adapter alone (its data,
-reward, batch plan, optimizer and served name on the run's settings), and the combinations refused at load.
+reward, batch plan, optimizer and served name on the run's settings); `rules` says which combinations run.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from verst.config.section import Section
+from verst.config.training import LoraAdapterConfig, LoraConfig
 
-from verst.config.arithmetic import batch_plan
-
-if TYPE_CHECKING:
-    from verst.config.schema import LoraAdapterConfig, LoraConfig, VerstConfig
-
-MULTI_LORA_SCHEDULES = ("sync", "fully_async")
-MAX_ADAPTERS = 8  # the embedded engine's default --max-loaded-loras: every adapter stays resident
+C = TypeVar("C", bound=Section)  # a VerstConfig
 
 
-def adapter_names(cfg: VerstConfig) -> list[str]:
+def adapter_names(cfg: Any) -> list[str]:
     return [adapter.name for adapter in cfg.lora.adapters]
 
 
-def adapter_run_config(cfg: VerstConfig, name: str) -> VerstConfig:
+def adapter_run_config(cfg: C, name: str) -> C:
     """The run config one adapter of a multi-LoRA run trains under: `lora` as a single adapter served under
     `name` (its rank, alpha, dropout, targets), its data, reward, eval prompts, rollout and optimizer sizes,
     and every other section the run's. Validated as a config of its own (batch arithmetic included)."""
@@ -47,58 +42,7 @@ def adapter_run_config(cfg: VerstConfig, name: str) -> VerstConfig:
     return type(cfg).model_validate(run)
 
 
-def check_adapters(cfg: VerstConfig) -> None:
-    """The multi-LoRA combinations a run can carry out; anything else is refused naming the field."""
-    lora, names = cfg.lora, adapter_names(cfg)
-    if not lora.enabled:
-        raise ValueError(f"lora.adapters names {names} but lora.enabled = false; set lora.enabled = true")
-    if lora.sync != "adapter":
-        raise ValueError(f"lora.adapters (multi-LoRA) with lora.sync = {lora.sync!r}: the engines serve every "
-                         "adapter by name on their base; use lora.sync = 'adapter'")
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise ValueError(f"lora.adapters: the names {duplicates} appear more than once; each adapter needs its own name")
-    if len(names) > MAX_ADAPTERS:
-        raise ValueError(f"lora.adapters holds {len(names)} adapters; the engines keep at most {MAX_ADAPTERS} "
-                         "resident (--max-loaded-loras)")
-    if cfg.schedule not in MULTI_LORA_SCHEDULES:
-        raise ValueError(f"lora.adapters (multi-LoRA) with schedule = {cfg.schedule!r}: multi-LoRA runs on the "
-                         f"schedules {MULTI_LORA_SCHEDULES}")
-    if cfg.checkpoint.merge_lora:
-        raise ValueError("checkpoint.merge_lora = true with lora.adapters: a merged model holds one adapter; "
-                         "export the adapters (hf/<name>) and merge the one you need")
-    if cfg.eval.backend is not None:
-        raise ValueError(f"eval.backend = {cfg.eval.backend!r} with lora.adapters: evaluation snapshots hold one "
-                         "policy; multi-LoRA runs evaluate each adapter on the rollout engines")
-    if cfg.eval.num_engines:
-        raise ValueError(f"eval.num_engines = {cfg.eval.num_engines} with lora.adapters: the evaluation fleet serves "
-                         "one policy's snapshot; multi-LoRA runs evaluate each adapter on the rollout engines "
-                         "(eval.num_engines = 0)")
-    if cfg.algorithm.needs_critic:
-        raise ValueError("algorithm.advantage_estimator = 'ppo' with lora.adapters: one critic would fit every "
-                         "adapter's task at once; multi-LoRA runs take the critic-free estimators (grpo, rloo, ...)")
-    if cfg.teacher.model_path is not None:
-        raise ValueError(f"teacher.model_path = {cfg.teacher.model_path!r} with lora.adapters: on-policy "
-                         "distillation trains one policy; remove teacher.model_path or lora.adapters")
-    if cfg.sync.interval != 1:
-        raise ValueError(f"sync.interval = {cfg.sync.interval} with lora.adapters: each adapter's step is pushed "
-                         "under its own name right after it; use sync.interval = 1")
-    for index, adapter in enumerate(lora.adapters):
-        if isinstance(adapter.target_modules, list) and not [m for m in adapter.target_modules if m.strip()]:
-            raise ValueError(f"lora.adapters[{index}].target_modules = {adapter.target_modules} names no module")
-        try:
-            own = adapter_run_config(cfg, adapter.name)
-        except ValidationError as error:
-            problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in error.errors())
-            raise ValueError(f"lora.adapters[{index}] ({adapter.name!r}): {problems}") from None
-        steps = batch_plan(own).train_steps_per_rollout
-        if cfg.schedule == "sync" and steps != 1:
-            raise ValueError(f"lora.adapters[{index}] ({adapter.name!r}): {steps} optimizer steps per rollout batch; "
-                             "the sync schedule interleaves adapters one step per rollout batch: set its "
-                             "global_batch_size to its batch_size x n_samples_per_prompt")
-
-
-def _find(cfg: VerstConfig, name: str) -> LoraAdapterConfig:
+def _find(cfg: Any, name: str) -> LoraAdapterConfig:
     for adapter in cfg.lora.adapters:
         if adapter.name == name:
             return adapter

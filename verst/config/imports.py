@@ -42,3 +42,16 @@ def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
         return getattr(importlib.import_module(exports[name]), name)
 
     return __getattr__
+
+
+def import_plugins(modules: list[str]) -> None:
+    """Import every module `plugins` lists (each once per process): they register names of their own."""
+    if not isinstance(modules, list | tuple):
+        raise ImportPathError(f"plugins = {modules!r}: expected a list of module names")
+    for index, module in enumerate(modules):
+        if not isinstance(module, str) or not module:
+            raise ImportPathError(f"plugins[{index}] = {module!r}: expected a module name ('package.module')")
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise ImportPathError(f"plugins[{index}] = {module!r}: cannot import it ({error})") from None

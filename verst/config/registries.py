@@ -64,6 +64,7 @@ MISMATCH_CORRECTIONS: Registry[CorrectionEntry] = Registry("algorithm.mismatch_c
 REWARDS: Registry[Entry] = Registry("reward.type")
 ENGINE_KINDS: Registry[EngineEntry] = Registry("cluster.engine", EngineEntry)
 WEIGHT_TRANSPORTS: Registry[TransportEntry] = Registry("sync.transport", TransportEntry)
+REGISTRIES = (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, MISMATCH_CORRECTIONS, REWARDS, ENGINE_KINDS, WEIGHT_TRANSPORTS)
 
 _ADV = "verst.algo.advantages"
 for _name, _doc, _traits in (

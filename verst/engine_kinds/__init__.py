@@ -2,7 +2,11 @@
 (`EngineAPI`), and one kind per server (embedded, vLLM, SGLang) that launches it and maps that API to it.
 """
 
+from verst.config.registries import ENGINE_KINDS
 from verst.engine_kinds.api import EngineAPI
-from verst.engine_kinds.kinds import ENGINE_KINDS, EngineKind, engine_kind
+from verst.engine_kinds.kinds import EngineKind, engine_kind
 
-__all__ = ["ENGINE_KINDS", "EngineAPI", "EngineKind", "engine_kind"]
+# `@register_engine_kind("name", transports=(...), ...)` over an `EngineKind`, in a module `plugins` lists.
+register_engine_kind = ENGINE_KINDS.register
+
+__all__ = ["EngineAPI", "EngineKind", "engine_kind", "register_engine_kind"]

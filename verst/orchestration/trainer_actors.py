@@ -133,7 +133,7 @@ class TrainerRank:
         if adapter is not None:  # multi-LoRA: each push is the adapter trained last, under its own name
             from verst.sync.transport import AdapterSpec
 
-            self.weight_sync.syncer.transport.adapter = AdapterSpec(*adapter)
+            self.weight_sync.syncer.use_adapter(AdapterSpec(*adapter))
         buckets = _DrainOnClose(self._synced_weights(bucket_bytes))
         try:
             if reconnect:

@@ -1,4 +1,5 @@
-"""Built-in reward fns, registered by name in `BUILTIN_REWARDS`; each is `async (sample) -> float`.
+"""Built-in reward fns, each `async (sample) -> float`, registered by name in
+`verst.config.registries.REWARDS`.
 
 A wrong answer scores 0.0; a sample that cannot be scored at all (no usable label) raises RewardError.
 """
@@ -11,7 +12,7 @@ import string
 import threading
 from decimal import Decimal, InvalidOperation
 
-from verst.rewards.values import RewardError, RewardFn
+from verst.rewards.values import RewardError
 from verst.types import Sample
 
 # A number, optionally negative (a '-' right after a digit or letter is an operator, not a sign),
@@ -95,11 +96,3 @@ def f1_score(prediction: str, reference: str) -> float:
 async def token_f1(sample: Sample) -> float:
     """SQuAD-style token F1 between the response and the best-matching label."""
     return max(f1_score(sample.response, answer) for answer in labels_of(sample))
-
-
-BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "exact_match": exact_match,
-    "numeric_match": numeric_match,
-    "math_verify": math_verify,
-    "token_f1": token_f1,
-}

@@ -1,6 +1,6 @@
 """Resolve the configured reward fn and score samples with it, recording every failure on its sample.
 
-`reward.type` is a built-in name, 'remote' (an HTTP service) or 'custom' (an import path).
+`reward.type` is a registered reward's name, 'remote' (an HTTP service) or 'custom' (an import path).
 """
 
 from __future__ import annotations
@@ -11,38 +11,31 @@ import time
 from collections.abc import Sequence
 
 from verst.config import ConfigError, RewardConfig, load_object
-from verst.rewards.builtin import BUILTIN_REWARDS
+from verst.config.registries import REWARDS
+from verst.config.rules import group_rewards_need_a_group_fn, reward_source_has_its_setting
 from verst.rewards.remote import RemoteReward
 from verst.rewards.values import GroupRewardFn, RewardError, RewardFn, RewardValue, check_reward_value
 from verst.types import Sample, Status
 
 REWARD_ERROR_KEY = "reward_error"  # sample.metadata key holding why a sample could not be scored
-OTHER_TYPES = ("remote", "custom")
 
 
 def build_reward_fn(cfg: RewardConfig) -> RewardFn | GroupRewardFn:
-    """The async reward fn named by `cfg` (a group fn when `cfg.group`); a RemoteReward for 'remote'."""
-    known = sorted(BUILTIN_REWARDS) + list(OTHER_TYPES)
-    if cfg.type not in known:
-        raise ConfigError(f"reward.type = {cfg.type!r} is unknown; known: {known}")
-    if cfg.path is not None and cfg.type != "custom":
-        raise ConfigError(f"reward.path = {cfg.path!r} is set but reward.type = {cfg.type!r}; use type 'custom'")
-    if cfg.url is not None and cfg.type != "remote":
-        raise ConfigError(f"reward.url = {cfg.url!r} is set but reward.type = {cfg.type!r}; use type 'remote'")
+    """The async reward fn named by `cfg`: a registered reward (`REWARDS`), a RemoteReward for 'remote', or
+    the function at `reward.path` for 'custom' (a group fn with `reward.group`)."""
+    try:
+        reward_source_has_its_setting(cfg)
+        group_rewards_need_a_group_fn(cfg)
+    except ValueError as error:  # the config's rules, for a reward section built on its own
+        raise ConfigError(str(error)) from None
     if cfg.type == "custom":
-        if cfg.path is None:
-            raise ConfigError("reward.type = 'custom' needs reward.path (an import path to an async fn)")
         fn = load_object(cfg.path, "reward.path")
         if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
             raise ConfigError(f"reward.path = {cfg.path!r} is not an async function ({fn!r}); use 'async def'")
         return fn
-    if cfg.group:
-        raise ConfigError(f"reward.group = true needs a custom group fn; reward.type = {cfg.type!r} scores one sample")
     if cfg.type == "remote":
-        if cfg.url is None:
-            raise ConfigError("reward.type = 'remote' needs reward.url")
         return RemoteReward(cfg.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency)
-    return BUILTIN_REWARDS[cfg.type]
+    return REWARDS.load(cfg.type)
 
 
 async def compute_rewards(

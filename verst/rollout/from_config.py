@@ -9,6 +9,7 @@ import asyncio
 import functools
 
 from verst.config import VerstConfig, batch_plan, load_object
+from verst.config.imports import import_plugins
 from verst.data import PromptSource
 from verst.inference_client.client import EngineClient
 from verst.models import load_tokenizer
@@ -29,7 +30,9 @@ from verst.types import Group
 
 
 async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> RolloutParts:
-    """Data source, rollout context, and (fully async) the buffer and worker, from the config."""
+    """Data source, rollout context, and (fully async) the buffer and worker, from the config (its `plugins`
+    imported first: the names they register are looked up here)."""
+    import_plugins(cfg.plugins)
     tokenizer = load_tokenizer(cfg.model.path)
     source = load_object(cfg.data.source, "data.source")(cfg.data) if cfg.data.source else PromptSource.from_config(cfg.data)
     engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency,

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.engine_kinds.kinds import engine_kind, resolve_engine_python
+from verst.config.registries import ENGINE_KINDS
+from verst.config.rules import true_on_policy_on_the_cpu
+from verst.engine_kinds.kinds import engine_kind
 from verst.rollout.manager import RouterSpec
 
 
@@ -17,10 +19,8 @@ def engine_args(cfg: VerstConfig, device: str | None) -> list[str]:
     """The policy engines' command line for a run: `cluster.engine`'s server arguments (`engine_server_args`)
     and the modes of `algorithm` the engines carry out (true on-policy scoring, routed experts on every reply)."""
     args = engine_server_args(cfg)
+    true_on_policy_on_the_cpu(cfg.algorithm, device)
     if cfg.algorithm.true_on_policy:
-        if device == "cuda":
-            raise ValueError("algorithm.true_on_policy = true holds on the CPU only (float32 CPU kernels on both "
-                             "sides); cluster.device = 'auto' chose cuda here: set cluster.device = 'cpu'")
         args.append("--true-on-policy")
     if cfg.algorithm.routing_replay != "off":
         args.append("--return-routed-experts")
@@ -29,10 +29,10 @@ def engine_args(cfg: VerstConfig, device: str | None) -> list[str]:
 
 def engine_server_args(cfg: VerstConfig, version: int = 0) -> list[str]:
     """The engine server's arguments for `cluster.engine`: verst's settings and the pass-through flags."""
-    kind = engine_kind(cfg.cluster.engine)
-    flags = {"vllm": cfg.vllm, "sglang": cfg.sglang}.get(kind.name, {})
+    kind, table = engine_kind(cfg.cluster.engine), ENGINE_KINDS.entry(cfg.cluster.engine).flags_table
+    flags = getattr(cfg, table) if table else {}
     return kind.server_args(version=version, model_impl=cfg.model.impl, dtype=cfg.model.dtype, flags=flags,
-                            engine_python=resolve_engine_python(kind.name, cfg.cluster.engine_python))
+                            engine_python=kind.python(cfg.cluster.engine_python))
 
 
 def absolute_paths(cfg: VerstConfig) -> VerstConfig:

@@ -85,8 +85,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     logger = MetricsLogger.for_run(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                    wandb_project=cfg.logging.wandb_project, name=cfg.name)
     teachers = cfg.teacher.num_engines if cfg.teacher.model_path is not None else 0
-    with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs",
-                               teacher_engines=teachers, eval_engines=cfg.eval.num_engines) as orch:
+    with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs", teacher_engines=teachers,
+                               eval_engines=cfg.eval.num_engines, plugins=cfg.plugins) as orch:
         clock.lap("ray")
         orch.check_transport(cfg.sync.transport)
         actors = start_actors(orch, cfg, plan)
@@ -150,7 +150,7 @@ def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan) -> Acto
         ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None, lora=cfg.lora,
         critic=cfg.critic if cfg.algorithm.needs_critic else None,
         per_sequence=cfg.algorithm.true_on_policy, routing=cfg.algorithm.routing_replay,
-        adapter_steps=adapter_steps or None,
+        adapter_steps=adapter_steps or None, plugins=cfg.plugins,
     ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
     engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False)
     teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=engine_server_args(cfg), wait=False) \

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import VerstConfig
+from verst.config.rules import check_sft_rules
 from verst.data import PromptSource, load_prompts_from_config
 from verst.data.calculator import CONVERSATION_KEY
 from verst.eval import evaluate_greedy, hf_greedy_generate
@@ -30,12 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
-    if cfg.lora.adapters:
-        raise ValueError(f"lora.adapters ({[a.name for a in cfg.lora.adapters]}): multi-LoRA trains with RL only; "
-                         "SFT trains one adapter (lora.enabled = true without lora.adapters)")
-    if cfg.eval.num_engines:
-        raise ValueError(f"eval.num_engines = {cfg.eval.num_engines}: the evaluation fleet scores RL runs; SFT "
-                         "evaluates with the trainer's model (set eval.num_engines = 0)")
+    check_sft_rules(cfg)
     resume = prepare_resume(cfg)  # refused before anything starts
     run_dir = prepare_run_dir(cfg)
     tokenizer = load_tokenizer(cfg.model.path)

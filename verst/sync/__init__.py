@@ -10,6 +10,7 @@ from verst.config.imports import lazy_exports
 
 _EXPORTS = {
     "WeightTransport": "verst.sync.transport",
+    "TransportOptions": "verst.sync.transport",
     "AdapterSpec": "verst.sync.transport",
     "DistributedTransport": "verst.sync.distributed",
     "TensorTransport": "verst.sync.tensor",
@@ -26,6 +27,14 @@ _EXPORTS = {
     "rebucket": "verst.sync.buckets",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "register_transport"])
+
+
+def register_transport(name: str, doc: str = "", **traits):
+    """`@register_transport("name", same_machine=..., keeps_snapshots=...)` over a `WeightTransport` class with a
+    `build(fleet, options)` classmethod, in a module that the config's `plugins` lists."""
+    from verst.config.registries import WEIGHT_TRANSPORTS
+
+    return WEIGHT_TRANSPORTS.register(name, doc, **traits)
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

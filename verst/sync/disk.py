@@ -16,7 +16,7 @@ from pathlib import Path
 
 from verst.inference_client.fleet import EngineFleet
 from verst.sync.buckets import BucketStream
-from verst.sync.transport import AdapterSpec, PushStats
+from verst.sync.transport import AdapterSpec, PushStats, TransportOptions
 from verst.types import WeightBucket
 
 SNAPSHOT_PREFIX = "weights_v"
@@ -126,8 +126,8 @@ class DiskTransport:
     (`/load_lora_adapter`, requests in flight on it going on with it).
     """
 
-    name = "disk"
     snapshot_of = staticmethod(snapshot_path)  # where the push of a version leaves its snapshot
+    versioned_loads = False  # a snapshot's version is set once every engine loaded it
 
     def __init__(self, fleet: EngineFleet, directory: str | Path, *, bucket_bytes: int, keep_last: int = 2,
                  source_model: str | Path | None = None, adapter: AdapterSpec | None = None):
@@ -137,6 +137,16 @@ class DiskTransport:
         self.keep_last, self.source_model, self.adapter = keep_last, source_model, adapter
         self.last_snapshot: Path | None = None
         self._pruning: asyncio.Future | None = None
+
+    @classmethod
+    def build(cls, fleet: EngineFleet, options: TransportOptions) -> DiskTransport:
+        if options.snapshot_dir is None:
+            raise ValueError("sync.transport = 'disk' needs snapshot_dir (where weight snapshots are written)")
+        return cls(fleet, options.snapshot_dir, bucket_bytes=options.bucket_bytes, keep_last=options.keep_snapshots,
+                   source_model=options.source_model, adapter=options.adapter)
+
+    def use_adapter(self, adapter: AdapterSpec | None) -> None:
+        self.adapter = adapter
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
         await self._pruned()

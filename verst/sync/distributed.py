@@ -33,7 +33,7 @@ from verst.inference_client.weights import (
     open_weight_update_group,
 )
 from verst.sync.buckets import BucketStream
-from verst.sync.transport import AdapterSpec, PushStats
+from verst.sync.transport import AdapterSpec, PushStats, TransportOptions
 from verst.types import WeightBucket
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ class DistributedTransport:
     the adapter in one broadcast, which the engines serve under its name.
     """
 
-    name = "distributed"
-
     def __init__(
         self, fleet: EngineFleet, *, bucket_bytes: int, backend: str = "gloo", device: str = "cpu",
         master_address: str = "127.0.0.1", timeout_s: float = 60.0, adapter: AdapterSpec | None = None,
@@ -68,11 +66,22 @@ class DistributedTransport:
         self._flat = FlatBuffer(device)  # the trainer's packed bucket, kept from push to push
         self.groups_built = 0  # 1 in a healthy run; each failed push adds one rebuild
 
+    @classmethod
+    def build(cls, fleet: EngineFleet, options: TransportOptions) -> DistributedTransport:
+        """gloo on CPU, NCCL on CUDA, rooted at `options.master_address`."""
+        return cls(fleet, bucket_bytes=options.bucket_bytes, backend="nccl" if options.device == "cuda" else "gloo",
+                   device=options.device, master_address=options.master_address, timeout_s=options.timeout_s,
+                   adapter=options.adapter)
+
     @property
     def versioned_loads(self) -> bool:
         """Full weights: each load flushes the cache and the last sets the version (`WeightTransport`);
         an adapter's load leaves the base model's cache alone, so the syncer flushes for it."""
         return self.adapter is None
+
+    def use_adapter(self, adapter: AdapterSpec | None) -> None:
+        self.adapter = adapter
+        self._push_bytes = sys.maxsize if adapter is not None else self.bucket_bytes
 
     async def connect(self) -> None:
         """Build the group unless one is up: the trainer joins as rank 0 while every engine joins over HTTP."""

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from verst.inference_client.fleet import EngineFleet
 from verst.sync.buckets import PrefetchedSource
-from verst.sync.transport import WeightTransport
+from verst.sync.transport import AdapterSpec, WeightTransport
 from verst.types import WeightBucket
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class WeightSyncer:
 
     def __init__(
         self, fleet: EngineFleet, transport: WeightTransport, *, pause_mode: str = "retract", interval: int = 1,
-        checker: Checker | None = None,
+        checker: Checker | None = None, label: str | None = None,
     ):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"sync.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
@@ -64,6 +64,7 @@ class WeightSyncer:
             raise ValueError(f"sync.interval must be >= 1, got {interval}")
         self.fleet, self.transport, self.pause_mode = fleet, transport, pause_mode
         self.interval, self.checker = interval, checker
+        self.label = label or type(transport).__name__  # its name in messages (`sync.transport`)
         self._version: int | None = None  # the version every engine serves after the last successful sync
         self._checked = False
 
@@ -106,7 +107,7 @@ class WeightSyncer:
         source = await PrefetchedSource.read_first(buckets)
         paused = time.perf_counter()
         # a transport with versioned loads flushes with its loads and sets the version with the last one
-        folded = getattr(self.transport, "versioned_loads", False)
+        folded = self.transport.versioned_loads
         try:
             await self.fleet.pause(self.pause_mode)
             if self.pause_mode != "in_place" and not folded:
@@ -136,7 +137,7 @@ class WeightSyncer:
 
     async def _continue_after_failure(self, exc: BaseException, version: int, previous: int) -> None:
         """Continue every engine, then raise a `WeightSyncError` saying what failed and what state is left."""
-        failed = f"weight sync to version {version} ({self.transport.name}) failed: {type(exc).__name__}: {exc}"
+        failed = f"weight sync to version {version} ({self.label}) failed: {type(exc).__name__}: {exc}"
         try:
             await self.fleet.continue_generation()
         except Exception as cont:
@@ -147,11 +148,15 @@ class WeightSyncer:
                                   f"PAUSED: {cont}") from exc
         if isinstance(exc, Exception):
             reported = f"they still report version {previous}"
-            if getattr(self.transport, "versioned_loads", False):
+            if self.transport.versioned_loads:
                 reported += f" (or {version}, where their load of the last bucket went through)"
             raise WeightSyncError(
                 f"{failed}. Every engine was continued; {reported} but may hold some tensors of version "
                 f"{version}: sync again before trusting their weights.") from exc
+
+    def use_adapter(self, adapter: AdapterSpec | None) -> None:
+        """LoRA's adapter sync: the next pushes carry `adapter` (see `WeightTransport.use_adapter`)."""
+        self.transport.use_adapter(adapter)
 
     async def reconnect(self) -> None:
         """An engine was replaced by a new server at the same URL: drop what the transport holds (a
@@ -163,5 +168,5 @@ class WeightSyncer:
 
     def describe(self) -> dict[str, Any]:
         """For the run config / logs: the transport by name (metrics are numbers; the run's config.yaml and summary.json name the transport)."""
-        return {"transport": self.transport.name, "pause_mode": self.pause_mode, "interval": self.interval,
+        return {"transport": self.label, "pause_mode": self.pause_mode, "interval": self.interval,
                 "check_weights": self.checker is not None}

@@ -13,7 +13,7 @@ from typing import Any
 from verst.inference_client.fleet import EngineFleet
 from verst.inference_client.weights import SHM_DIR, ShmSlot
 from verst.sync.buckets import BucketStream
-from verst.sync.transport import AdapterSpec, PushStats
+from verst.sync.transport import AdapterSpec, PushStats, TransportOptions
 from verst.types import WeightBucket
 
 IPC_MODES = ("shm", "cuda_ipc")
@@ -33,8 +33,6 @@ class TensorTransport:
     push is the adapter in one shm file, which the engines serve under its name.
     """
 
-    name = "tensor"
-
     def __init__(self, fleet: EngineFleet, *, bucket_bytes: int, ipc: str = "shm", shm_dir: str = SHM_DIR,
                  adapter: AdapterSpec | None = None):
         if ipc not in IPC_MODES:
@@ -44,20 +42,32 @@ class TensorTransport:
                              "engine); use sync.transport = 'disk' or lora.sync = 'merged' with CUDA IPC")
         self.fleet, self.bucket_bytes, self.ipc, self.shm_dir = fleet, bucket_bytes, ipc, shm_dir
         self.adapter = adapter
-        # an adapter goes as one bucket: the engines build it from all of its tensors at once; shared memory
-        # goes in pieces, one written while the engines copy the others
-        if adapter is not None:
-            self._push_bytes = sys.maxsize
-        else:
-            self._push_bytes = max(1, min(bucket_bytes // SHM_FILES, IPC_PIECE_BYTES)) if ipc == "shm" else bucket_bytes
+        self._push_bytes = self._piece_bytes()
         self._slots = [ShmSlot(shm_dir) for _ in range(SHM_FILES)]
         self._tp_sizes: dict[str, int] = {}
+
+    @classmethod
+    def build(cls, fleet: EngineFleet, options: TransportOptions) -> TensorTransport:
+        """Shared memory on CPU, CUDA IPC on CUDA."""
+        return cls(fleet, bucket_bytes=options.bucket_bytes, ipc="cuda_ipc" if options.device == "cuda" else "shm",
+                   adapter=options.adapter)
 
     @property
     def versioned_loads(self) -> bool:
         """Full weights: each load flushes the cache and the last sets the version (`WeightTransport`);
         an adapter's load leaves the base model's cache alone, so the syncer flushes for it."""
         return self.adapter is None
+
+    def use_adapter(self, adapter: AdapterSpec | None) -> None:
+        self.adapter = adapter
+        self._push_bytes = self._piece_bytes()
+
+    def _piece_bytes(self) -> int:
+        """An adapter goes as one bucket: the engines build it from all of its tensors at once; shared memory
+        goes in pieces, one written while the engines copy the others."""
+        if self.adapter is not None:
+            return sys.maxsize
+        return max(1, min(self.bucket_bytes // SHM_FILES, IPC_PIECE_BYTES)) if self.ipc == "shm" else self.bucket_bytes
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
         stats, stream = PushStats(), BucketStream(buckets, self._push_bytes)

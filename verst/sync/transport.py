@@ -14,6 +14,23 @@ from verst.config.registries import WEIGHT_TRANSPORTS
 from verst.types import WeightBucket
 
 
+@dataclasses.dataclass(frozen=True)
+class TransportOptions:
+    """What a transport may be built with (each takes what it uses): `device` is where the trainer's full
+    weights live ("cuda": NCCL, CUDA IPC); `snapshot_dir`, `keep_snapshots`, `source_model` are the disk
+    snapshots' (`source_model` supplies config and tokenizer files); `master_address` must reach the engines
+    (a process-group broadcast); `adapter`: every push is that LoRA adapter, served under its name."""
+
+    bucket_bytes: int
+    device: str = "cpu"
+    snapshot_dir: str | Path | None = None
+    keep_snapshots: int = 2
+    source_model: str | Path | None = None
+    master_address: str = "127.0.0.1"
+    timeout_s: float = 60.0
+    adapter: AdapterSpec | None = None
+
+
 @runtime_checkable
 class WeightTransport(Protocol):
     """Moves weights to every engine; never pauses engines (the syncer does).
@@ -28,11 +45,19 @@ class WeightTransport(Protocol):
     after it.
     """
 
-    name: str
+    @property
+    def versioned_loads(self) -> bool:
+        """Whether its loads flush the cache and the last one sets the version (see above)."""
+        ...
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
         """Send every tensor to every engine; returns `sync/bytes`, `sync/buckets`, `sync/tensors`,
         `sync/push_seconds` (bytes are counted once, however many engines receive them)."""
+        ...
+
+    def use_adapter(self, adapter: AdapterSpec | None) -> None:
+        """LoRA's adapter sync: the next pushes are `adapter`'s tensors, served under its name (multi-LoRA
+        changes it between pushes); None: full weights."""
         ...
 
     async def close(self) -> None:

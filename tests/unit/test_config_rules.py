@@ -1,0 +1,171 @@
+"""Every cross-field rule of the config (`verst.config.rules`), each broken once: the config is refused at load
+with a message naming the fields and their values; a rule added without a case here fails the first test. And
+config loading never imports torch, for every recipe and every `cluster.device` and `sync.transport`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verst.config import ConfigError, load_config
+from verst.config.registries import ENGINE_KINDS, WEIGHT_TRANSPORTS
+from verst.config.rules import (
+    RULES,
+    SFT_RULES,
+    check_sft_rules,
+    transport_reaches_the_engines,
+    true_on_policy_on_the_cpu,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+ADAPTERS = ["--lora.enabled", "true", "--lora.adapters", "[{name: add}, {name: rev}]"]
+VLLM = ["--cluster.engine", "vllm", "--sync.transport", "disk"]
+
+# rule -> (overrides that break it, what the message says)
+CASES: dict[str, tuple[list[str], str]] = {
+    "rollout_divides_into_train_steps": (["--rollout.batch-size", "3", "--trainer.global-batch-size", "16"],
+                                         r"3 × 8 = 24 samples per rollout is not divisible by trainer.global_batch_size = 16"),
+    "train_steps_take_whole_groups": (["--rollout.batch-size", "3", "--rollout.n-samples-per-prompt", "4",
+                                       "--trainer.global-batch-size", "6"],
+                                      r"trainer.global_batch_size = 6 is not a multiple of rollout.n_samples_per_prompt = 4"),
+    "train_steps_split_across_ranks": (["--rollout.batch-size", "3", "--rollout.n-samples-per-prompt", "2",
+                                        "--cluster.trainer-ranks", "4"],
+                                       r"trainer.global_batch_size = 6 is not divisible by cluster.trainer_ranks = 4"),
+    "over_sampling_covers_the_batch": (["--rollout.over-sampling-batch-size", "4"],
+                                       r"rollout.over_sampling_batch_size = 4 is smaller than rollout.batch_size = 32"),
+    "in_flight_holds_a_group": (["--rollout.max-in-flight", "4"],
+                                r"rollout.max_in_flight = 4 cannot hold one group of rollout.n_samples_per_prompt = 8"),
+    "context_leaves_room_for_a_prompt": (["--rollout.max-context-tokens", "16"],
+                                         r"rollout.max_context_tokens = 16 leaves no room"),
+    "fully_async_needs_disaggregated": (["--schedule", "fully_async", "--cluster.placement", "colocated"],
+                                        r"schedule = 'fully_async' with cluster.placement = 'colocated' is refused"),
+    "fully_async_calls_no_rollout_fn": (["--schedule", "fully_async", "--rollout.rollout-fn", "m:f"],
+                                        r"rollout.rollout_fn = 'm:f' with schedule = 'fully_async' is refused"),
+    "restarts_need_checkpoints": (["--fault.max-restarts", "1"],
+                                  r"fault.max_restarts = 1 .* checkpoint.interval = 0"),
+    "mismatch_correction_needs_trainer_logprobs": (["--algorithm.mismatch-correction", "tis",
+                                                    "--algorithm.old-logprobs", "rollout"],
+                                                   r"mismatch_correction = 'tis' .*old_logprobs = 'rollout'"),
+    "mismatch_fn_replaces_the_correction": (["--algorithm.mismatch-fn", "m:f", "--algorithm.mismatch-correction", "tis"],
+                                            r"mismatch_fn = 'm:f' replaces algorithm.mismatch_correction = 'tis'"),
+    "importance_weighted_kl_needs_a_kl_loss": (["--algorithm.kl-importance-weighted", "true"],
+                                               r"kl_importance_weighted = true .*kl_loss_coef > 0"),
+    "kl_penalty_needs_a_token_level_estimator": (["--algorithm.kl-penalty-coef", "0.1"],
+                                                 r"kl_penalty_coef = 0.1 needs a token-level estimator \('reinforce_plus_"
+                                                 r"plus', 'reinforce_plus_plus_baseline', 'ppo'\), got .* 'grpo'"),
+    "something_to_train_on": (["--algorithm.reward-coef", "0"], r"reward_coef = 0 with algorithm.distill_coef = 0"),
+    "mismatch_band_is_ordered": (["--algorithm.tis-clip-low", "3"],
+                                 r"algorithm.tis_clip_low = 3.0 must be < algorithm.tis_clip = 2.0"),
+    "critic_settings_need_a_critic": (["--critic.lr", "1e-4"],
+                                      r"critic.lr changed from the default, but algorithm.advantage_estimator = 'grpo'"),
+    "distillation_needs_a_teacher": (["--algorithm.distill-coef", "0.5"],
+                                     r"distill_coef = 0.5 needs a teacher's logprobs: set teacher.model_path"),
+    "a_teacher_needs_distillation": (["--teacher.model-path", "T"],
+                                     r"teacher.model_path = 'T' with algorithm.distill_coef = 0"),
+    "true_on_policy_needs_one_forward": (["--algorithm.true-on-policy", "true", "--model.dtype", "bfloat16"],
+                                         r"true_on_policy = true needs model.dtype = float32 .* got model.dtype = "
+                                         "'bfloat16'"),
+    "routing_replay_needs_routed_experts": (["--algorithm.routing-replay", "replay", *VLLM],
+                                            r"routing_replay = 'replay' needs engines that return routed experts.* "
+                                            r"cluster.engine = 'vllm'.*use 'embedded'"),
+    "engine_takes_the_transport": (["--cluster.engine", "vllm"],
+                                   r"sync.transport = 'distributed' is not supported with cluster.engine = 'vllm': "
+                                   r"vLLM takes new weights from disk.*use one of \['disk'\]"),
+    "engine_colocates": (["--cluster.engine", "sglang", "--cluster.placement", "colocated"],
+                         r"cluster.placement = 'colocated' is not supported with cluster.engine = 'sglang'"),
+    "engine_loads_lora": (["--lora.enabled", "true", *VLLM],
+                          r"lora.enabled = true is not supported with cluster.engine = 'vllm'"),
+    "adapter_tensors_need_an_engine_that_loads_them": (["--lora.enabled", "true", "--cluster.engine", "sglang"],
+                                                       r"lora.sync = 'adapter' with sync.transport = 'distributed': "
+                                                       r"cluster.engine = 'sglang' does not load an adapter from "
+                                                       r"pushed tensors \(only 'embedded' does\)"),
+    "model_impl_is_the_embedded_engines": (["--model.impl", "native", *VLLM],
+                                           r"model.impl = 'native' chooses the embedded engine's model class"),
+    "engine_flags_go_to_their_engine": (["--sglang.tp-size", "2"],
+                                        r"\[sglang\] flags \(tp-size\) are given, but cluster.engine = 'embedded'"),
+    "cuda_ipc_needs_an_engine_that_takes_it": (["--sync.transport", "tensor", "--cluster.device", "cuda"],
+                                               r"sync.transport = 'tensor' with cluster.engine = 'embedded' on "
+                                               r"cluster.device = 'cuda' \(CUDA\)"),
+    "eval_fleet_or_backend": (["--eval.num-engines", "1", "--eval.backend", "m:f"],
+                              r"eval.num_engines = 1 with eval.backend = 'm:f'"),
+    "reward_source_has_its_setting": (["--reward.type", "remote"], r"reward.type = 'remote' needs reward.url"),
+    "group_rewards_need_a_group_fn": (["--reward.group", "true"],
+                                      r"reward.group = true needs a custom group fn; reward.type = 'numeric_match'"),
+    "adapters_train_with_lora": (["--lora.adapters", "[{name: add}]"],
+                                 r"lora.adapters names \['add'\] but lora.enabled = false"),
+    "adapters_on_a_multi_lora_schedule": ([*ADAPTERS, "--schedule", "one_step_off"],
+                                          r"lora.adapters \(multi-LoRA\) with schedule = 'one_step_off'"),
+    "adapters_train_one_policy_each": ([*ADAPTERS, "--checkpoint.merge-lora", "true"],
+                                       r"checkpoint.merge_lora = true with lora.adapters"),
+    "every_adapter_is_a_valid_run": ([*ADAPTERS, "--lora.adapters", "[{name: add, batch_size: 3, global_batch_size: 16}]"],
+                                     r"lora.adapters\[0\] \('add'\): .*3 × 8 = 24 samples per rollout"),
+}
+
+
+def test_every_rule_has_a_case():
+    assert sorted(CASES) == sorted(rule.__name__ for rule in RULES)
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_a_broken_rule_is_refused_by_field(rule):
+    overrides, message = CASES[rule]
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_rules_of_what_the_run_finds_at_start_up():
+    algorithm = load_config(None, ["--algorithm.true-on-policy", "true"]).algorithm
+    true_on_policy_on_the_cpu(algorithm, "cpu")
+    with pytest.raises(ValueError, match="true_on_policy = true holds on the CPU only.*cluster.device = 'cpu'"):
+        true_on_policy_on_the_cpu(algorithm, "cuda")
+    transport_reaches_the_engines("tensor", "10.0.0.1", ["10.0.0.1"])
+    transport_reaches_the_engines("distributed", "10.0.0.1", ["10.0.0.2"])  # a broadcast crosses machines
+    with pytest.raises(ValueError, match=r"engine\(s\) \[0\] were placed on \['10.0.0.2'\]"):
+        transport_reaches_the_engines("tensor", "10.0.0.1", ["10.0.0.2", "10.0.0.1"])
+
+
+def test_rules_of_sft():
+    assert [rule.__name__ for rule in SFT_RULES] == ["sft_trains_one_policy"]
+    check_sft_rules(load_config(None, []))
+    with pytest.raises(ValueError, match=r"lora.adapters \(\['add', 'rev'\]\): multi-LoRA trains with RL only"):
+        check_sft_rules(load_config(None, ADAPTERS))
+    with pytest.raises(ValueError, match="eval.num_engines = 2: the evaluation fleet scores RL runs"):
+        check_sft_rules(load_config(None, ["--eval.num-engines", "2"]))
+
+
+def test_config_loading_imports_no_torch():
+    """Every recipe, and the defaults with every cluster.device and sync.transport, load (or are refused by
+    a rule) in a Python where `import torch` raises; `--dry-run` is as torch-free."""
+    recipes = sorted(str(p) for p in (REPO / "recipes").glob("*.toml"))
+    cases = [[recipe] for recipe in recipes]
+    cases += [[None, "--cluster.device", device, "--sync.transport", transport]
+              for device in ("auto", "cpu", "cuda") for transport in WEIGHT_TRANSPORTS]
+    cases += [[None, "--cluster.engine", engine, "--sync.transport", "disk"] for engine in ENGINE_KINDS]
+    code = f"""
+import builtins, sys
+real_import = builtins.__import__
+def no_torch(name, *args, **kwargs):
+    if name == "torch" or name.startswith("torch."):
+        raise ModuleNotFoundError("import torch is refused here")
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = no_torch
+from verst.config import ConfigError, load_config
+loaded = refused = 0
+for recipe, *overrides in {cases!r}:
+    try:
+        load_config(recipe, overrides)
+        loaded += 1
+    except ConfigError:
+        refused += 1
+from verst.cli.main import main
+main(["train", {recipes[0]!r}, "--dry-run"])  # refused by the preflight here (no artifacts), or printed
+assert "torch" not in sys.modules
+print(loaded, refused)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded, refused = map(int, done.stdout.split()[-2:])
+    assert loaded >= len(recipes) and loaded + refused == len(cases)

@@ -1,0 +1,438 @@
+"""Every rule that ties config fields together, one named function each, checked when a config loads (`RULES`,
+in order), plus the rules that need what the run finds at start-up (the device, the placement) and the ones
+`verst sft` adds. A rule takes the sections it reads by name (`config`: the whole tree) and raises
+`ValueError` naming each field and its value, and what would work instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from verst.config.adapters import adapter_run_config
+from verst.config.arithmetic import batch_plan
+from verst.config.engine_flags import flag_argv
+from verst.config.inputs import ModelConfig, RewardConfig, RolloutConfig
+from verst.config.registries import ADVANTAGE_ESTIMATORS, ENGINE_KINDS, NO_CORRECTION, WEIGHT_TRANSPORTS
+from verst.config.runtime import (
+    CheckpointConfig,
+    ClusterConfig,
+    EvalConfig,
+    FaultConfig,
+    SyncConfig,
+    TeacherConfig,
+)
+from verst.config.section import Section
+from verst.config.training import AlgorithmConfig, CriticConfig, LoraConfig, TrainerConfig
+
+MAX_ADAPTERS = 8  # the embedded engine's default --max-loaded-loras: every adapter stays resident
+MULTI_LORA_SCHEDULES = ("sync", "fully_async")
+
+
+# ---- batch arithmetic ------------------------------------------------------------------------------
+def _global_batch(rollout: RolloutConfig, trainer: TrainerConfig) -> tuple[int, int]:
+    samples = rollout.batch_size * rollout.n_samples_per_prompt
+    return samples, trainer.global_batch_size or samples
+
+
+def rollout_divides_into_train_steps(rollout: RolloutConfig, trainer: TrainerConfig) -> None:
+    samples, gbs = _global_batch(rollout, trainer)
+    if samples % gbs:
+        raise ValueError(
+            f"rollout.batch_size × rollout.n_samples_per_prompt = {rollout.batch_size} × {rollout.n_samples_per_prompt} "
+            f"= {samples} samples per rollout is not divisible by trainer.global_batch_size = {gbs}")
+
+
+def train_steps_take_whole_groups(rollout: RolloutConfig, trainer: TrainerConfig) -> None:
+    _, gbs = _global_batch(rollout, trainer)
+    if gbs % rollout.n_samples_per_prompt:
+        raise ValueError(f"trainer.global_batch_size = {gbs} is not a multiple of rollout.n_samples_per_prompt = "
+                         f"{rollout.n_samples_per_prompt}: a train step consumes whole groups")
+
+
+def train_steps_split_across_ranks(rollout: RolloutConfig, trainer: TrainerConfig, cluster: ClusterConfig) -> None:
+    _, gbs = _global_batch(rollout, trainer)
+    if gbs % cluster.trainer_ranks:
+        raise ValueError(f"trainer.global_batch_size = {gbs} is not divisible by cluster.trainer_ranks = "
+                         f"{cluster.trainer_ranks}")
+
+
+def over_sampling_covers_the_batch(rollout: RolloutConfig) -> None:
+    if rollout.over_sampling_batch_size is not None and rollout.over_sampling_batch_size < rollout.batch_size:
+        raise ValueError(f"rollout.over_sampling_batch_size = {rollout.over_sampling_batch_size} is smaller than "
+                         f"rollout.batch_size = {rollout.batch_size}")
+
+
+def in_flight_holds_a_group(rollout: RolloutConfig) -> None:
+    if rollout.max_in_flight is not None and rollout.max_in_flight < rollout.n_samples_per_prompt:
+        raise ValueError(f"rollout.max_in_flight = {rollout.max_in_flight} cannot hold one group of "
+                         f"rollout.n_samples_per_prompt = {rollout.n_samples_per_prompt}")
+
+
+def context_leaves_room_for_a_prompt(rollout: RolloutConfig) -> None:
+    if rollout.max_context_tokens is not None and rollout.max_context_tokens <= rollout.max_response_tokens:
+        raise ValueError(f"rollout.max_context_tokens = {rollout.max_context_tokens} leaves no room for a prompt with "
+                         f"rollout.max_response_tokens = {rollout.max_response_tokens}")
+
+
+# ---- schedule and placement ------------------------------------------------------------------------
+def fully_async_needs_disaggregated(schedule: str, cluster: ClusterConfig) -> None:
+    if schedule == "fully_async" and cluster.placement == "colocated":
+        raise ValueError("schedule = 'fully_async' with cluster.placement = 'colocated' is refused: the fully async "
+                         "schedule needs trainer and engines running at once; use cluster.placement = 'disaggregated'")
+
+
+def fully_async_calls_no_rollout_fn(schedule: str, rollout: RolloutConfig) -> None:
+    if schedule == "fully_async" and rollout.rollout_fn:
+        raise ValueError(
+            f"rollout.rollout_fn = {rollout.rollout_fn!r} with schedule = 'fully_async' is refused: the fully async "
+            "worker generates and scores samples itself (rollout.generate_fn and [reward]) and never calls a rollout "
+            "fn; use schedule = 'sync' or 'one_step_off'")
+
+
+def restarts_need_checkpoints(fault: FaultConfig, checkpoint: CheckpointConfig) -> None:
+    if fault.max_restarts and not checkpoint.interval:
+        raise ValueError(f"fault.max_restarts = {fault.max_restarts} restarts a run from its latest checkpoint, but "
+                         "checkpoint.interval = 0 saves none before the end; set checkpoint.interval > 0")
+
+
+# ---- the algorithm ---------------------------------------------------------------------------------
+def mismatch_correction_needs_trainer_logprobs(algorithm: AlgorithmConfig) -> None:
+    if algorithm.mismatch_correction != NO_CORRECTION and algorithm.old_logprobs == "rollout":
+        raise ValueError(f"algorithm.mismatch_correction = {algorithm.mismatch_correction!r} corrects rollout vs "
+                         "trainer logprobs; it cannot be combined with algorithm.old_logprobs = 'rollout'")
+
+
+def mismatch_fn_replaces_the_correction(algorithm: AlgorithmConfig) -> None:
+    if algorithm.mismatch_fn is None:
+        return
+    if algorithm.mismatch_correction != NO_CORRECTION:
+        raise ValueError(f"algorithm.mismatch_fn = {algorithm.mismatch_fn!r} replaces algorithm.mismatch_correction = "
+                         f"{algorithm.mismatch_correction!r}; set one of them")
+    if algorithm.old_logprobs == "rollout":
+        raise ValueError(f"algorithm.mismatch_fn = {algorithm.mismatch_fn!r} corrects rollout vs trainer logprobs; it "
+                         "cannot be combined with algorithm.old_logprobs = 'rollout'")
+
+
+def importance_weighted_kl_needs_a_kl_loss(algorithm: AlgorithmConfig) -> None:
+    if algorithm.kl_importance_weighted and algorithm.kl_loss_coef == 0:
+        raise ValueError("algorithm.kl_importance_weighted = true weights the KL loss, which is off: set "
+                         "algorithm.kl_loss_coef > 0")
+
+
+def kl_penalty_needs_a_token_level_estimator(algorithm: AlgorithmConfig) -> None:
+    token_level = [name for name in ADVANTAGE_ESTIMATORS if ADVANTAGE_ESTIMATORS.entry(name).token_level]
+    if algorithm.kl_penalty_coef > 0 and not ADVANTAGE_ESTIMATORS.entry(algorithm.advantage_estimator).token_level:
+        raise ValueError(f"algorithm.kl_penalty_coef = {algorithm.kl_penalty_coef} needs a token-level estimator "
+                         f"{tuple(token_level)}, got algorithm.advantage_estimator = {algorithm.advantage_estimator!r}")
+
+
+def something_to_train_on(algorithm: AlgorithmConfig) -> None:
+    if algorithm.reward_coef == 0 and algorithm.distill_coef == 0:
+        raise ValueError("algorithm.reward_coef = 0 with algorithm.distill_coef = 0 leaves no training signal; set "
+                         "algorithm.distill_coef > 0 (pure on-policy distillation) or algorithm.reward_coef > 0")
+
+
+def mismatch_band_is_ordered(algorithm: AlgorithmConfig) -> None:
+    if algorithm.tis_clip_low >= algorithm.tis_clip:
+        raise ValueError(f"algorithm.tis_clip_low = {algorithm.tis_clip_low} must be < algorithm.tis_clip = "
+                         f"{algorithm.tis_clip}")
+
+
+def critic_settings_need_a_critic(algorithm: AlgorithmConfig, critic: CriticConfig) -> None:
+    changed = [f"critic.{name}" for name, field in CriticConfig.model_fields.items()
+               if getattr(critic, name) != field.default]
+    if changed and not algorithm.needs_critic:
+        raise ValueError(f"{', '.join(changed)} changed from the default, but algorithm.advantage_estimator = "
+                         f"{algorithm.advantage_estimator!r} trains no value model; remove them or use one that does "
+                         "(ppo)")
+
+
+def distillation_needs_a_teacher(algorithm: AlgorithmConfig, teacher: TeacherConfig) -> None:
+    if algorithm.distill_coef > 0 and teacher.model_path is None:
+        raise ValueError(f"algorithm.distill_coef = {algorithm.distill_coef} needs a teacher's logprobs: set "
+                         "teacher.model_path (the teacher's checkpoint directory), or algorithm.distill_coef = 0")
+
+
+def a_teacher_needs_distillation(algorithm: AlgorithmConfig, teacher: TeacherConfig) -> None:
+    if teacher.model_path is not None and algorithm.distill_coef == 0:
+        raise ValueError(f"teacher.model_path = {teacher.model_path!r} with algorithm.distill_coef = 0: the teacher "
+                         "would score every sample and train nothing; set algorithm.distill_coef > 0 or remove "
+                         "teacher.model_path")
+
+
+def true_on_policy_needs_one_forward(algorithm: AlgorithmConfig, model: ModelConfig, cluster: ClusterConfig,
+                                     lora: LoraConfig) -> None:
+    """`algorithm.true_on_policy` holds only where engine and trainer can run the same CPU float32 forward."""
+    if not algorithm.true_on_policy:
+        return
+    engine = ENGINE_KINDS.entry(cluster.engine)
+    refusals = {
+        "model.dtype": (model.dtype, model.dtype != "float32", "float32"),
+        "model.impl": (model.impl, model.impl == "transformers", "'native' or 'auto'"),
+        "cluster.engine": (cluster.engine, not engine.true_on_policy, _engines_with("true_on_policy")),
+        "cluster.device": (cluster.device, cluster.device == "cuda", "'cpu' or 'auto'"),
+        "lora.enabled": (lora.enabled, lora.enabled, "false"),
+        "algorithm.routing_replay": (algorithm.routing_replay, algorithm.routing_replay != "off", "'off'"),
+    }
+    for field, (value, refused, needed) in refusals.items():
+        if refused:
+            raise ValueError(f"algorithm.true_on_policy = true needs {field} = {needed} (the engine and the trainer "
+                             f"run the same CPU float32 native forward); got {field} = {value!r}")
+
+
+def routing_replay_needs_routed_experts(algorithm: AlgorithmConfig, cluster: ClusterConfig,
+                                        rollout: RolloutConfig) -> None:
+    if algorithm.routing_replay == "off":
+        return
+    if not ENGINE_KINDS.entry(cluster.engine).routed_experts:
+        raise ValueError(f"algorithm.routing_replay = {algorithm.routing_replay!r} needs engines that return routed "
+                         f"experts on every reply; cluster.engine = {cluster.engine!r} is not wired for it, use "
+                         f"{_engines_with('routed_experts')}")
+    if rollout.agent_fn:
+        raise ValueError(f"algorithm.routing_replay = {algorithm.routing_replay!r} records routed experts in the "
+                         f"single-turn generate fn; the multi-turn rollout.agent_fn = {rollout.agent_fn!r} does not "
+                         "record them: set algorithm.routing_replay = 'off'")
+
+
+# ---- the engines and the weight sync -----------------------------------------------------------------
+def engine_takes_the_transport(cluster: ClusterConfig, sync: SyncConfig) -> None:
+    engine = ENGINE_KINDS.entry(cluster.engine)
+    if sync.transport not in engine.transports:
+        raise ValueError(f"sync.transport = {sync.transport!r} is not supported with cluster.engine = "
+                         f"{cluster.engine!r}{': ' + engine.transport_note if engine.transport_note else ''}; use one "
+                         f"of {list(engine.transports)}")
+
+
+def engine_colocates(cluster: ClusterConfig) -> None:
+    if cluster.placement == "colocated" and not ENGINE_KINDS.entry(cluster.engine).colocated:
+        raise ValueError(f"cluster.placement = 'colocated' is not supported with cluster.engine = {cluster.engine!r}: "
+                         "verst does not release its device memory while the trainer steps; use cluster.placement = "
+                         "'disaggregated'")
+
+
+def engine_loads_lora(cluster: ClusterConfig, lora: LoraConfig) -> None:
+    if lora.enabled and not ENGINE_KINDS.entry(cluster.engine).lora:
+        raise ValueError(f"lora.enabled = true is not supported with cluster.engine = {cluster.engine!r} (verst does "
+                         f"not load adapters into it); use cluster.engine = {_engines_with('lora')}")
+
+
+def adapter_tensors_need_an_engine_that_loads_them(cluster: ClusterConfig, sync: SyncConfig,
+                                                   lora: LoraConfig) -> None:
+    by_file = WEIGHT_TRANSPORTS.entry(sync.transport).keeps_snapshots
+    if lora.served_adapter and not by_file and not ENGINE_KINDS.entry(cluster.engine).adapter_tensors:
+        raise ValueError(f"lora.sync = 'adapter' with sync.transport = {sync.transport!r}: cluster.engine = "
+                         f"{cluster.engine!r} does not load an adapter from pushed tensors (only "
+                         f"{_engines_with('adapter_tensors')} does); use sync.transport = 'disk' (an adapter directory "
+                         "loaded with /load_lora_adapter) or lora.sync = 'merged'")
+
+
+def model_impl_is_the_embedded_engines(model: ModelConfig, cluster: ClusterConfig) -> None:
+    if model.impl != "auto" and not ENGINE_KINDS.entry(cluster.engine).model_impl:
+        raise ValueError(f"model.impl = {model.impl!r} chooses the embedded engine's model class; cluster.engine = "
+                         f"{cluster.engine!r} runs its own (leave model.impl = 'auto')")
+
+
+def engine_flags_go_to_their_engine(cluster: ClusterConfig, vllm: dict[str, Any], sglang: dict[str, Any]) -> None:
+    own = ENGINE_KINDS.entry(cluster.engine)
+    for table, values in {"vllm": vllm, "sglang": sglang}.items():
+        if values and table != own.flags_table:
+            raise ValueError(f"[{table}] flags ({', '.join(values)}) are given, but cluster.engine = "
+                             f"{cluster.engine!r}; they pass to a {table} server only")
+        for name in values:
+            if name.replace("_", "-") in own.owned_flags:
+                raise ValueError(f"{table}.{name}: verst sets --{name} itself (model.path, model.dtype, a free port on "
+                                 "the engine's node); leave it out")
+        flag_argv(table, values)
+
+
+def cuda_ipc_needs_an_engine_that_takes_it(cluster: ClusterConfig, sync: SyncConfig) -> None:
+    """On CUDA the tensor transport hands the engines CUDA-IPC handles (SGLang's scheme)."""
+    same_machine = WEIGHT_TRANSPORTS.entry(sync.transport).same_machine
+    if same_machine and on_cuda(cluster.device) and not ENGINE_KINDS.entry(cluster.engine).cuda_ipc:
+        raise ValueError(f"sync.transport = {sync.transport!r} with cluster.engine = {cluster.engine!r} on "
+                         f"cluster.device = {cluster.device!r} (CUDA): on CUDA the transport hands the engines CUDA-IPC "
+                         f"handles, which cluster.engine = {cluster.engine!r} does not take; use sync.transport = "
+                         "'distributed' (an NCCL broadcast) or 'disk'")
+
+
+def eval_fleet_or_backend(eval: EvalConfig) -> None:
+    if eval.num_engines and eval.backend is not None:
+        raise ValueError(f"eval.num_engines = {eval.num_engines} with eval.backend = {eval.backend!r}: an evaluation "
+                         "point is scored by the fleet or by the backend, not both; set eval.num_engines = 0 or remove "
+                         "eval.backend")
+
+
+# ---- rewards ---------------------------------------------------------------------------------------
+def reward_source_has_its_setting(reward: RewardConfig) -> None:
+    if reward.type == "custom" and not reward.path:
+        raise ValueError("reward.type = 'custom' needs reward.path (an import path to an async fn)")
+    if reward.type == "remote" and not reward.url:
+        raise ValueError("reward.type = 'remote' needs reward.url")
+    if reward.path is not None and reward.type != "custom":
+        raise ValueError(f"reward.path = {reward.path!r} is set but reward.type = {reward.type!r}; use type 'custom'")
+    if reward.url is not None and reward.type != "remote":
+        raise ValueError(f"reward.url = {reward.url!r} is set but reward.type = {reward.type!r}; use type 'remote'")
+
+
+def group_rewards_need_a_group_fn(reward: RewardConfig) -> None:
+    if reward.group and reward.type != "custom":
+        raise ValueError(f"reward.group = true needs a custom group fn; reward.type = {reward.type!r} scores one "
+                         "sample")
+
+
+# ---- multi-LoRA ------------------------------------------------------------------------------------
+def adapters_train_with_lora(lora: LoraConfig) -> None:
+    names = [adapter.name for adapter in lora.adapters]
+    if not names:
+        return
+    if not lora.enabled:
+        raise ValueError(f"lora.adapters names {names} but lora.enabled = false; set lora.enabled = true")
+    if lora.sync != "adapter":
+        raise ValueError(f"lora.adapters (multi-LoRA) with lora.sync = {lora.sync!r}: the engines serve every adapter "
+                         "by name on their base; use lora.sync = 'adapter'")
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"lora.adapters: the names {duplicates} appear more than once; each adapter needs its own name")
+    if len(names) > MAX_ADAPTERS:
+        raise ValueError(f"lora.adapters holds {len(names)} adapters; the engines keep at most {MAX_ADAPTERS} resident "
+                         "(--max-loaded-loras)")
+    for index, adapter in enumerate(lora.adapters):
+        if isinstance(adapter.target_modules, list) and not [m for m in adapter.target_modules if m.strip()]:
+            raise ValueError(f"lora.adapters[{index}].target_modules = {adapter.target_modules} names no module")
+
+
+def adapters_on_a_multi_lora_schedule(schedule: str, lora: LoraConfig, sync: SyncConfig) -> None:
+    if not lora.adapters:
+        return
+    if schedule not in MULTI_LORA_SCHEDULES:
+        raise ValueError(f"lora.adapters (multi-LoRA) with schedule = {schedule!r}: multi-LoRA runs on the schedules "
+                         f"{MULTI_LORA_SCHEDULES}")
+    if sync.interval != 1:
+        raise ValueError(f"sync.interval = {sync.interval} with lora.adapters: each adapter's step is pushed under its "
+                         "own name right after it; use sync.interval = 1")
+
+
+def adapters_train_one_policy_each(lora: LoraConfig, algorithm: AlgorithmConfig, teacher: TeacherConfig,
+                                   checkpoint: CheckpointConfig, eval: EvalConfig) -> None:
+    if not lora.adapters:
+        return
+    if checkpoint.merge_lora:
+        raise ValueError("checkpoint.merge_lora = true with lora.adapters: a merged model holds one adapter; export the "
+                         "adapters (hf/<name>) and merge the one you need")
+    if eval.backend is not None:
+        raise ValueError(f"eval.backend = {eval.backend!r} with lora.adapters: evaluation snapshots hold one policy; "
+                         "multi-LoRA runs evaluate each adapter on the rollout engines")
+    if eval.num_engines:
+        raise ValueError(f"eval.num_engines = {eval.num_engines} with lora.adapters: the evaluation fleet serves one "
+                         "policy's snapshot; multi-LoRA runs evaluate each adapter on the rollout engines "
+                         "(eval.num_engines = 0)")
+    if algorithm.needs_critic:
+        raise ValueError(f"algorithm.advantage_estimator = {algorithm.advantage_estimator!r} with lora.adapters: one "
+                         "critic would fit every adapter's task at once; multi-LoRA runs take the critic-free "
+                         "estimators (grpo, rloo, ...)")
+    if teacher.model_path is not None:
+        raise ValueError(f"teacher.model_path = {teacher.model_path!r} with lora.adapters: on-policy distillation "
+                         "trains one policy; remove teacher.model_path or lora.adapters")
+
+
+def every_adapter_is_a_valid_run(config: Section) -> None:
+    """Each adapter's run config (`adapter_run_config`) passes every rule; the sync schedule interleaves the
+    adapters one optimizer step per rollout batch."""
+    lora = config.lora  # type: ignore[attr-defined]
+    for index, adapter in enumerate(lora.adapters):
+        try:
+            own = adapter_run_config(config, adapter.name)
+        except ValidationError as error:
+            problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in error.errors())
+            raise ValueError(f"lora.adapters[{index}] ({adapter.name!r}): {problems}") from None
+        steps = batch_plan(own).train_steps_per_rollout
+        if config.schedule == "sync" and steps != 1:  # type: ignore[attr-defined]
+            raise ValueError(f"lora.adapters[{index}] ({adapter.name!r}): {steps} optimizer steps per rollout batch; "
+                             "the sync schedule interleaves adapters one step per rollout batch: set its "
+                             "global_batch_size to its batch_size x n_samples_per_prompt")
+
+
+RULES: tuple[Callable[..., None], ...] = (
+    rollout_divides_into_train_steps, train_steps_take_whole_groups, train_steps_split_across_ranks,
+    over_sampling_covers_the_batch, in_flight_holds_a_group, context_leaves_room_for_a_prompt,
+    fully_async_needs_disaggregated, fully_async_calls_no_rollout_fn, restarts_need_checkpoints,
+    mismatch_correction_needs_trainer_logprobs, mismatch_fn_replaces_the_correction,
+    importance_weighted_kl_needs_a_kl_loss, kl_penalty_needs_a_token_level_estimator, something_to_train_on,
+    mismatch_band_is_ordered, critic_settings_need_a_critic, distillation_needs_a_teacher,
+    a_teacher_needs_distillation, true_on_policy_needs_one_forward, routing_replay_needs_routed_experts,
+    engine_takes_the_transport, engine_colocates, engine_loads_lora, adapter_tensors_need_an_engine_that_loads_them,
+    model_impl_is_the_embedded_engines, engine_flags_go_to_their_engine, cuda_ipc_needs_an_engine_that_takes_it,
+    eval_fleet_or_backend, reward_source_has_its_setting, group_rewards_need_a_group_fn, adapters_train_with_lora,
+    adapters_on_a_multi_lora_schedule, adapters_train_one_policy_each, every_adapter_is_a_valid_run,
+)
+_PARAMETERS = {rule: tuple(inspect.signature(rule).parameters) for rule in RULES}
+
+
+def check_rules(config: Section) -> None:
+    """Every rule over `config`, in order; the first broken one raises."""
+    for rule in RULES:
+        rule(**{name: config if name == "config" else getattr(config, name) for name in _PARAMETERS[rule]})
+
+
+# ---- rules of what the run finds at start-up, and of `verst sft` --------------------------------------
+def true_on_policy_on_the_cpu(algorithm: AlgorithmConfig, device: str) -> None:
+    """`cluster.device = 'auto'` resolved to `device` by the orchestration."""
+    if algorithm.true_on_policy and device == "cuda":
+        raise ValueError("algorithm.true_on_policy = true holds on the CPU only (float32 CPU kernels on both sides); "
+                         "cluster.device = 'auto' chose cuda here: set cluster.device = 'cpu'")
+
+
+def transport_reaches_the_engines(transport: str, trainer_host: str | None, engine_hosts: list[str | None]) -> None:
+    """A transport that hands weights over in memory needs every engine on trainer rank 0's machine."""
+    if not WEIGHT_TRANSPORTS.entry(transport).same_machine:
+        return
+    apart = [index for index, host in enumerate(engine_hosts) if host != trainer_host]
+    if apart:
+        raise ValueError(
+            f"sync.transport = {transport!r} hands weights over in memory on one machine, but engine(s) {apart} were "
+            f"placed on {sorted({str(engine_hosts[i]) for i in apart})}, not on trainer rank 0's {trainer_host}; use "
+            "a transport that crosses machines: " + ", ".join(
+                repr(name) for name in WEIGHT_TRANSPORTS if not WEIGHT_TRANSPORTS.entry(name).same_machine))
+
+
+def sft_trains_one_policy(lora: LoraConfig, eval: EvalConfig) -> None:
+    if lora.adapters:
+        raise ValueError(f"lora.adapters ({[a.name for a in lora.adapters]}): multi-LoRA trains with RL only; SFT "
+                         "trains one adapter (lora.enabled = true without lora.adapters)")
+    if eval.num_engines:
+        raise ValueError(f"eval.num_engines = {eval.num_engines}: the evaluation fleet scores RL runs; SFT evaluates "
+                         "with the trainer's model (set eval.num_engines = 0)")
+
+
+SFT_RULES: tuple[Callable[..., None], ...] = (sft_trains_one_policy,)
+
+
+def check_sft_rules(config: Section) -> None:
+    for rule in SFT_RULES:
+        rule(**{name: getattr(config, name) for name in inspect.signature(rule).parameters})
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def on_cuda(device: str) -> bool:
+    """Whether `cluster.device` means CUDA here: 'cuda', or 'auto' on a machine with an NVIDIA GPU (its device
+    files; torch is not imported to find out)."""
+    if device != "auto":
+        return device == "cuda"
+    return cuda_visible()
+
+
+def cuda_visible() -> bool:
+    """An NVIDIA GPU is visible to this process (the driver's device files), without importing torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return Path("/dev/nvidiactl").exists() and any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def _engines_with(trait: str) -> str:
+    return " or ".join(repr(name) for name in ENGINE_KINDS if getattr(ENGINE_KINDS.entry(name), trait))
