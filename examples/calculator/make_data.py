@@ -2,7 +2,7 @@
 
 train.jsonl and test.jsonl hold the gold conversations and true labels; sft_teacher.jsonl holds the
 train prompts as demonstrated by a teacher who does a last addition in their head
-(`verst.data.calculator.mental_last_step`), the SFT warm start of recipes/sft_calculator.toml.
+(`verst.data.teachers.mental_last_step`), the SFT warm start of recipes/sft_calculator.toml.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from verst.data import make_splits, write_jsonl
-from verst.data.calculator import mental_last_step
+from verst.data.teachers import mental_last_step
 
 N_TRAIN, N_TEST = 3384, 200  # every distinct prompt of the task is in one split or the other
 TEACHER_RATE = 0.75  # in 3 of 4 problems that end with an addition, the teacher adds in their head

@@ -20,10 +20,10 @@ from verst.data.calculator import (
     calculate,
     calculator_problem,
     call_expression,
-    mental_last_step,
     parse_expression,
     step,
 )
+from verst.data.teachers import mental_last_step
 from verst.rewards import RewardError
 from verst.types import Sample
 

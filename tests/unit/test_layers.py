@@ -72,3 +72,73 @@ def test_the_engine_client_imports_no_torch():
     modules = ", ".join(f"verst.inference_client.{m}" for m in ("client", "batching", "protocol", "fleet", "ports"))
     code = f"import sys, verst.inference_client, {modules}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every verst module (a package is its `__init__`) -> the verst modules of its own package it imports,
+    wherever the import stands: at the top, inside a function or under TYPE_CHECKING."""
+    root = Path(verst.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+
+    def resolve(dotted: str) -> str | None:
+        parts = dotted.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            for target in filter(None, map(resolve, targets)):
+                if target != name and target.split(".")[:2] == name.split(".")[:2]:
+                    graph[name].add(target)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_package_has_an_import_circle_inside():
+    """Counting every import, in functions and under TYPE_CHECKING too: a circle is not hidden, it is absent."""
+    assert circles(module_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert circles({"a.x.m": {"a.x.n"}, "a.x.n": {"a.x.m"}, "a.x.o": set()}) == [["a.x.m", "a.x.n"]]

@@ -10,16 +10,12 @@ a pattern and reduced by operator.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import operator
 import random
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from verst.data.tasks import Problem
+from typing import Any
 
 TOOL_NAME = "calculator"
 OPERATIONS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -119,36 +115,6 @@ def calculator_problem(
     metadata = {"task": "calculator", "expression": expression, "tools": [CALCULATOR_TOOL],
                 CONVERSATION_KEY: conversation}
     return f"{expression}=", conversation[-1]["content"], metadata
-
-
-def mental_last_step(problems: list[Problem], rate: float, ops: str = "+", seed: int = 0) -> list[Problem]:
-    """Demonstrations from a teacher who does an easy last step in their head: in `rate` of the problems
-    whose last operation is one of `ops`, the conversation answers as soon as the calculator has left
-    that one operation ('21+5'), without the last call. Every answer stays correct.
-
-    A student that cannot add in its head, imitating this teacher, skips the call it needs there once
-    `rate` > 0.5; an outcome reward shows that calling the tool pays. Altered rows record
-    `metadata['teacher'] = 'mental last step'`; prompts and their order are unchanged.
-    """
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"mental_last_step: rate must be in [0, 1], got {rate}")
-    if not ops or set(ops) - set(OPERATIONS):
-        raise ValueError(f"mental_last_step: ops = {ops!r} must be a non-empty string of {sorted(OPERATIONS)}")
-    rng = random.Random(f"verst.calculator/mental_last_step/{seed}")
-    out = []
-    for problem in problems:
-        conversation = problem.metadata.get(CONVERSATION_KEY)
-        if not conversation or problem.metadata.get("task") != "calculator":
-            raise ValueError(f"mental_last_step needs calculator problems with a gold conversation, got task "
-                             f"{problem.metadata.get('task')!r} for prompt {problem.text!r}")
-        calls = [m for m in conversation if m.get("tool_calls")]
-        last_op = parse_expression(call_expression(calls[-1]))[1][0]
-        if len(calls) > 1 and last_op in ops and rng.random() < rate:
-            hasty = conversation[:-3] + [conversation[-1]]  # drop the last call and its result
-            metadata = {**problem.metadata, CONVERSATION_KEY: hasty, "teacher": "mental last step"}
-            problem = dataclasses.replace(problem, metadata=metadata)
-        out.append(problem)
-    return out
 
 
 def call_expression(message: dict[str, Any]) -> str:

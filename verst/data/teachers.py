@@ -1,5 +1,5 @@
 """Imperfect demonstrators: SFT data written by a teacher with a systematic habit, for showing what RL
-with a verifiable reward corrects that imitation learned (the demo's warm start).
+with a verifiable reward corrects that imitation learned (the demos' warm starts: addition, the calculator).
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from verst.data.calculator import CONVERSATION_KEY, OPERATIONS, call_expression, parse_expression
 from verst.data.loading import DataError
 from verst.data.tasks import Problem
 
@@ -54,3 +55,33 @@ def _operands(problem: Problem) -> list[int]:
     if len(terms) < 2:
         raise DataError(f"forgets_carry: prompt {problem.text!r} has fewer than two terms")
     return terms
+
+
+def mental_last_step(problems: list[Problem], rate: float, ops: str = "+", seed: int = 0) -> list[Problem]:
+    """Demonstrations from a teacher who does an easy last step in their head: in `rate` of the problems
+    whose last operation is one of `ops`, the conversation answers as soon as the calculator has left
+    that one operation ('21+5'), without the last call. Every answer stays correct.
+
+    A student that cannot add in its head, imitating this teacher, skips the call it needs there once
+    `rate` > 0.5; an outcome reward shows that calling the tool pays. Altered rows record
+    `metadata['teacher'] = 'mental last step'`; prompts and their order are unchanged.
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"mental_last_step: rate must be in [0, 1], got {rate}")
+    if not ops or set(ops) - set(OPERATIONS):
+        raise ValueError(f"mental_last_step: ops = {ops!r} must be a non-empty string of {sorted(OPERATIONS)}")
+    rng = random.Random(f"verst.calculator/mental_last_step/{seed}")
+    out = []
+    for problem in problems:
+        conversation = problem.metadata.get(CONVERSATION_KEY)
+        if not conversation or problem.metadata.get("task") != "calculator":
+            raise ValueError(f"mental_last_step needs calculator problems with a gold conversation, got task "
+                             f"{problem.metadata.get('task')!r} for prompt {problem.text!r}")
+        calls = [m for m in conversation if m.get("tool_calls")]
+        last_op = parse_expression(call_expression(calls[-1]))[1][0]
+        if len(calls) > 1 and last_op in ops and rng.random() < rate:
+            hasty = conversation[:-3] + [conversation[-1]]  # drop the last call and its result
+            metadata = {**problem.metadata, CONVERSATION_KEY: hasty, "teacher": "mental last step"}
+            problem = dataclasses.replace(problem, metadata=metadata)
+        out.append(problem)
+    return out

@@ -8,7 +8,6 @@ never silently falling back to load-based placement. Imports no torch.
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import itertools
 import json
@@ -16,29 +15,25 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import numpy as np
 
 from verst.inference_client.batching import RequestBatcher
+from verst.inference_client.replies import (  # what callers of the client catch and read, here as well
+    EngineError,
+    GenerateResult,
+    RoutingKeyError,
+    engine_went_away,
+    error_field,
+    error_message,
+    json_or_raise,
+)
+
+__all__ = ["EngineClient", "EngineError", "GenerateResult", "RoutingKeyError", "Timeouts", "engine_went_away"]
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-ROUTER_SEND_ERROR = "error sending request for url"  # sglang-router's 500 when an engine cannot be reached
 # httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
 # concurrent generations (seconds of client CPU for 256); generations are therefore spread over several
 # pools of at most this many connections each.
 CONNECTIONS_PER_POOL = 32
-
-
-class EngineError(RuntimeError):
-    """A non-2xx reply or a transport failure; carries the URL, status, the server's message and field."""
-
-    def __init__(self, url: str, status: int | None, message: str, field: str | None = None):
-        super().__init__(f"{url}: {status if status is not None else 'no reply'}: {message}")
-        self.url, self.status, self.message = url, status, message
-        self.field = field  # the request field the server named as the offending one, if any
-
-
-class RoutingKeyError(ValueError):
-    """A request that needs session affinity was sent without a routing key."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,56 +44,6 @@ class Timeouts:
     generate: float = 600.0
     control: float = 60.0
     weights: float = 600.0
-
-
-@dataclasses.dataclass
-class GenerateResult:
-    """One `/generate` reply: token ids, their logprobs, why it ended, and which weights produced it."""
-
-    rid: str
-    output_ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str  # stop | length | abort
-    matched: int | str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    weight_version: str
-    text: str
-    routed_experts_flat: np.ndarray | None  # int32, [prompt + output - 1, moe_layers * top_k] when asked for
-    meta_info: dict[str, Any]
-
-    @property
-    def oldest_weight_version(self) -> str:
-        """The oldest weights that sampled a token of this reply (a weight update can land while a request
-        is paused in place or retracted). verst engines report it; for engines that do not (SGLang) it is
-        the reply's `weight_version`, exact only for requests that no update interrupted."""
-        return str(self.meta_info.get("oldest_weight_version", self.weight_version))
-
-    def routed_experts(self, top_k: int) -> np.ndarray | None:
-        """`[prompt + output - 1, moe_layers, top_k]` (SGLang's layout), or None when not returned."""
-        if self.routed_experts_flat is None:
-            return None
-        return self.routed_experts_flat.reshape(self.routed_experts_flat.shape[0], -1, top_k)
-
-    @classmethod
-    def from_reply(cls, reply: dict[str, Any]) -> GenerateResult:
-        meta = reply["meta_info"]
-        finish = meta.get("finish_reason") or {}
-        logprobs = meta.get("output_token_logprobs")
-        experts = None
-        if meta.get("routed_experts"):
-            rows = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1
-            flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
-            experts = flat.reshape(rows, -1) if rows > 0 else flat.reshape(0, 0)
-        return cls(
-            rid=str(meta.get("id", "")), output_ids=list(reply["output_ids"]),
-            logprobs=[float(item[0]) for item in logprobs] if logprobs is not None else None,
-            finish_reason=finish.get("type", "abort"), matched=finish.get("matched"),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)), completion_tokens=int(meta.get("completion_tokens", 0)),
-            cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", "")),
-            text=reply.get("text", ""), routed_experts_flat=experts, meta_info=meta,
-        )
 
 
 class EngineClient:
@@ -218,7 +163,7 @@ class EngineClient:
                     "POST", "/generate", json=body, headers=headers, timeout=self.timeouts.generate) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    raise EngineError(url, response.status_code, _message(response), _field(response))
+                    raise EngineError(url, response.status_code, error_message(response), error_field(response))
                 async for line in response.aiter_lines():
                     if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                         continue
@@ -389,7 +334,7 @@ class EngineClient:
             raise EngineError(self.base_url + path, None, message) from exc
         except httpx.TransportError as exc:
             raise EngineError(self.base_url + path, None, f"{type(exc).__name__}: {exc}") from exc
-        return _json_or_raise(response, self.base_url + path)
+        return json_or_raise(response, self.base_url + path)
 
     async def _get(self, path: str) -> Any:
         delay, last = 0.2, None
@@ -400,8 +345,8 @@ class EngineClient:
                 last = EngineError(self.base_url + path, None, f"{type(exc).__name__}: {exc}")
             else:
                 if response.status_code not in (502, 503, 504):
-                    return _json_or_raise(response, self.base_url + path)
-                last = EngineError(self.base_url + path, response.status_code, _message(response))
+                    return json_or_raise(response, self.base_url + path)
+                last = EngineError(self.base_url + path, response.status_code, error_message(response))
             if attempt < self.get_retries:
                 await asyncio.sleep(delay)
                 delay *= 2
@@ -413,50 +358,3 @@ class EngineClient:
         except httpx.TransportError:
             return False
         return response.status_code == 200
-
-
-def engine_went_away(error: EngineError) -> bool:
-    """A lost connection (not a timeout), or a router's reply that its engine could not be reached
-    (sglang-router answers 500 "error sending request for url ...")."""
-    if error.status is None:
-        return "timed out" not in error.message
-    return error.status in (502, 503, 504) or (error.status == 500 and ROUTER_SEND_ERROR in error.message)
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if "message" in body:
-            return str(body["message"])
-        if "detail" in body:
-            return str(body["detail"])[:500]
-    return str(body)[:500]
-
-
-def _field(response: httpx.Response) -> str | None:
-    """The offending field an error body names (verst engines: `error.field`; OpenAI style: `error.param`)."""
-    try:
-        error = response.json().get("error")
-    except (ValueError, AttributeError):
-        return None
-    if not isinstance(error, dict):
-        return None
-    field = error.get("field", error.get("param"))
-    return str(field) if field is not None else None
-
-
-def _json_or_raise(response: httpx.Response, url: str) -> Any:
-    if response.status_code >= 400:
-        raise EngineError(url, response.status_code, _message(response), _field(response))
-    if not response.content:
-        return {}
-    try:
-        return response.json()
-    except ValueError:
-        return {"text": response.text}

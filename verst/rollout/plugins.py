@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from verst.config import ConfigError, DataConfig, RewardConfig, RolloutConfig, SamplingConfig, load_object
+from verst.rewards import build_reward_fn
 from verst.rollout.filters import GroupFilter, build_filter
 from verst.types import Group, Sample
 
@@ -68,6 +69,9 @@ class AgentFn(Protocol):
     ) -> dict[str, Any] | None: ...
 
 
+# The built-in layers, loaded by import path as a plug-in is (they import this module for its contract).
+DEFAULT_GENERATE_FN = "verst.rollout.generate:generate"
+DEFAULT_ROLLOUT_FN = "verst.rollout.rollout_fn:rollout"
 # name -> (config field, positional arguments it is called with, the documented signature)
 _LAYERS: dict[str, tuple[str, int, str]] = {
     "generate": ("rollout.generate_fn", 2, "async def generate(ctx, sample) -> Sample"),
@@ -104,21 +108,13 @@ def load_plugin(path: str, layer: str) -> Any:
 
 
 def load_generate_fn(cfg: RolloutConfig) -> GenerateFn:
-    """`rollout.generate_fn`, or the default single-turn generate fn."""
-    if cfg.generate_fn is None:
-        from verst.rollout.generate import generate
-
-        return generate
-    return load_plugin(cfg.generate_fn, "generate")
+    """`rollout.generate_fn`, or the default single-turn generate fn (`DEFAULT_GENERATE_FN`)."""
+    return load_plugin(cfg.generate_fn or DEFAULT_GENERATE_FN, "generate")
 
 
 def load_rollout_fn(cfg: RolloutConfig) -> RolloutFn:
-    """`rollout.rollout_fn`, or the default over-sampling rollout fn."""
-    if cfg.rollout_fn is None:
-        from verst.rollout.rollout_fn import rollout
-
-        return rollout
-    return load_plugin(cfg.rollout_fn, "rollout")
+    """`rollout.rollout_fn`, or the default over-sampling rollout fn (`DEFAULT_ROLLOUT_FN`)."""
+    return load_plugin(cfg.rollout_fn or DEFAULT_ROLLOUT_FN, "rollout")
 
 
 def load_agent_fn(cfg: RolloutConfig) -> AgentFn | None:
@@ -232,8 +228,6 @@ class RolloutContext:
         else:
             check_plugin(self.agent_fn, "agent")
         if self.reward_fn is None:
-            from verst.rewards import build_reward_fn
-
             self.reward_fn = build_reward_fn(self.reward)
         if self.group_filter is None:
             self.group_filter = build_filter(self.rollout.dynamic_filter, self.reward.key)

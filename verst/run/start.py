@@ -49,7 +49,7 @@ from verst.run.setup import (
 from verst.run.snapshots import EvalSnapshots
 from verst.run.training import DeviceShare, TrainerGroup
 from verst.run.weights import RestartSource, WeightPush
-from verst.trainer.backend import fsdp2_backend
+from verst.trainer.factory import fsdp2_backend
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ _EXPORTS = {
     "RankError": "verst.trainer.backend",
     "TrainBackend": "verst.trainer.backend",
     "TrainerRanks": "verst.trainer.backend",
-    "fsdp2_backend": "verst.trainer.backend",
+    "fsdp2_backend": "verst.trainer.factory",
     "ForwardOutputs": "verst.trainer.batching",
     "MicroBatch": "verst.trainer.batching",
     "FSDP2Backend": "verst.trainer.fsdp",

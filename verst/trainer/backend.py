@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from verst.config.imports import import_plugins
 from verst.types import Sample, WeightBucket
 
 if TYPE_CHECKING:  # this module is imported by torch-free driver code (handles, transports' types)
@@ -158,16 +157,6 @@ class CollectiveCalls:
 
     def export_hf(self, directory: str | Path, *, merge_lora: bool = False) -> None:
         self.call("export_hf", str(directory), merge_lora=merge_lora)
-
-
-def fsdp2_backend(*args: Any, plugins: Sequence[str] = (), **kwargs: Any) -> TrainBackend:
-    """`FSDP2Backend(*args, **kwargs)`, imported when called: a factory a torch-free driver hands the
-    ranks (`functools.partial(fsdp2_backend, model_cfg, trainer_cfg, ...)`), which import torch there. The
-    config's `plugins` are imported first: the names they register are looked up in the ranks."""
-    from verst.trainer.fsdp import FSDP2Backend
-
-    import_plugins(list(plugins))
-    return FSDP2Backend(*args, **kwargs)
 
 
 # Rank-side checkpoint steps for `TrainerRanks.apply` (module functions: Ray pickles them by reference).

@@ -9,19 +9,17 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from verst.config.adapters import adapter_lora_configs
 from verst.config.schema import CriticConfig, LoraConfig, ModelConfig, TrainerConfig
-from verst.models.native import load_causal_lm
 from verst.models.scoring import token_logprobs
 from verst.trainer import lora as lora_mod
 from verst.trainer import persistence
@@ -36,15 +34,14 @@ from verst.trainer.batching import (
     pad_right,
     split_to_count,
 )
-from verst.trainer.critic import Critic, add_value_head, check_same_vocabulary, critic_optimizer, value_forward
+from verst.trainer.critic import Critic, check_same_vocabulary, critic_optimizer, value_forward
 from verst.trainer.distributed import ensure_single_process_group, resolve_device
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
-from verst.trainer.optim import build_adapter_optimizer, build_optimizer
+from verst.trainer.optim import build_optimizer
 from verst.trainer.routing import ROUTING_MODES, RoutingReplay
+from verst.trainer.sharding import build_sharded, full_buckets
 from verst.types import WeightBucket
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class FSDP2Backend:
@@ -119,7 +116,7 @@ class FSDP2Backend:
             self.ref_model = self._build(ref_model_path, trainable=False)
         self._base_is_reference = bool(ref_model_path) and self.ref_model is None
         if self.adapters:
-            self.optimizer, self.scheduler, self._adapter_group = build_adapter_optimizer(
+            self.optimizer, self.scheduler, self._adapter_group = lora_mod.build_adapter_optimizer(
                 self.model, self._adapter_trainers(), adapter_steps or {}, self.adapter_step)
         else:
             self.optimizer, self.scheduler = build_optimizer(self.model, trainer, total_steps)
@@ -140,34 +137,9 @@ class FSDP2Backend:
 
     # ---- model construction ------------------------------------------------------------
     def _build(self, path: str, trainable: bool, value_head: bool = False) -> torch.nn.Module:
-        # Every rank reads the checkpoint and keeps only its shard after fully_shard. Parameters are
-        # float32 master weights whatever the compute dtype. `impl` auto on CUDA keeps transformers' model,
-        # whose flash attention takes packed sequences; on CPU the native one skips transformers' import.
-        # `value_head`: PPO's critic, trained in full (LoRA adapts the policy only).
-        impl = self.model_config.impl
-        if impl == "auto" and self.device.type != "cpu":
-            impl = "transformers"
-        model = load_causal_lm(path, impl, dtype="float32", device="cpu",
-                               trust_remote_code=self.model_config.trust_remote_code, trainable=trainable)
-        if value_head:
-            model = add_value_head(model)
-        if trainable and self.config.gradient_checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if trainable and self.lora and not value_head:
-            model = lora_mod.add_adapters(model, self.lora, self.adapters)  # the base frozen; FSDP2 shards it
-        compute = _DTYPES[self.model_config.dtype]
-        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        block_names = set(getattr(model, "_no_split_modules", None) or [])
-        if not block_names:
-            raise ValueError(f"model at {path} names no transformer block class (_no_split_modules); cannot shard")
-        for module in model.modules():
-            if type(module).__name__ in block_names:
-                fully_shard(module, mesh=self.mesh, mp_policy=policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy)  # also moves the shards to the mesh device
-        if not trainable:
-            model.requires_grad_(False)
-            model.eval()
-        return model
+        return build_sharded(path, self.model_config, self.mesh, trainable=trainable, value_head=value_head,
+                             gradient_checkpointing=self.config.gradient_checkpointing,
+                             lora=self.lora if trainable and not value_head else None, adapters=self.adapters)
 
     @property
     def step(self) -> int:
@@ -384,7 +356,7 @@ class FSDP2Backend:
         if self.adapters:
             raise ValueError("named_weights: a multi-LoRA model has no one merged policy; sync its adapters by name")
         tensors = lora_mod.merged_tensors(self.model) if self.lora else persistence.named_tensors(self.model)
-        yield from _buckets(tensors, bucket_bytes)
+        yield from full_buckets(tensors, bucket_bytes)
 
     @property
     def sync_adapter(self) -> tuple[str, dict] | None:
@@ -402,7 +374,7 @@ class FSDP2Backend:
         if self.lora is None or self.lora.served_adapter is None:
             yield from self.named_weights(bucket_bytes)
             return
-        yield from _buckets(lora_mod.adapter_tensors(self.model, self.active_adapter), bucket_bytes)
+        yield from full_buckets(lora_mod.adapter_tensors(self.model, self.active_adapter), bucket_bytes)
 
     def save(self, directory: str | Path, *, background: bool = False) -> None:
         """With `background`, the shards are copied now and written by a thread; the directory is complete
@@ -469,19 +441,3 @@ def _any_output(outputs: ForwardOutputs) -> torch.Tensor:
 
 def _namespaced(metrics: dict[str, float]) -> dict[str, float]:
     return {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
-
-
-def _buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
-    """Full tensors (a DTensor gathered: collective) in buckets of about `bucket_bytes`."""
-    bucket: WeightBucket = []
-    size = 0
-    for name, tensor in tensors:
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        nbytes = full.numel() * full.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, full.detach()))
-        size += nbytes
-    if bucket:
-        yield bucket

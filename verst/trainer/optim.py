@@ -46,33 +46,3 @@ def build_optimizer(
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
     return optimizer, scheduler
-
-
-def build_adapter_optimizer(
-    model: torch.nn.Module, trainers: dict[str, TrainerConfig], total_steps: dict[str, int | None],
-    adapter_step: dict[str, int],
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, dict[str, int]]:
-    """Multi-LoRA: one AdamW over every adapter, param groups per adapter (in `trainers`' order; the index of
-    each adapter's first is returned) with its
-    own lr, weight decay and schedule, which follows that adapter's own step count (`adapter_step[name]`,
-    advanced by the caller). Adam's state is per parameter and a parameter without a gradient is skipped, so
-    a step that trains one adapter leaves the others' weights, moments and lr where they were."""
-    from verst.trainer.lora import adapter_parameters
-
-    groups, lambdas, first_group = [], [], {}
-    for name, cfg in trainers.items():
-        steps = total_steps.get(name)
-        if cfg.lr_schedule != "constant" and (steps is None or steps < 1):
-            raise ValueError(f"trainer.lr_schedule = {cfg.lr_schedule!r} needs adapter {name!r}'s total steps, "
-                             f"got {steps}")
-        params = adapter_parameters(model, name)
-        first_group[name] = len(groups)
-        for group in ({"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}):
-            if group["params"]:  # no empty group: a checkpoint's optimizer state holds none
-                groups.append({**group, "lr": cfg.lr})
-                lambdas.append(lambda _epoch, name=name, cfg=cfg, steps=steps: lr_factor(adapter_step[name], cfg, steps))
-    first = next(iter(trainers.values()))
-    optimizer = torch.optim.AdamW(groups, lr=first.lr, betas=tuple(first.adam_betas), fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
-    return optimizer, scheduler, first_group
