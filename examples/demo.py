@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import VerstConfig, load_config
+from verst.monitor.logs import configure_logging
 
 MODEL_DIR = Path("artifacts/models/tiny-qwen3")
 # task -> its data folder: train.jsonl and test.jsonl (true labels) and sft_teacher.jsonl (the train
@@ -74,6 +75,7 @@ def check_rl_summary(summary: dict[str, Any]) -> tuple[float, float]:
 def main() -> int:
     from verst.schedules.sft import run_sft
 
+    configure_logging()  # the runs' own lines (start-up, evaluations, faults)
     start = time.perf_counter()
     make_artifacts()
     sft_summary, sft_run_dir = run_sft(load_config(SFT_RECIPE, overrides=FRESH))

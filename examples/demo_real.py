@@ -15,6 +15,7 @@ from pathlib import Path
 
 from examples.demo import FRESH, run_rl_and_report
 from verst.config import load_config
+from verst.monitor.logs import configure_logging
 
 MODEL_NAME = "smollm2-135m-instruct"
 MODEL_DIR = Path("artifacts/models/smollm2-135m-instruct")
@@ -39,6 +40,7 @@ def make_artifacts(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_logging()  # the run's own lines (start-up, evaluations, faults)
     start = time.perf_counter()
     make_artifacts()
     cfg = load_config(RL_RECIPE, overrides=[*FRESH, *(sys.argv[1:] if argv is None else argv)])
