@@ -34,3 +34,21 @@ def smollm2_dir():
     from tests.real_model import smollm2_checkpoint
 
     return smollm2_checkpoint()
+
+
+@pytest.fixture
+def registries_restored():
+    """The registries as they were before the test, and plug-in modules imported during it forgotten: a
+    test that registers names of its own (through `plugins`) leaves the process's registries as it found them."""
+    import sys
+
+    from verst.config.registries import REGISTRIES
+
+    saved = [(registry, dict(registry._entries), dict(registry._loaded)) for registry in REGISTRIES]
+    modules = set(sys.modules)
+    yield
+    for registry, entries, loaded in saved:
+        registry._entries, registry._loaded = entries, loaded
+    for name in set(sys.modules) - modules:
+        if name.startswith("examples.plugins"):
+            del sys.modules[name]

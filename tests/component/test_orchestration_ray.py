@@ -95,7 +95,7 @@ def model_path(tmp_path_factory):
 def test_refusals_come_before_anything_starts():
     with pytest.raises(ValueError, match="schedule = 'fully_async' with cluster.placement = 'colocated' is refused"):
         Orchestration(ClusterConfig(placement="colocated"), schedule="fully_async")
-    with pytest.raises(ValueError, match="cluster.engine = 'tgi' is not one of"):
+    with pytest.raises(ValueError, match="cluster.engine = 'tgi' is not registered"):
         check_engine_type("tgi")
 
 

@@ -83,7 +83,7 @@ def test_docs_show_the_example_files_as_they_are():
         assert example.read_text().rstrip() in page, f"docs/plugins.md does not show {example.name} as it is"
 
 
-def test_registered_names_are_valid_config_values_and_run_as_their_fields_say():
+def test_registered_names_are_valid_config_values_and_run_as_their_fields_say(registries_restored):
     """`plugins` imports the module before the fields are checked; the names resolve where the run uses them."""
     import torch
 

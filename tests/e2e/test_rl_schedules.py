@@ -96,8 +96,8 @@ def check_run(cfg, summary, steps, steps_per_rollout=1):
     return records
 
 
-def test_names_registered_by_plugins_work_in_every_process_of_a_run(ray_session, tiny_model_dir,
-                                                                     addition_data_dir, tmp_path):
+def test_names_registered_by_plugins_work_in_every_process_of_a_run(ray_session, tiny_model_dir, addition_data_dir,
+                                                                     tmp_path, registries_restored):
     """`plugins` is imported by the rollout manager (which scores with the registered reward) and the trainer
     ranks (which compute the registered advantages): looked up anywhere it is not, either name fails the run."""
     cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "sync", "--sync.transport", "disk",
