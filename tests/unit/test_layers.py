@@ -28,7 +28,9 @@ LAYERS = {
     "eval": (2, 3), "connectors": (2, 3),
     "orchestration": (3, 0),
     "run": (4, 0),  # an RL run's parts over the orchestration's handles, and how it starts
-    "schedules": (4, 1), "cli": (4, 2),  # the loops over a run's named steps; the command line starts them
+    "schedules": (4, 1),  # the loops over a run's named steps
+    "sim": (4, 2),  # an RL run on simulated engines and trainer: the schedules' loops over a simulated run
+    "cli": (4, 3),  # the command line starts the schedules and the simulation
 }
 RAY_AWARE = {"orchestration"}
 

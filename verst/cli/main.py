@@ -16,6 +16,7 @@ COMMANDS = {
     "data": ("verst.cli.data", "write a procedural task: verst data make addition --n 2000 --out DIR"),
     "sft": ("verst.cli.sft", "supervised fine-tuning: verst sft RECIPE [--section.field VALUE ...]"),
     "train": ("verst.cli.train", "RL training: verst train RECIPE [--section.field VALUE ...]"),
+    "sim": ("verst.cli.sim", "an RL run on simulated engines: verst sim RECIPE [--sim.field VALUE ...]"),
     "serve": ("verst.cli.serve", "run a server standalone: verst serve engine --model DIR --port P"),
     "eval": ("verst.cli.eval", "score a run's weights at one step later: verst eval RUN_DIR [--step N]"),
     "report": ("verst.cli.report", "HTML report of a run, or of runs overlaid: verst report RUN_DIR ..."),

@@ -9,6 +9,7 @@ from verst.config.imports import lazy_exports
 _EXPORTS = {
     "RLRun": "verst.run.rl_run",
     "open_rl_run": "verst.run.start",
+    "RunOpener": "verst.run.start",
     "run_restarting": "verst.run.restarts",
 }
 

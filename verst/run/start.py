@@ -12,7 +12,8 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ from verst.run.weights import RestartSource, WeightPush
 from verst.trainer.factory import fsdp2_backend
 
 log = logging.getLogger(__name__)
+RunOpener = Callable[[VerstConfig, int], AbstractAsyncContextManager[RLRun]]
+"""`open_run(cfg, restarts)`: what starts a run for a schedule's loop (`open_rl_run`; `verst sim`'s simulated one)."""
 
 
 @dataclasses.dataclass

@@ -10,11 +10,11 @@ import time
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.run import open_rl_run
+from verst.run import RunOpener, open_rl_run
 
 
-async def run_fully_async(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
-    async with open_rl_run(cfg, restarts) as run:
+async def run_fully_async(cfg: VerstConfig, restarts: int = 0, open_run: RunOpener = open_rl_run) -> dict[str, Any]:
+    async with open_run(cfg, restarts) as run:
         await run.begin()  # the step-0 evaluation, while the first rollouts generate
         async with run.generating():
             for lane in run.turns():  # multi-LoRA: the adapters in turn, each from its own buffer

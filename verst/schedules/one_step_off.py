@@ -11,11 +11,11 @@ import time
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.run import open_rl_run
+from verst.run import RunOpener, open_rl_run
 
 
-async def run_one_step_off(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
-    async with open_rl_run(cfg, restarts) as run:
+async def run_one_step_off(cfg: VerstConfig, restarts: int = 0, open_run: RunOpener = open_rl_run) -> dict[str, Any]:
+    async with open_run(cfg, restarts) as run:
         await run.begin()  # the step-0 evaluation, while the first rollouts generate
         last = cfg.rollout.num_rollouts
         if run.first_rollout < last:  # a run resumed at its end has none to make

@@ -10,11 +10,11 @@ import time
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.run import open_rl_run
+from verst.run import RunOpener, open_rl_run
 
 
-async def run_sync(cfg: VerstConfig, restarts: int = 0) -> dict[str, Any]:
-    async with open_rl_run(cfg, restarts) as run:
+async def run_sync(cfg: VerstConfig, restarts: int = 0, open_run: RunOpener = open_rl_run) -> dict[str, Any]:
+    async with open_run(cfg, restarts) as run:
         await run.begin()  # the step-0 evaluation, while the first rollouts generate
         for rollout_id, lane in run.rollout_turns():  # multi-LoRA: each adapter's batch k in turn
             start = time.perf_counter()
