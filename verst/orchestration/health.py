@@ -60,6 +60,7 @@ class EngineSupervisor:
         self._task: asyncio.Task | None = None
         self._failures = [0] * len(urls)
         self._recovering: dict[int, asyncio.Future] = {}  # the poller and check_now may both find an engine
+        self._recovered: dict[int, float] = {}  # engine -> when its last recovery ended (perf_counter)
 
     async def __aenter__(self) -> EngineSupervisor:
         self._task = asyncio.create_task(self._poll(), name="verst-engine-supervisor")
@@ -107,24 +108,39 @@ class EngineSupervisor:
         async with self.lock:
             pass  # a restart in progress finishes first
         async with httpx.AsyncClient() as http:
+            probed = time.perf_counter()
             for index, verdict in enumerate(await self._probe_all(http)):
-                if verdict == "dead":
+                if verdict == "dead" and self._recovered.get(index, 0.0) < probed:  # not replaced since the probe
                     await self._recover(index, "its server is not running")
 
     # ---- polling -------------------------------------------------------------------------------
     async def _poll(self) -> None:
+        """Recoveries run beside the polling: a restart waits for a weight push to release `lock`, and that
+        push may be waiting on a hung engine that only the next polls find."""
+        recoveries: set[asyncio.Future] = set()
+        try:
+            await self._polling(recoveries)
+        finally:
+            for recovery in recoveries:
+                recovery.cancel()  # a restart itself goes on (shielded): a push may wait for it
+
+    async def _polling(self, recoveries: set[asyncio.Future]) -> None:
         async with httpx.AsyncClient() as http:
-            while True:
+            while not any(r.done() and not r.result() for r in recoveries):  # a failed recovery stopped the run
+                recoveries -= {r for r in recoveries if r.done()}
                 await asyncio.sleep(self.fault.health_interval_s)
+                probed = time.perf_counter()
                 for index, verdict in enumerate(await self._probe_all(http)):
+                    if index in self._recovering or self._recovered.get(index, 0.0) > probed:
+                        self._failures[index] = 0  # being replaced, or replaced since this probe: its verdict is old
+                        continue
                     self._failures[index] = 0 if verdict == "ok" else self._failures[index] + 1
                     # a dead server is certain at once; an unanswered probe may be a busy moment
                     if verdict == "dead" or self._failures[index] >= self.fault.health_failures:
                         why = "its server is not running" if verdict == "dead" else \
                             f"{self._failures[index]} /health polls in a row went unanswered"
                         self._failures[index] = 0
-                        if not await self._recover(index, why):
-                            return
+                        recoveries.add(asyncio.ensure_future(self._recover(index, why)))
 
     async def _probe_all(self, http: httpx.AsyncClient) -> list[str]:
         timeout = max(5.0, self.fault.health_interval_s)
@@ -148,8 +164,12 @@ class EngineSupervisor:
         recovery = self._recovering.get(index)
         if recovery is None:
             recovery = self._recovering[index] = asyncio.ensure_future(self._restart_or_fail(index, why))
-            recovery.add_done_callback(lambda _: self._recovering.pop(index, None))
+            recovery.add_done_callback(lambda _: self._ended(index))
         return await asyncio.shield(recovery)
+
+    def _ended(self, index: int) -> None:
+        self._recovering.pop(index, None)
+        self._recovered[index] = time.perf_counter()
 
     async def _restart_or_fail(self, index: int, why: str) -> bool:
         if not self.fault.tolerate_engines:

@@ -51,7 +51,11 @@ class WeightPush:
         named = {"lora_path": adapter} if adapter is not None else {}  # multi-LoRA: the adapter the push carries
         if self.supervisor is None:
             return await self.syncer.sync(version, **named)
-        for retry in (False, True):  # once more after an engine that failed during the push was restarted
+        # Again after each failure that an engine restart followed: the push fails on an engine that died or
+        # hung during it, which is then replaced; a failure no restart follows (an engine that refuses the
+        # weights) is raised. Each engine can fail a push once per restart, so the attempts are bounded.
+        restarted = self.supervisor.restarts
+        while True:
             await self.supervisor.check_now()  # a dead engine is restarted before the push reaches it
             async with self.supervisor.lock:  # no push while an engine is being replaced
                 try:
@@ -59,10 +63,14 @@ class WeightPush:
                     await self.supervisor.admit_synced(version)  # engines restarted ahead of the others
                     return metrics
                 except WeightSyncError as error:
-                    if retry or not self.supervisor.restarts_engines:
+                    if not self.supervisor.restarts_engines:
                         raise
-                    log.warning("%s; pushing again once failed engines are restarted", error)
-        raise AssertionError("unreachable")
+                    failure = error
+            await self.supervisor.check_now()  # the engine that failed it is found and restarted
+            if self.supervisor.restarts == restarted:
+                raise failure
+            restarted = self.supervisor.restarts
+            log.warning("%s; pushing again now that failed engines are restarted", failure)
 
     async def push_adapters(self, version: int, lanes: list[Lane]) -> dict[str, float]:
         """Multi-LoRA: every adapter, each under its name, as `version` (start-up: 0, the engines' base
