@@ -44,6 +44,11 @@ CASES: dict[str, tuple[list[str], str]] = {
                                         r"schedule = 'fully_async' with cluster.placement = 'colocated' is refused"),
     "fully_async_calls_no_rollout_fn": (["--schedule", "fully_async", "--rollout.rollout-fn", "m:f"],
                                         r"rollout.rollout_fn = 'm:f' with schedule = 'fully_async' is refused"),
+    "staleness_admission_needs_a_limit": (["--rollout.admission", "staleness"],
+                                          r"rollout.admission = 'staleness' .* buffer.max_staleness = None"),
+    "staleness_admission_is_fully_async": (["--rollout.admission", "staleness", "--buffer.max-staleness", "2"],
+                                           r"rollout.admission = 'staleness' paces the fully async worker, and "
+                                           r"schedule = 'sync' runs none"),
     "restarts_need_checkpoints": (["--fault.max-restarts", "1"],
                                   r"fault.max_restarts = 1 .* checkpoint.interval = 0"),
     "mismatch_correction_needs_trainer_logprobs": (["--algorithm.mismatch-correction", "tis",

@@ -69,6 +69,11 @@ class RolloutConfig(Section):
     max_in_flight: int | None = Field(
         None, ge=1, description="Fully async: trajectories generating at once; default batch_size × n_samples_per_prompt."
     )
+    admission: Literal["auto", "staleness", "fill"] = Field(
+        "auto", description="Fully async: when a new group starts. fill: whenever max_in_flight has room; staleness: "
+        "also only while it would be taken within buffer.max_staleness (no group is generated only to be dropped as "
+        "stale); auto: staleness when buffer.max_staleness is set, else fill."
+    )
     return_partial_to_source: bool = Field(
         False, description="Return the prompts (not the partial output) of groups aborted at the end of a step to the source."
     )

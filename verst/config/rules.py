@@ -20,6 +20,7 @@ from verst.config.engine_flags import flag_argv
 from verst.config.inputs import ModelConfig, RewardConfig, RolloutConfig
 from verst.config.registries import ADVANTAGE_ESTIMATORS, ENGINE_KINDS, NO_CORRECTION, WEIGHT_TRANSPORTS
 from verst.config.runtime import (
+    BufferConfig,
     CheckpointConfig,
     ClusterConfig,
     EvalConfig,
@@ -93,6 +94,18 @@ def fully_async_calls_no_rollout_fn(schedule: str, rollout: RolloutConfig) -> No
             f"rollout.rollout_fn = {rollout.rollout_fn!r} with schedule = 'fully_async' is refused: the fully async "
             "worker generates and scores samples itself (rollout.generate_fn and [reward]) and never calls a rollout "
             "fn; use schedule = 'sync' or 'one_step_off'")
+
+
+def staleness_admission_needs_a_limit(rollout: RolloutConfig, buffer: BufferConfig) -> None:
+    if rollout.admission == "staleness" and buffer.max_staleness is None:
+        raise ValueError("rollout.admission = 'staleness' admits groups by the staleness limit, but "
+                         "buffer.max_staleness = None sets none; set buffer.max_staleness or rollout.admission = 'auto'")
+
+
+def staleness_admission_is_fully_async(schedule: str, rollout: RolloutConfig) -> None:
+    if rollout.admission == "staleness" and schedule != "fully_async":
+        raise ValueError(f"rollout.admission = 'staleness' paces the fully async worker, and schedule = {schedule!r} "
+                         "runs none; use schedule = 'fully_async' or rollout.admission = 'auto'")
 
 
 def restarts_need_checkpoints(fault: FaultConfig, checkpoint: CheckpointConfig) -> None:
@@ -361,7 +374,8 @@ def every_adapter_is_a_valid_run(config: Section) -> None:
 RULES: tuple[Callable[..., None], ...] = (
     rollout_divides_into_train_steps, train_steps_take_whole_groups, train_steps_split_across_ranks,
     over_sampling_covers_the_batch, in_flight_holds_a_group, context_leaves_room_for_a_prompt,
-    fully_async_needs_disaggregated, fully_async_calls_no_rollout_fn, restarts_need_checkpoints,
+    fully_async_needs_disaggregated, fully_async_calls_no_rollout_fn, staleness_admission_needs_a_limit,
+    staleness_admission_is_fully_async, restarts_need_checkpoints,
     mismatch_correction_needs_trainer_logprobs, mismatch_fn_replaces_the_correction,
     importance_weighted_kl_needs_a_kl_loss, kl_penalty_needs_a_token_level_estimator, something_to_train_on,
     mismatch_band_is_ordered, critic_settings_need_a_critic, distillation_needs_a_teacher,

@@ -24,6 +24,8 @@ from verst.rollout import (
     sample_metrics,
     worker_hooks,
 )
+from verst.rollout.admission import StalenessGate
+from verst.rollout.buffer import DiscardReason, OnDiscard
 from verst.rollout.manager import RolloutEndpoints, RolloutParts
 from verst.rollout.teacher import TeacherScorer
 from verst.types import Group
@@ -73,14 +75,35 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
         parts.record_batch = functools.partial(record_samples, cfg.run_dir, cfg.logging.sample_groups_per_step, ahead)
     if cfg.schedule == "fully_async":
         plan = batch_plan(cfg)
-        on_discard = discard_handler(cfg.buffer.unused, source.return_prompts)
+        gate = admission_gate(cfg)
+        on_discard = counted(discard_handler(cfg.buffer.unused, source.return_prompts), gate)
         parts.buffer = build_buffer(cfg.buffer, plan.buffer_capacity_groups, on_discard, group_filter=ctx.group_filter)
         hooks = worker_hooks(ctx)
         parts.worker = AsyncRolloutWorker.from_config(
             cfg.rollout, source, parts.buffer, generate_sample=hooks.generate_sample, finish_group=hooks.finish_group,
-            on_leftover=source.return_prompts if cfg.buffer.unused == "return" else None,
+            on_leftover=source.return_prompts if cfg.buffer.unused == "return" else None, admission=gate,
         )
     return parts
+
+
+def admission_gate(cfg: VerstConfig) -> StalenessGate | None:
+    """`rollout.admission` resolved: a staleness gate (staleness, or auto with buffer.max_staleness), or None."""
+    staleness = cfg.buffer.max_staleness
+    if cfg.rollout.admission == "fill" or staleness is None:
+        return None
+    return StalenessGate(batch_plan(cfg).groups_per_train_step, staleness, served_lag=cfg.sync.interval - 1)
+
+
+def counted(on_discard: OnDiscard, gate: StalenessGate | None) -> OnDiscard:
+    """`on_discard`, telling the gate of each discarded group."""
+    if gate is None:
+        return on_discard
+
+    def count(group: Group, reason: DiscardReason) -> None:
+        gate.count_discard(reason)
+        on_discard(group, reason)
+
+    return count
 
 
 def batch_metrics(groups: list[Group], key: str | None) -> dict[str, float]:

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Literal, Protocol
 
 from verst.config import RolloutConfig
+from verst.rollout.admission import StalenessGate
 from verst.rollout.buffer import DataBuffer
 from verst.types import Group, Sample, Status
 
@@ -67,6 +68,7 @@ class AsyncRolloutWorker:
         generate_group: GenerateGroup | None = None,
         finish_group: FinishGroup | None = None,
         on_leftover: Callable[[Group], None] | None = None,
+        admission: StalenessGate | None = None,
     ):
         if (generate_sample is None) == (generate_group is None):
             raise ValueError("AsyncRolloutWorker: give exactly one of generate_sample or generate_group")
@@ -83,6 +85,7 @@ class AsyncRolloutWorker:
         self.n, self.max_in_flight, self.granularity = n_samples_per_prompt, max_in_flight, granularity
         self._generate_sample, self._generate_group = generate_sample, generate_group
         self._finish_group, self._on_leftover = finish_group, on_leftover
+        self._admission = admission
         self._flights: list[_Flight] = []  # started, not yet handed to the buffer
         self._finished: list[_Flight] = []  # generated, waiting for buffer.put
         self._reserved = 0  # places taken under the replacement rule
@@ -142,6 +145,9 @@ class AsyncRolloutWorker:
         self.check()
         if self._task is None or self._task.done():
             raise RuntimeError("AsyncRolloutWorker.take: the worker is not running (use buffer.take to drain)")
+        if self._admission is not None:
+            self._admission.observe_take(current_version)
+            self._wake.set()  # a newer version: more groups may start
         taking = asyncio.ensure_future(self._buffer.take(n, current_version, timeout))
         try:
             await asyncio.wait({taking, self._task}, return_when=asyncio.FIRST_COMPLETED)
@@ -152,6 +158,7 @@ class AsyncRolloutWorker:
         if taking.cancelled():
             self.check()
             raise RuntimeError("rollout worker ended while the trainer waited for groups")
+        self._wake.set()  # room in the buffer, and (admission) a newer version to count from
         return taking.result()
 
     async def stop(self) -> list[Group]:
@@ -213,7 +220,7 @@ class AsyncRolloutWorker:
             "rollout/groups_produced_total": float(self._groups_produced),
             "rollout/samples_produced_total": float(self._samples_produced),
             "rollout/generate_errors_total": float(self._generate_errors),
-        }
+        } | (self._admission.metrics() if self._admission is not None else {})
 
     # ---- the loop ------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -224,15 +231,21 @@ class AsyncRolloutWorker:
                 await self._buffer.put(flight.group)
                 self._finished.pop(0)
                 self._flights.remove(flight)
+                if self._admission is not None:
+                    self._admission.observe_group(flight.group)
                 self._groups_produced += 1
                 self._samples_produced += len(flight.group)
                 self._tokens_in_window += sum(s.response_length for s in flight.group)
             self.check()
             if self._resumed.is_set():
-                while self._reserved + self.n <= self.max_in_flight:
+                while self._reserved + self.n <= self.max_in_flight and self._admits():
                     self._launch()
             await self._wake.wait()
             self._wake.clear()
+
+    def _admits(self) -> bool:
+        """Staleness-aware admission (when given): the group would be taken within the staleness limit."""
+        return self._admission is None or self._admission.admits(len(self._flights))
 
     def _launch(self) -> None:
         groups = self._source.next_groups(1, self.n)
