@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,14 +25,11 @@ from verst.inference_client.replies import (  # what callers of the client catch
     error_message,
     json_or_raise,
 )
+from verst.inference_client.wire import AiohttpWire, HttpxWire, WireError, WireName, WireTimeout
 
 __all__ = ["EngineClient", "EngineError", "GenerateResult", "RoutingKeyError", "Timeouts", "engine_went_away"]
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-# httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
-# concurrent generations (seconds of client CPU for 256); generations are therefore spread over several
-# pools of at most this many connections each.
-CONNECTIONS_PER_POOL = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +58,7 @@ class EngineClient:
         self, base_url: str, *, timeouts: Timeouts | None = None, affinity: bool = False,
         max_connections: int = 1024, get_retries: int = 3, transport: httpx.AsyncBaseTransport | None = None,
         max_batch: int = 1, generate_retries: int = 0, retry_backoff_s: float = 1.0, lora_path: str | None = None,
+        wire: WireName | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.lora_path = lora_path
@@ -69,25 +66,16 @@ class EngineClient:
         self.timeouts = timeouts or Timeouts()
         self.affinity = affinity
         self.get_retries = get_retries
-        self._transport = transport
-        self._per_pool = min(max_connections, CONNECTIONS_PER_POOL)
-        self._pools: list[httpx.AsyncClient | None] = [None] * max(1, -(-max_connections // CONNECTIONS_PER_POOL))
-        # one TLS context for all pools (loading the CA bundle costs ~0.1 s); none needed for plain http
-        self._ssl = httpx.create_ssl_context() if self.base_url.startswith("https") else False
-        self._next_pool = itertools.cycle(range(len(self._pools)))
-        self._http = self._pool(0)  # control calls and GETs
+        wire = wire or ("httpx" if transport is not None else "aiohttp")
+        if wire == "aiohttp" and transport is not None:
+            raise ValueError("EngineClient: an httpx transport needs wire='httpx'")
+        # streamed generations always go through httpx (their pools are made at first use)
+        self._streams = HttpxWire(self.base_url, max_connections, self.timeouts.connect, self.timeouts.control,
+                                  transport)
+        self._wire: AiohttpWire | HttpxWire = self._streams if wire == "httpx" else \
+            AiohttpWire(self.base_url, max_connections, self.timeouts.connect)
         # max_batch > 1: generate calls made together share batched /generate requests (SGLang's list form)
         self._batcher = RequestBatcher(self._send_generate, max_batch) if max_batch > 1 else None
-
-    def _pool(self, index: int) -> httpx.AsyncClient:
-        pool = self._pools[index]
-        if pool is None:
-            pool = self._pools[index] = httpx.AsyncClient(
-                base_url=self.base_url, transport=self._transport, verify=self._ssl,
-                timeout=httpx.Timeout(self.timeouts.control, connect=self.timeouts.connect),
-                limits=httpx.Limits(max_connections=self._per_pool, max_keepalive_connections=self._per_pool),
-            )
-        return pool
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -96,7 +84,9 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
-        await asyncio.gather(*(pool.aclose() for pool in self._pools if pool is not None))
+        if self._wire is not self._streams:
+            await self._wire.close()
+        await self._streams.close()
 
     # ---- generation ----------------------------------------------------------------------------------
     async def generate(
@@ -159,7 +149,7 @@ class EngineClient:
         ids: list[int] = []
         logprobs: list[list[Any]] = []
         try:
-            async with self._pool(next(self._next_pool)).stream(
+            async with self._streams.pool().stream(
                     "POST", "/generate", json=body, headers=headers, timeout=self.timeouts.generate) as response:
                 if response.status_code >= 400:
                     await response.aread()
@@ -228,9 +218,8 @@ class EngineClient:
 
     async def _send_generate(self, body: dict[str, Any], headers: dict[str, str] | None) -> Any:
         for attempt in range(self.generate_retries + 1):
-            pool = self._pool(next(self._next_pool))
             try:
-                return await self._post("/generate", body, self.timeouts.generate, headers=headers, pool=pool)
+                return await self._post("/generate", body, self.timeouts.generate, headers=headers, spread=True)
             except EngineError as error:
                 if attempt == self.generate_retries or not engine_went_away(error):
                     raise
@@ -323,26 +312,28 @@ class EngineClient:
 
     # ---- transport ---------------------------------------------------------------------------------------
     async def _post(
-        self, path: str, body: dict[str, Any], timeout: float, headers: dict | None = None,
-        pool: httpx.AsyncClient | None = None,
+        self, path: str, body: dict[str, Any], timeout: float, headers: dict | None = None, spread: bool = False,
     ) -> Any:
-        """POSTs are never retried: generation and control calls are not idempotent in general."""
+        """POSTs are never retried: generation and control calls are not idempotent in general. `spread`:
+        a generation (httpx: from the next pool in turn)."""
         try:
-            response = await (pool or self._http).post(path, json=body, headers=headers, timeout=timeout)
-        except httpx.TimeoutException as exc:
-            message = f"timed out after {timeout:g}s ({type(exc).__name__})"
-            raise EngineError(self.base_url + path, None, message) from exc
-        except httpx.TransportError as exc:
-            raise EngineError(self.base_url + path, None, f"{type(exc).__name__}: {exc}") from exc
+            if spread and isinstance(self._wire, HttpxWire):
+                response = await self._wire.request("POST", path, body, timeout, headers, spread=True)
+            else:
+                response = await self._wire.request("POST", path, body, timeout, headers)
+        except (WireTimeout, WireError) as exc:
+            raise EngineError(self.base_url + path, None, str(exc)) from exc
         return json_or_raise(response, self.base_url + path)
 
     async def _get(self, path: str) -> Any:
         delay, last = 0.2, None
         for attempt in range(self.get_retries + 1):
             try:
-                response = await self._http.get(path, timeout=self.timeouts.control)
-            except httpx.TransportError as exc:
-                last = EngineError(self.base_url + path, None, f"{type(exc).__name__}: {exc}")
+                response = await self._wire.request("GET", path, None, self.timeouts.control)
+            except WireError as exc:
+                last = EngineError(self.base_url + path, None, str(exc))
+            except WireTimeout as exc:  # a GET answered late is retried like one not answered
+                last = EngineError(self.base_url + path, None, str(exc))
             else:
                 if response.status_code not in (502, 503, 504):
                     return json_or_raise(response, self.base_url + path)
@@ -354,7 +345,7 @@ class EngineClient:
 
     async def _probe(self, path: str) -> bool:
         try:
-            response = await self._http.get(path, timeout=self.timeouts.control)
-        except httpx.TransportError:
+            response = await self._wire.request("GET", path, None, self.timeouts.control)
+        except (WireTimeout, WireError):
             return False
         return response.status_code == 200
