@@ -10,7 +10,6 @@ docs/scale.md names the figures each input comes from.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,14 +76,12 @@ class EngineCosts:
         return int(max(free, 0.0) * self.kv_memory_fraction / self.model.kv_bytes_per_token)
 
     def weight_bytes_read(self, batch: int) -> float:
-        """Weight bytes one decode step reads: the dense part always; of a mixture of experts, the experts
-        the batch's tokens route to (each token picks experts independently: 1 − e^(−batch·active/total))."""
+        """Weight bytes one decode step reads. Each token reads the share active/total of the weights; of a
+        mixture of experts the batch's tokens read the union of theirs, as if each drew its share
+        independently: total · (1 − (1 − active/total)^batch) (a dense model: all of them)."""
         m = self.model
-        expert = m.total_params - m.active_params
-        if expert <= 0:
-            return m.weight_bytes
-        touched = 1.0 - math.exp(-batch * m.active_params / m.total_params)
-        return (m.active_params + expert * touched) * m.bytes_per_param
+        share = m.active_params / m.total_params
+        return m.weight_bytes * (1.0 - (1.0 - share) ** batch) if share < 1.0 else m.weight_bytes
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """One decode step of `batch` sequences holding `context_tokens` tokens of KV in all."""

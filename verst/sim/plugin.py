@@ -1,23 +1,9 @@
-"""Registers the simulation's engine kind and weight transport (`cluster.engine = "sim"`, `sync.transport =
-"sim"`); `verst sim` lists this module in the run's `plugins`. A run of another command may list it too: its
-engines are then simulated ones, one server each (`python -m verst.sim.serve`)."""
+"""The plug-in that registers the simulation's engine kind and weight transport (`verst.sim.kinds`); `verst sim`
+lists it in the run's `plugins`. A run of another command may list it too: its engines are then simulated
+ones, one server each (`python -m verst.sim.serve`)."""
 
 from __future__ import annotations
 
-from verst.config.registries import ENGINE_KINDS, WEIGHT_TRANSPORTS, EngineEntry, TransportEntry
-
-
-def register() -> None:
-    """Add both names (once; a second call finds them)."""
-    if "sim" not in ENGINE_KINDS:
-        ENGINE_KINDS.add("sim", EngineEntry(
-            "verst.sim.serve:SIM", "a simulated engine (continuous batching in simulated time; docs/scale.md)",
-            transports=("sim",), transport_note="a simulated engine receives declared weights only "
-            "(sync.transport = 'sim')"))
-    if "sim" not in WEIGHT_TRANSPORTS:
-        WEIGHT_TRANSPORTS.add("sim", TransportEntry(
-            "verst.sim.transport:SimTransport", "the distributed transport's requests, each engine charging the "
-            "bytes over its link (simulated engines)"))
-
+from verst.sim.kinds import register
 
 register()

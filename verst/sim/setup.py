@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from verst.config import ConfigError, VerstConfig
 from verst.monitor.run_dir import run_dir_of
-from verst.sim import plugin
 from verst.sim.config import SimConfig
 from verst.sim.fleet import FleetSpec
+from verst.sim.kinds import register
 from verst.sim.serve import vocab_size
 
 PLUGIN = "verst.sim.plugin"
@@ -36,7 +36,7 @@ def simulated_config(cfg: VerstConfig, sim: SimConfig) -> VerstConfig:
     """`cfg` with simulated engines and transport, the simulated data set (RUN/sim_data, written when the run
     starts), its reward, and with `sim.agent_turns` the simulated agent through the session server."""
     check_simulable(cfg)
-    plugin.register()
+    register()
     if sim.agent_turns and cfg.rollout.generate_fn not in (None, AGENTIC_GENERATE_FN):
         raise ConfigError(f"verst sim: sim.agent_turns = {sim.agent_turns} runs the agentic generate fn, but "
                           f"rollout.generate_fn = {cfg.rollout.generate_fn!r}; unset it")

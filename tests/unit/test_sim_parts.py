@@ -1,0 +1,63 @@
+"""The simulation's bookkeeping: the ledger that accounts for every served group, the fault plan, the settings a
+simulated run refuses, and the config it makes."""
+
+import pytest
+
+from verst.config import ConfigError, load_config
+from verst.sim.accounting import Ledger
+from verst.sim.config import SimConfig
+from verst.sim.faults import fault_plan
+from verst.sim.setup import simulated_config
+from verst.types import Sample
+
+
+def group(index):
+    return [Sample(group_index=index, index=index * 2 + i, metadata={"data_index": index}) for i in range(2)]
+
+
+def test_the_ledger_accounts_for_every_group_and_names_what_does_not_add_up():
+    ledger = Ledger()
+    ledger.serve([group(i) for i in range(6)])
+    ledger.train([group(0), group(1)])
+    ledger.discard(group(2), "filtered")
+    ledger.discard(group(3), "stale")
+    ledger.give_back(group(4))  # its prompt served again
+    report = ledger.report(queued=[], dropped_in_steps=0, unfinished=1)  # group 5 was generating at the end
+    assert report["problems"] == []
+    assert (report["trained"], report["discarded"], report["returned"]) == (2, {"filtered": 1, "stale": 1}, 1)
+    ledger.train([group(1)])
+    assert ledger.report(queued=[], dropped_in_steps=0, unfinished=1)["problems"] == [
+        "groups trained more than once: [1]"]
+    lost = Ledger()
+    lost.serve([group(0), group(1)])
+    lost.train([group(0)])
+    assert "1 served groups are neither trained" in lost.report(queued=[], dropped_in_steps=0, unfinished=0)[
+        "problems"][0]
+
+
+def test_the_fault_plan_is_disjoint_and_the_same_every_run():
+    sim = SimConfig(kill_fraction=0.05, stall_fraction=0.01, slow_fraction=0.02)
+    plan = fault_plan(sim, 1024)
+    assert {kind: len(engines) for kind, engines in plan.items()} == {"die": 51, "stall": 10, "slow": 20,
+                                                                      "refuse_loads": 0}
+    chosen = [e for engines in plan.values() for e in engines]
+    assert len(chosen) == len(set(chosen)) and plan == fault_plan(sim, 1024)
+
+
+def test_a_simulated_run_refuses_the_parts_it_does_not_simulate_by_field(registries_restored):
+    for overrides, field in ((["--lora.enabled", "true"], "lora.enabled"),
+                             (["--sync.check-weights", "true"], "sync.check_weights"),
+                             (["--buffer.path", "m:f"], "buffer.path")):
+        with pytest.raises(ConfigError, match=field):
+            simulated_config(load_config(None, overrides), SimConfig())
+
+
+def test_the_simulated_config_names_the_simulated_parts(tmp_path, registries_restored):
+    cfg = simulated_config(load_config(None, ["--run-dir", str(tmp_path / "run"), "--schedule", "fully_async"]),
+                           SimConfig(agent_turns=3))
+    assert (cfg.cluster.engine, cfg.sync.transport) == ("sim", "sim")
+    assert cfg.plugins == ["verst.sim.plugin"]
+    assert cfg.data.train_path == str(tmp_path / "run" / "sim_data" / "train.jsonl")
+    assert (cfg.rollout.generate_fn, cfg.rollout.agent_fn) == ("verst.rollout.agentic:generate",
+                                                              "verst.sim.workload:agent")
+    assert cfg.buffer.path == "verst.sim.accounting:AccountedBuffer"
