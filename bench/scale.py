@@ -4,11 +4,14 @@
             (`before`: the client at main before this work; `httpx`, `aiohttp`: today's wires)
     run     a `verst sim` run at N engines and K trajectories in flight per engine: control-plane CPU per trajectory
             (per agentic turn with --turns), engine utilisation, weight pushes, driver memory, accounting
+    sync    one weight push at a time fanned out to N simulated engines by the real syncer: wall seconds beyond
+            the modelled transfer
 
 Every figure comes with the machine's load average; repeat runs (--repeats) give the spread.
 
     .venv/bin/python bench/scale.py client [--engines 1024] [--requests 20000] [--concurrency 1000] [--repeats 3]
     .venv/bin/python bench/scale.py run --engines 64 --in-flight 64 [--turns 0] [--schedule fully_async] ...
+    .venv/bin/python bench/scale.py sync --engines 1024 [--total-params 8e9] [--bucket-bytes 536870912]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._scale_client import run_client_probe  # noqa: E402
+from bench._scale_run import run_once, run_sync_fanout  # noqa: E402
 
 
 def spread(values: list[float]) -> str:
@@ -46,6 +50,36 @@ def client(args: argparse.Namespace) -> dict:
     return out
 
 
+def run(args: argparse.Namespace) -> dict:
+    results = [run_once(args, repeat) for repeat in range(args.repeats)]
+    keys = ("control_ms_per_trajectory", "control_ms_per_request", "engine_busy_fraction", "engine_mean_batch",
+            "stale_share", "wall_s")
+    print(f"{args.engines} engines x {args.in_flight} in flight, {args.turns} agentic turns, speed-up {args.speedup} "
+          f"(median [min-max] of {args.repeats})")
+    for key in keys:
+        print(f"  {key:28} {spread([r[key] for r in results])}")
+    for part in ("driver", "rollout_manager", "router", "weight_sync", "fleet"):
+        print(f"  cpu ms/request {part:13} {spread([r['cpu_ms_per_request'].get(part, 0.0) for r in results])}")
+    sync = [r["sync"] for r in results if r["sync"]]
+    if sync:
+        print(f"  sync overhead s (median)     {spread([s['overhead_median_s'] for s in sync])}")
+    print(f"  driver RSS peak MB           {spread([r['driver_rss_bytes']['peak'] / 2**20 for r in results])}")
+    print(f"  load average                 {[r['load_average'] for r in results]}")
+    print(f"  accounting problems          {[r['accounting']['problems'] for r in results]}")
+    return {"args": vars(args), "results": results}
+
+
+def sync(args: argparse.Namespace) -> dict:
+    out = run_sync_fanout(args.engines, args.total_params, args.bucket_bytes, args.pushes, args.speedup,
+                          args.fleet_processes)
+    rows = out["pushes"][1:]  # the first push opens every connection
+    print(f"weight push to {args.engines} engines, {args.total_params:.3g} parameters in "
+          f"{out['pushes'][0]['buckets']:.0f} buckets (median [min-max] of {len(rows)})")
+    for key in ("seconds", "modelled_s", "overhead_s", "syncer_cpu_s", "fleet_cpu_s", "load_average"):
+        print(f"  {key:14} {spread([r[key] for r in rows])}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,8 +91,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=["before", "httpx", "aiohttp"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out")
+    p = sub.add_parser("run")
+    p.add_argument("--engines", type=int, default=64)
+    p.add_argument("--in-flight", type=int, default=64, help="trajectories in flight per engine")
+    p.add_argument("--turns", type=int, default=0, help="agentic turns per trajectory (0: single-turn)")
+    p.add_argument("--env-seconds", type=float, default=5.0)
+    p.add_argument("--schedule", default="fully_async")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps-per-flight", type=int, default=4, help="the in-flight trajectories feed this many steps")
+    p.add_argument("--reply-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--trainer-gpus", type=int, default=64)
+    p.add_argument("--fleet-processes", type=int, default=1)
+    p.add_argument("--kill", type=float, default=0.0)
+    p.add_argument("--stall", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--work-dir")
+    p.add_argument("--out")
+    p = sub.add_parser("sync")
+    p.add_argument("--engines", type=int, default=1024)
+    p.add_argument("--total-params", type=float, default=8e9)
+    p.add_argument("--bucket-bytes", type=int, default=512 * 2**20)
+    p.add_argument("--pushes", type=int, default=4)
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--fleet-processes", type=int, default=1)
+    p.add_argument("--out")
     args = parser.parse_args(argv)
-    result = {"client": client}[args.command](args)
+    result = {"client": client, "run": run, "sync": sync}[args.command](args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -88,15 +88,12 @@ def test_the_idle_meter_leaves_out_an_engine_that_does_not_answer():
         fleet = EngineFleet(["http://a", "http://b"])
         busy = iter([(1.0, 2.0), (2.0, 4.0)])
 
-        async def answers():
+        async def replies(call):  # the fan-out's replies: engine b refuses every connection
             b, up = next(busy)
-            return {"busy_seconds": b, "uptime_seconds": up}
+            return {"http://a": {"busy_seconds": b, "uptime_seconds": up},
+                    "http://b": EngineError("http://b/get_server_info", None, "ConnectError: refused")}
 
-        async def gone():
-            raise EngineError("http://b/get_server_info", None, "ConnectError: refused")
-
-        fleet.clients["http://a"].get_server_info = answers
-        fleet.clients["http://b"].get_server_info = gone
+        fleet.same_settled = replies
         meter = IdleMeter(fleet)
         assert await meter.read() is None  # the baseline
         assert await meter.read() == 0.5

@@ -1,6 +1,8 @@
 """Fan-out to every engine directly: sglang-router has no weight-update, pause or abort routes.
 
-Each call goes to all engines at once and fails loudly, naming every engine that failed and why.
+Each call goes to all engines at once and fails loudly, naming every engine that failed and why. A call whose
+request is the same for every engine (pause, continue, flush, the weight loads) is made once by a client and
+sent to all through `HttpFanout`: a weight push makes one per engine and bucket.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from verst.inference_client.client import EngineClient, Timeouts
+from verst.inference_client.fanout import HttpFanout
+from verst.inference_client.replies import EngineError, json_or_raise
 
 T = TypeVar("T")
 
@@ -29,6 +33,8 @@ class EngineFleet:
             raise ValueError("EngineFleet needs at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.clients = {url: EngineClient(url, timeouts=timeouts) for url in self.urls}
+        self.fanout = HttpFanout(self.urls, (timeouts or Timeouts()).connect)
+        self._capture = _RequestCapture(self.urls[0], timeouts=timeouts)
 
     async def __aenter__(self) -> EngineFleet:
         return self
@@ -37,7 +43,7 @@ class EngineFleet:
         await self.close()
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients.values()))
+        await asyncio.gather(*(c.close() for c in self.clients.values()), self.fanout.close())
 
     async def each(self, action: str, fn: Callable[[EngineClient], Awaitable[T]]) -> dict[str, T]:
         """Run `fn` against every engine concurrently; results by URL, or FleetError naming the failures."""
@@ -47,24 +53,51 @@ class EngineFleet:
             raise FleetError(action, failures)
         return dict(zip(self.urls, results))  # type: ignore[arg-type]
 
+    async def same(self, action: str, fn: Callable[[EngineClient], Awaitable[Any]]) -> dict[str, Any]:
+        """The request `fn(client)` makes, sent to every engine at once (`HttpFanout`); each engine's JSON reply
+        by URL, or FleetError naming the failures, as `each`."""
+        results = await self.same_settled(fn)
+        failures = {url: r for url, r in results.items() if isinstance(r, EngineError)}
+        if failures:
+            raise FleetError(action, failures)
+        return results
+
+    async def same_settled(self, fn: Callable[[EngineClient], Awaitable[Any]]) -> dict[str, Any]:
+        """`same`, with each engine's `EngineError` in place of its reply instead of raising."""
+        try:
+            await fn(self._capture)
+            raise AssertionError("the call made no request")
+        except _Captured as request:
+            method, path, body, timeout = request.args
+        replies = await self.fanout.call_all(method, path, body, timeout)
+        results: dict[str, Any] = {}
+        for url, reply in replies.items():
+            try:
+                if isinstance(reply, BaseException):
+                    raise EngineError(url + path, None, str(reply)) from reply
+                results[url] = json_or_raise(reply, url + path)
+            except EngineError as error:
+                results[url] = error
+        return results
+
     async def pause(self, mode: str = "retract") -> dict[str, Any]:
-        return await self.each(f"pause_generation({mode})", lambda c: c.pause(mode))
+        return await self.same(f"pause_generation({mode})", lambda c: c.pause(mode))
 
     async def continue_generation(self) -> dict[str, Any]:
-        return await self.each("continue_generation", lambda c: c.continue_generation())
+        return await self.same("continue_generation", lambda c: c.continue_generation())
 
     async def abort_all(self) -> dict[str, Any]:
-        return await self.each("abort_all", lambda c: c.abort_all())
+        return await self.same("abort_all", lambda c: c.abort_all())
 
     async def flush_cache(self) -> dict[str, Any]:
-        return await self.each("flush_cache", lambda c: c.flush_cache())
+        return await self.same("flush_cache", lambda c: c.flush_cache())
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict[str, Any]:
-        return await self.each("update_weights_from_disk",
+        return await self.same("update_weights_from_disk",
                                lambda c: c.update_weights_from_disk(model_path, weight_version))
 
     async def update_weights_from_tensor(self, manifest: str, weight_version: str, **adapter: Any) -> dict[str, Any]:
-        return await self.each("update_weights_from_tensor",
+        return await self.same("update_weights_from_tensor",
                                lambda c: c.update_weights_from_tensor(manifest, weight_version, **adapter))
 
     async def init_weights_update_group(
@@ -81,11 +114,11 @@ class EngineFleet:
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: str,
         group_name: str = "weight_update_group", **adapter: Any,
     ) -> dict[str, Any]:
-        return await self.each("update_weights_from_distributed", lambda c: c.update_weights_from_distributed(
+        return await self.same("update_weights_from_distributed", lambda c: c.update_weights_from_distributed(
             names, dtypes, shapes, weight_version, group_name, **adapter))
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, update_in_flight: bool = False) -> dict[str, Any]:
-        return await self.each(f"load_lora_adapter({lora_name!r})",
+        return await self.same(f"load_lora_adapter({lora_name!r})",
                                lambda c: c.load_lora_adapter(lora_name, lora_path, update_in_flight))
 
     async def weight_versions(self) -> dict[str, str]:
@@ -93,6 +126,21 @@ class EngineFleet:
 
     async def health(self) -> dict[str, bool]:
         return await self.each("health", lambda c: c.health())
+
+
+class _Captured(Exception):
+    """The request a client call would make: (method, path, body, timeout)."""
+
+
+class _RequestCapture(EngineClient):
+    """A client whose calls make no request but say which they would make (`EngineFleet.same`)."""
+
+    async def _post(self, path: str, body: dict[str, Any], timeout: float, headers: dict | None = None,
+                    spread: bool = False) -> Any:
+        raise _Captured("POST", path, body, timeout)
+
+    async def _get(self, path: str) -> Any:
+        raise _Captured("GET", path, None, self.timeouts.control)
 
 
 class IdleMeter:
@@ -108,10 +156,9 @@ class IdleMeter:
         self._last: dict[str, tuple[float, float]] = {}  # url -> (busy_seconds, uptime_seconds)
 
     async def read(self) -> float | None:
-        replies = await asyncio.gather(*(c.get_server_info() for c in self.fleet.clients.values()),
-                                       return_exceptions=True)
+        replies = await self.fleet.same_settled(lambda c: c.get_server_info())
         fractions = []
-        for url, info in zip(self.fleet.urls, replies):
+        for url, info in replies.items():
             if isinstance(info, BaseException) or "busy_seconds" not in info or "uptime_seconds" not in info:
                 continue
             now = (float(info["busy_seconds"]), float(info["uptime_seconds"]))

@@ -62,8 +62,8 @@ class AiohttpWire:
         if self._session is None or self._loop is not loop or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, ttl_dns_cache=None,
                                              enable_cleanup_closed=False)
-            self._session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",),
-                                                  auto_decompress=False)
+            # no skip_auto_headers: naming any sorts them on every request
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
             self._loop = loop
         return self._session
 

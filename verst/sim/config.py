@@ -54,6 +54,7 @@ class SimConfig(Section):
     slow_factor: float = Field(3.0, ge=1, description="How much slower a slowed engine's steps and loads are.")
     refuse_load_fraction: float = Field(0.0, ge=0, le=1, description="Share of the engines that refuse weight loads.")
     fault_after_steps: int = Field(2, ge=0, description="Train steps after which the faults strike.")
+    warmup_steps: int = Field(0, ge=0, description="Train steps before scale.json's measurement window opens.")
 
     def model(self) -> ModelShape:
         return ModelShape(self.total_params, self.active_params, self.kv_bytes_per_token, self.bytes_per_param)

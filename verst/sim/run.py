@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from verst.sim.workload import write_data
 
 log = logging.getLogger(__name__)
 SCALE_FILE = "scale.json"
+RSS_PERIOD_S = 0.5
 
 
 @contextlib.asynccontextmanager
@@ -75,8 +76,8 @@ async def open_sim_run(cfg: VerstConfig, restarts: int = 0, *, sim: SimConfig) -
                 try:
                     await run.push_all()
                     await run.monitor.engine_idle()
-                    async with supervisor, FaultInjector(sim, engines, lambda: run.version) as faults:
-                        recorder.begin()
+                    async with supervisor, FaultInjector(sim, engines, lambda: run.version) as faults, \
+                            recorder.window(lambda: run.version):
                         with run.monitor.progress:
                             yield run
                         recorder.end(faults, supervisor)
@@ -131,16 +132,40 @@ class ScaleRecorder:
         return CpuMeter({k: v for k, v in threads.items() if v}, {"router": [router] if router else [],
                                                                   "fleet": self.engines.pids})
 
+    @contextlib.asynccontextmanager
+    async def window(self, version: Callable[[], int]) -> AsyncIterator[None]:
+        """The measurement opens once the trainer has taken `sim.warmup_steps` steps."""
+        async def open_after_warmup() -> None:
+            while version() < self.sim.warmup_steps:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(self.begin)
+            while True:  # the driver's peak memory in the window
+                self.rss_peak = max(self.rss_peak, rss_bytes(os.getpid()))
+                await asyncio.sleep(RSS_PERIOD_S)
+
+        opening = asyncio.create_task(open_after_warmup())
+        try:
+            yield
+        finally:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+
     def begin(self) -> None:
         self.cpu_start, self.engines_start = self._meter().mark(), self.engines.stats()
+        self.rss_start = self.rss_peak = rss_bytes(os.getpid())
 
     def end(self, faults: FaultInjector, supervisor: EngineSupervisor) -> None:
+        if not hasattr(self, "cpu_start"):  # the run ended within its warm-up
+            raise RuntimeError(f"sim.warmup_steps = {self.sim.warmup_steps} is not below the run's steps: nothing "
+                               "was measured")
         end = self._meter().mark()
         self.result = {"cpu_s": CpuMeter.between(self.cpu_start, end),
                        "load_average": [self.cpu_start.load, end.load],
                        "engines": engine_window(self.engines_start, self.engines.stats()),
                        "faults": {**faults.summary(), "engine_restarts": supervisor.restarts},
-                       "driver_rss_bytes": rss_bytes(os.getpid()), "train_step_sim_s": list(self.trainer.step_seconds)}
+                       "driver_rss_bytes": {"start": self.rss_start, "peak": self.rss_peak,
+                                            "end": rss_bytes(os.getpid())},
+                       "train_step_sim_s": list(self.trainer.step_seconds)}
         self.ended = True
 
     def write(self, run_dir: Path, unfinished: int) -> dict[str, Any]:
