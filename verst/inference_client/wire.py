@@ -19,6 +19,7 @@ JSON_HEADERS = {"content-type": "application/json"}
 # httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
 # concurrent generations: httpx requests are spread over several pools of at most this many connections.
 CONNECTIONS_PER_POOL = 32
+SWEPT_FROM_S, SWEEP_S = 30.0, 1.0  # aiohttp: requests allowed this long are timed out by a sweep this often
 
 
 class WireTimeout(Exception):
@@ -50,12 +51,19 @@ class Reply:
 
 
 class AiohttpWire:
-    """One aiohttp session per event loop (made at the first request in it), `max_connections` at most."""
+    """One aiohttp session per event loop (made at the first request in it), `max_connections` at most.
+
+    A request allowed `SWEPT_FROM_S` or more (a generation) gets no timer of its own: one sweep a second ends
+    those past their deadline. Thousands of generations in flight would otherwise keep as many timers in the
+    loop's heap, each pushed and popped through Python-level comparisons."""
 
     def __init__(self, base_url: str, max_connections: int, connect_timeout_s: float):
         self.base_url, self.max_connections, self.connect_timeout_s = base_url, max_connections, connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._deadlines: dict[asyncio.Task, float] = {}  # swept requests' tasks -> loop time they must end by
+        self._expired: set[asyncio.Task] = set()
+        self._sweeper: asyncio.Task | None = None
 
     def _open(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -72,19 +80,48 @@ class AiohttpWire:
         session = self._open()
         data = orjson.dumps(body) if body is not None else None
         merged = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
-        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.connect_timeout_s)
+        swept = asyncio.current_task() if timeout_s >= SWEPT_FROM_S else None
+        # sock_connect bounds making a connection; waiting for a free one in the pool is bounded by the total only
+        timeout = aiohttp.ClientTimeout(total=None if swept else timeout_s, sock_connect=self.connect_timeout_s)
+        if swept is not None:
+            self._deadlines[swept] = asyncio.get_running_loop().time() + timeout_s
+            if self._sweeper is None or self._sweeper.done():
+                self._sweeper = asyncio.ensure_future(self._sweep())
         try:
             async with session.request(method, self.base_url + path, data=data, headers=merged,
                                        timeout=timeout) as response:
                 return Reply(response.status, await response.read())
+        except aiohttp.ConnectionTimeoutError as exc:  # no connection made: the server is not there (now)
+            raise WireError(f"ConnectError: no connection within {self.connect_timeout_s:g}s") from exc
         except asyncio.TimeoutError as exc:
             raise WireTimeout(f"timed out after {timeout_s:g}s ({type(exc).__name__})") from exc
         except aiohttp.ClientConnectorError as exc:
             raise WireError(f"ConnectError: {exc}", refused=True) from exc
         except aiohttp.ClientError as exc:
             raise WireError(f"{type(exc).__name__}: {exc}") from exc
+        except asyncio.CancelledError:
+            if swept is None or swept not in self._expired:
+                raise
+            self._expired.discard(swept)
+            swept.uncancel()  # the sweep's cancel was this timeout, not the caller's
+            raise WireTimeout(f"timed out after {timeout_s:g}s (swept)") from None
+        finally:
+            if swept is not None:
+                self._deadlines.pop(swept, None)
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._deadlines:
+            await asyncio.sleep(SWEEP_S)
+            now = loop.time()
+            for task, deadline in list(self._deadlines.items()):
+                if deadline <= now and task not in self._expired:
+                    self._expired.add(task)
+                    task.cancel()
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._session is not None and not self._session.closed and self._loop is asyncio.get_running_loop():
             await self._session.close()
         self._session = None

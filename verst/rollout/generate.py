@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 CACHED_TOKENS_KEY = "cached_tokens"  # metadata: prompt tokens the engines served from the prefix cache
 ENGINE_PROMPT_TOKENS_KEY = "engine_prompt_tokens"  # metadata: prompt tokens the engines were sent
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+PROMPT_IDS_KEPT = 1024  # prompts whose ids are kept: the samples of a group start together
 
 
 async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
@@ -58,13 +59,20 @@ async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
 
 
 def prompt_ids_of(ctx: RolloutContext, sample: Sample) -> list[int]:
-    """`sample.tokens` when the prompt arrives already tokenized, else the chat template of its prompt."""
+    """`sample.tokens` when the prompt arrives already tokenized, else the chat template of its prompt, made
+    once for the samples of a group (copies of one prompt) and kept by the prompt and tools it rendered."""
     if sample.tokens:
         return list(sample.tokens)
-    return encode_prompt(
-        ctx.tokenizer, sample.prompt, apply_chat_template=ctx.data.apply_chat_template,
-        system_prompt=ctx.data.system_prompt, tools=sample.metadata.get("tools"),
-    )
+    tools = sample.metadata.get("tools")
+    key = (repr(sample.prompt), repr(tools))
+    cache = ctx.state.prompt_ids
+    ids = cache.get(key)
+    if ids is None:
+        ids = cache[key] = encode_prompt(ctx.tokenizer, sample.prompt, apply_chat_template=ctx.data.apply_chat_template,
+                                         system_prompt=ctx.data.system_prompt, tools=tools)
+        if len(cache) > PROMPT_IDS_KEPT:
+            cache.popitem(last=False)
+    return list(ids)
 
 
 def response_budget(ctx: RolloutContext, n_prompt: int) -> tuple[int, str | None]:

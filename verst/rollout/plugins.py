@@ -20,6 +20,7 @@ Signatures (each an `async def`, or an instance with an `async def __call__`; no
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import inspect
 import itertools
@@ -145,6 +146,8 @@ class RolloutState:
         self._rid_prefix = uuid.uuid4().hex[:8]  # unique across processes sharing an engine
         self._rid_counter = itertools.count()
         self._limiter: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        # (prompt, tools) -> its ids: the samples of a group share one prompt, rendered and tokenized once
+        self.prompt_ids: collections.OrderedDict[tuple[str, str], list[int]] = collections.OrderedDict()
 
     def new_rid(self, sample: Sample) -> str:
         return f"verst-{self._rid_prefix}-{sample.index}-{next(self._rid_counter)}"
