@@ -52,7 +52,8 @@ def client(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     results = [run_once(args, repeat) for repeat in range(args.repeats)]
-    keys = ("control_ms_per_trajectory", "control_ms_per_request", "engine_busy_fraction", "engine_mean_batch",
+    keys = ("control_ms_per_trajectory", "control_ms_per_request", "engine_busy_fraction", "engine_paused_fraction",
+            "engine_mean_batch",
             "stale_share", "wall_s")
     print(f"{args.engines} engines x {args.in_flight} in flight, {args.turns} agentic turns, speed-up {args.speedup} "
           f"(median [min-max] of {args.repeats})")

@@ -18,6 +18,8 @@ import httpx
 import ray
 
 from verst.config.schema import FaultConfig
+from verst.inference_client.fanout import HttpFanout
+from verst.inference_client.wire import Reply, WireError
 from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ class EngineSupervisor:
         self._task: asyncio.Task | None = None
         self._failures = [0] * len(urls)
         self._recovering: dict[int, asyncio.Future] = {}  # the poller and check_now may both find an engine
+        self._fanout = HttpFanout(self.urls)
         self._recovered: dict[int, float] = {}  # engine -> when its last recovery ended (perf_counter)
 
     async def __aenter__(self) -> EngineSupervisor:
@@ -70,6 +73,7 @@ class EngineSupervisor:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self._fanout.close()
 
     def metrics(self) -> dict[str, float]:
         """`fault/engine_restarts_total` once an engine was restarted, and `fault/recovery_seconds` of the
@@ -107,11 +111,10 @@ class EngineSupervisor:
         """Probe every engine once and restart those found dead (before a weight sync reaches them)."""
         async with self.lock:
             pass  # a restart in progress finishes first
-        async with httpx.AsyncClient() as http:
-            probed = time.perf_counter()
-            for index, verdict in enumerate(await self._probe_all(http)):
-                if verdict == "dead" and self._recovered.get(index, 0.0) < probed:  # not replaced since the probe
-                    await self._recover(index, "its server is not running")
+        probed = time.perf_counter()
+        for index, verdict in enumerate(await self._probe_all()):
+            if verdict == "dead" and self._recovered.get(index, 0.0) < probed:  # not replaced since the probe
+                await self._recover(index, "its server is not running")
 
     # ---- polling -------------------------------------------------------------------------------
     async def _poll(self) -> None:
@@ -125,37 +128,27 @@ class EngineSupervisor:
                 recovery.cancel()  # a restart itself goes on (shielded): a push may wait for it
 
     async def _polling(self, recoveries: set[asyncio.Future]) -> None:
-        async with httpx.AsyncClient() as http:
-            while not any(r.done() and not r.result() for r in recoveries):  # a failed recovery stopped the run
-                recoveries -= {r for r in recoveries if r.done()}
-                await asyncio.sleep(self.fault.health_interval_s)
-                probed = time.perf_counter()
-                for index, verdict in enumerate(await self._probe_all(http)):
-                    if index in self._recovering or self._recovered.get(index, 0.0) > probed:
-                        self._failures[index] = 0  # being replaced, or replaced since this probe: its verdict is old
-                        continue
-                    self._failures[index] = 0 if verdict == "ok" else self._failures[index] + 1
-                    # a dead server is certain at once; an unanswered probe may be a busy moment
-                    if verdict == "dead" or self._failures[index] >= self.fault.health_failures:
-                        why = "its server is not running" if verdict == "dead" else \
-                            f"{self._failures[index]} /health polls in a row went unanswered"
-                        self._failures[index] = 0
-                        recoveries.add(asyncio.ensure_future(self._recover(index, why)))
+        while not any(r.done() and not r.result() for r in recoveries):  # a failed recovery stopped the run
+            recoveries -= {r for r in recoveries if r.done()}
+            await asyncio.sleep(self.fault.health_interval_s)
+            probed = time.perf_counter()
+            for index, verdict in enumerate(await self._probe_all()):
+                if index in self._recovering or self._recovered.get(index, 0.0) > probed:
+                    self._failures[index] = 0  # being replaced, or replaced since this probe: its verdict is old
+                    continue
+                self._failures[index] = 0 if verdict == "ok" else self._failures[index] + 1
+                # a dead server is certain at once; an unanswered probe may be a busy moment
+                if verdict == "dead" or self._failures[index] >= self.fault.health_failures:
+                    why = "its server is not running" if verdict == "dead" else \
+                        f"{self._failures[index]} /health polls in a row went unanswered"
+                    self._failures[index] = 0
+                    recoveries.add(asyncio.ensure_future(self._recover(index, why)))
 
-    async def _probe_all(self, http: httpx.AsyncClient) -> list[str]:
-        timeout = max(5.0, self.fault.health_interval_s)
-        return list(await asyncio.gather(*(self._probe(http, url, timeout) for url in self.urls)))
-
-    @staticmethod
-    async def _probe(http: httpx.AsyncClient, url: str, timeout: float) -> str:
-        """'ok', 'dead' (refused: nothing listens) or 'silent' (no answer in time, or an error status)."""
-        try:
-            response = await http.get(f"{url}/health", timeout=timeout)
-        except httpx.ConnectError:
-            return "dead"
-        except httpx.TransportError:
-            return "silent"
-        return "ok" if response.status_code == 200 else "silent"
+    async def _probe_all(self) -> list[str]:
+        """Each engine: 'ok', 'dead' (refused: nothing listens) or 'silent' (no answer in time, or an error
+        status). One request to all over kept connections: a thousand engines are polled every few seconds."""
+        replies = await self._fanout.call_all("GET", "/health", None, max(5.0, self.fault.health_interval_s))
+        return [_verdict(replies[url]) for url in self.urls]
 
     # ---- recovery ---------------------------------------------------------------------------------
     async def _recover(self, index: int, why: str) -> bool:
@@ -217,6 +210,14 @@ class EngineSupervisor:
         limit = self.fault.health_interval_s * self.fault.health_failures
         return await self.watchdog.stuck(f"engine {index} ({url}) answering /health", limit,
                                          "fault.health_interval_s x fault.health_failures")
+
+
+def _verdict(reply: Reply | Exception) -> str:
+    if isinstance(reply, WireError) and reply.refused:
+        return "dead"
+    if isinstance(reply, Exception):
+        return "silent"
+    return "ok" if reply.status_code == 200 else "silent"
 
 
 async def _ray(ref: ray.ObjectRef, timeout_s: float = 60.0) -> Any:

@@ -68,6 +68,8 @@ class SimEngine:
         self.started = clock.now()
         self.busy_s = 0.0
         self.batch_s = 0.0  # ∫ batch size dt while busy: the mean batch is batch_s / busy_s
+        self.paused_s = 0.0  # time paused (a weight push): the engine could not be busy
+        self._paused_at: float | None = None
         self.finished = self.aborted = self.loads = 0
         self.loaded_bytes = 0.0
         self._waiter: asyncio.Future | None = None
@@ -115,11 +117,16 @@ class SimEngine:
         if mode == "abort":
             self.abort()
         self.paused = mode
+        if self._paused_at is None:
+            self._paused_at = self.clock.now()
         self._wake()
         return held
 
     def resume(self) -> None:
         self.paused = None
+        if self._paused_at is not None:
+            self.paused_s += self.clock.now() - self._paused_at
+            self._paused_at = None
         self._wake()
 
     def flush(self) -> None:
@@ -136,10 +143,13 @@ class SimEngine:
             self.weight_version = version
 
     def stats(self) -> dict[str, Any]:
+        now = self.clock.now()
+        paused = self.paused_s + (now - self._paused_at if self._paused_at is not None else 0.0)
         return {"running": len(self.running), "waiting": len(self.waiting), "kv_tokens": self.kv_reserved,
                 "kv_capacity": self.capacity, "finished": self.finished, "aborted": self.aborted,
-                "busy_seconds": self.busy_s, "batch_seconds": self.batch_s, "uptime_seconds": self.clock.now() - self.started,
-                "weight_version": self.weight_version, "loads": self.loads, "loaded_bytes": self.loaded_bytes}
+                "busy_seconds": self.busy_s, "batch_seconds": self.batch_s, "paused_seconds": paused,
+                "uptime_seconds": now - self.started, "weight_version": self.weight_version, "loads": self.loads,
+                "loaded_bytes": self.loaded_bytes}
 
     def close(self) -> None:
         """Stop the engine: every request it holds ends (the HTTP face drops their connections)."""

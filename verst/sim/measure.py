@@ -63,17 +63,19 @@ class CpuMeter:
 
 def engine_window(start: list[dict[str, Any]], end: list[dict[str, Any]]) -> dict[str, float]:
     """The engines' time between two reads of their counters, in simulated seconds, over the engines that ran
-    through both (a restarted engine's counters start again): busy fraction, mean batch while busy,
-    requests finished and weight bytes loaded."""
+    through both (a restarted engine's counters start again): the busy share of the time they could be busy
+    (up and not paused for a weight push), the paused share, the mean batch while busy, requests finished."""
     before = {s["index"]: s for s in start if "busy_seconds" in s}
-    busy = up = batch = finished = 0.0
+    busy = up = paused = batch = finished = 0.0
     for s in end:
         b = before.get(s["index"])
         if b is None or "busy_seconds" not in s or s["uptime_seconds"] < b["uptime_seconds"]:
             continue
         busy += s["busy_seconds"] - b["busy_seconds"]
         up += s["uptime_seconds"] - b["uptime_seconds"]
+        paused += s["paused_seconds"] - b["paused_seconds"]
         batch += s["batch_seconds"] - b["batch_seconds"]
         finished += s["finished"] - b["finished"]
-    return {"busy_fraction": busy / up if up else 0.0, "mean_batch": batch / busy if busy else 0.0,
-            "requests": finished, "engine_seconds": up}
+    available = up - paused
+    return {"busy_fraction": busy / available if available > 0 else 0.0, "paused_fraction": paused / up if up else 0.0,
+            "mean_batch": batch / busy if busy else 0.0, "requests": finished, "engine_seconds": up}

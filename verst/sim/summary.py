@@ -47,7 +47,8 @@ def scale_summary(cfg: VerstConfig, sim: SimConfig, measured: dict[str, Any], ru
         "control_ms_per_trajectory": 1000 * control / trajectories,  # counted by the engines' requests
         "control_ms_per_request": 1000 * control / requests,
         "cpu_ms_per_request": {part: 1000 * seconds / requests for part, seconds in cpu.items() if part != "wall"},
-        "engine_busy_fraction": engines["busy_fraction"], "engine_mean_batch": engines["mean_batch"],
+        "engine_busy_fraction": engines["busy_fraction"], "engine_paused_fraction": engines["paused_fraction"],
+        "engine_mean_batch": engines["mean_batch"],
         "step_sim_s": {"median": statistics.median(steps), "max": max(steps)} if steps else None,
         "train_step_sim_s": _median(measured["train_step_sim_s"]),
         "sync": sync_overhead(rows, sim),
@@ -81,7 +82,8 @@ def scale_lines(summary: dict[str, Any]) -> list[str]:
         f"control plane: {summary['control_ms_per_trajectory']:.2f} ms CPU per trajectory, "
         f"{summary['control_ms_per_request']:.2f} ms per engine request "
         f"(load average {summary['load_average'][0]:.1f} -> {summary['load_average'][1]:.1f})",
-        f"engines busy {summary['engine_busy_fraction']:.1%} of the time, mean batch {summary['engine_mean_batch']:.1f}",
+        f"engines busy {summary['engine_busy_fraction']:.1%} of the time they could be (paused for weight pushes "
+        f"{summary['engine_paused_fraction']:.1%}), mean batch {summary['engine_mean_batch']:.1f}",
     ]
     if summary["step_sim_s"]:
         lines.append(f"step time {summary['step_sim_s']['median']:.1f} s simulated (median)")
