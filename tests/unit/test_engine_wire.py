@@ -21,13 +21,14 @@ async def fleet_of(count, speedup):
     return fleet, [f"http://127.0.0.1:{port}" for port in ports["engines"]]
 
 
-def test_a_long_request_is_timed_out_by_the_sweep_and_its_caller_is_not_left_cancelled(monkeypatch):
+@pytest.mark.parametrize("kind", ["pooled", "aiohttp"])
+def test_a_long_request_is_timed_out_by_the_sweep_and_its_caller_is_not_left_cancelled(monkeypatch, kind):
     monkeypatch.setattr(wire, "SWEPT_FROM_S", 0.1)
     monkeypatch.setattr(wire, "SWEEP_S", 0.02)
 
     async def main():
         _, urls = await fleet_of(1, speedup=0.01)  # a reply would take minutes
-        async with EngineClient(urls[0], timeouts=Timeouts(generate=0.2)) as client:
+        async with EngineClient(urls[0], timeouts=Timeouts(generate=0.2), wire=kind) as client:
             with pytest.raises(EngineError, match=r"timed out after 0.2s \(swept\)"):
                 await client.generate([97] * 4, {"max_new_tokens": 50})
             assert asyncio.current_task().cancelling() == 0

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from verst.inference_client.batching import RequestBatcher
+from verst.inference_client.pooled import PooledWire
 from verst.inference_client.replies import (  # what callers of the client catch and read, here as well
     EngineError,
     GenerateResult,
@@ -66,14 +67,18 @@ class EngineClient:
         self.timeouts = timeouts or Timeouts()
         self.affinity = affinity
         self.get_retries = get_retries
-        wire = wire or ("httpx" if transport is not None else "aiohttp")
-        if wire == "aiohttp" and transport is not None:
-            raise ValueError("EngineClient: an httpx transport needs wire='httpx'")
+        wire = wire or ("httpx" if transport is not None else "aiohttp" if base_url.startswith("https") else "pooled")
+        if wire != "httpx" and transport is not None:
+            raise ValueError(f"EngineClient: an httpx transport needs wire='httpx', got wire={wire!r}")
         # streamed generations always go through httpx (their pools are made at first use)
         self._streams = HttpxWire(self.base_url, max_connections, self.timeouts.connect, self.timeouts.control,
                                   transport)
-        self._wire: AiohttpWire | HttpxWire = self._streams if wire == "httpx" else \
-            AiohttpWire(self.base_url, max_connections, self.timeouts.connect)
+        if wire == "httpx":
+            self._wire: PooledWire | AiohttpWire | HttpxWire = self._streams
+        elif wire == "aiohttp":
+            self._wire = AiohttpWire(self.base_url, max_connections, self.timeouts.connect)
+        else:
+            self._wire = PooledWire(self.base_url, max_connections, self.timeouts.connect)
         # max_batch > 1: generate calls made together share batched /generate requests (SGLang's list form)
         self._batcher = RequestBatcher(self._send_generate, max_batch) if max_batch > 1 else None
 

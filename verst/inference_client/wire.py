@@ -14,7 +14,7 @@ import aiohttp
 import httpx
 import orjson
 
-WireName = Literal["aiohttp", "httpx"]
+WireName = Literal["pooled", "aiohttp", "httpx"]
 JSON_HEADERS = {"content-type": "application/json"}
 # httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
 # concurrent generations: httpx requests are spread over several pools of at most this many connections.
@@ -50,20 +50,64 @@ class Reply:
         return self.content.decode("utf-8", "replace")
 
 
-class AiohttpWire:
-    """One aiohttp session per event loop (made at the first request in it), `max_connections` at most.
+class SweptDeadlines:
+    """Timeouts of long requests (generations) without a timer each: one sweep every `SWEEP_S` cancels the
+    tasks past their deadline, and the request turns that cancel into `WireTimeout`. Thousands of generations
+    in flight would otherwise keep as many timers in the loop's heap, each pushed and popped through
+    Python-level comparisons. Deadlines of one timeout are kept in the order they were set, which is their
+    order: a sweep stops at the first that is not due."""
 
-    A request allowed `SWEPT_FROM_S` or more (a generation) gets no timer of its own: one sweep a second ends
-    those past their deadline. Thousands of generations in flight would otherwise keep as many timers in the
-    loop's heap, each pushed and popped through Python-level comparisons."""
+    def __init__(self) -> None:
+        self._by_timeout: dict[float, dict[asyncio.Task, float]] = {}
+        self._expired: set[asyncio.Task] = set()
+        self._sweeper: asyncio.Task | None = None
+
+    def start(self, timeout_s: float) -> asyncio.Task:
+        task = asyncio.current_task()
+        assert task is not None
+        self._by_timeout.setdefault(timeout_s, {})[task] = asyncio.get_running_loop().time() + timeout_s
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.ensure_future(self._sweep())
+        return task
+
+    def end(self, task: asyncio.Task, timeout_s: float) -> None:
+        self._by_timeout.get(timeout_s, {}).pop(task, None)
+
+    def expired(self, task: asyncio.Task) -> bool:
+        """Whether `task` was cancelled by the sweep (its cancel request is then withdrawn)."""
+        if task not in self._expired:
+            return False
+        self._expired.discard(task)
+        task.uncancel()
+        return True
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while any(self._by_timeout.values()):
+            await asyncio.sleep(SWEEP_S)
+            now = loop.time()
+            for deadlines in self._by_timeout.values():
+                for task, deadline in list(deadlines.items()):
+                    if deadline > now:
+                        break
+                    if task not in self._expired:
+                        self._expired.add(task)
+                        task.cancel()
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+
+class AiohttpWire:
+    """One aiohttp session per event loop (made at the first request in it), `max_connections` at most; a
+    request allowed `SWEPT_FROM_S` or more is timed out by `SweptDeadlines`."""
 
     def __init__(self, base_url: str, max_connections: int, connect_timeout_s: float):
         self.base_url, self.max_connections, self.connect_timeout_s = base_url, max_connections, connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._deadlines: dict[asyncio.Task, float] = {}  # swept requests' tasks -> loop time they must end by
-        self._expired: set[asyncio.Task] = set()
-        self._sweeper: asyncio.Task | None = None
+        self._deadlines = SweptDeadlines()
 
     def _open(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -80,13 +124,9 @@ class AiohttpWire:
         session = self._open()
         data = orjson.dumps(body) if body is not None else None
         merged = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
-        swept = asyncio.current_task() if timeout_s >= SWEPT_FROM_S else None
+        swept = self._deadlines.start(timeout_s) if timeout_s >= SWEPT_FROM_S else None
         # sock_connect bounds making a connection; waiting for a free one in the pool is bounded by the total only
         timeout = aiohttp.ClientTimeout(total=None if swept else timeout_s, sock_connect=self.connect_timeout_s)
-        if swept is not None:
-            self._deadlines[swept] = asyncio.get_running_loop().time() + timeout_s
-            if self._sweeper is None or self._sweeper.done():
-                self._sweeper = asyncio.ensure_future(self._sweep())
         try:
             async with session.request(method, self.base_url + path, data=data, headers=merged,
                                        timeout=timeout) as response:
@@ -100,28 +140,15 @@ class AiohttpWire:
         except aiohttp.ClientError as exc:
             raise WireError(f"{type(exc).__name__}: {exc}") from exc
         except asyncio.CancelledError:
-            if swept is None or swept not in self._expired:
+            if swept is None or not self._deadlines.expired(swept):
                 raise
-            self._expired.discard(swept)
-            swept.uncancel()  # the sweep's cancel was this timeout, not the caller's
             raise WireTimeout(f"timed out after {timeout_s:g}s (swept)") from None
         finally:
             if swept is not None:
-                self._deadlines.pop(swept, None)
-
-    async def _sweep(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._deadlines:
-            await asyncio.sleep(SWEEP_S)
-            now = loop.time()
-            for task, deadline in list(self._deadlines.items()):
-                if deadline <= now and task not in self._expired:
-                    self._expired.add(task)
-                    task.cancel()
+                self._deadlines.end(swept, timeout_s)
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        self._deadlines.close()
         if self._session is not None and not self._session.closed and self._loop is asyncio.get_running_loop():
             await self._session.close()
         self._session = None
