@@ -87,7 +87,7 @@ class SweptDeadlines:
             await asyncio.sleep(SWEEP_S)
             now = loop.time()
             for deadlines in self._by_timeout.values():
-                for task, deadline in list(deadlines.items()):
+                for task, deadline in deadlines.items():  # cancelling removes none of them here
                     if deadline > now:
                         break
                     if task not in self._expired:
