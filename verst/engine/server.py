@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -35,6 +34,7 @@ from verst.engine.service import (
 )
 from verst.engine.weights import iter_safetensors, safetensors_files, safetensors_shapes
 from verst.inference_client import weights
+from verst.inference_client.ports import listening_socket
 from verst.inference_client.protocol import (
     AbortRequest,
     BatchGenerateRequest,
@@ -381,20 +381,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     return p
 
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound before uvicorn starts so the port is known (port 0: the OS picks).
-
-    TCP_NODELAY (inherited by accepted connections on Linux): without it, Nagle's algorithm and
-    delayed ACKs hold every small JSON reply ~40 ms.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # connections made before uvicorn starts wait in the backlog instead of failing
-    return sock
 
 def uvicorn_config(app: FastAPI, log_level: str = "warning") -> Any:
     """How the engine's app is served: uvloop and httptools, whose request handling costs a fraction of

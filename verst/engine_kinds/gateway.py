@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from verst.engine_kinds.api import EngineAPI
 from verst.engine_kinds.untie import ties_embeddings, untied_view, with_untied_override
-from verst.inference_client.ports import wait_healthy
+from verst.inference_client.ports import listening_socket, wait_healthy
 from verst.inference_client.protocol import (
     AbortRequest,
     BatchGenerateRequest,
@@ -243,17 +243,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The gateway's socket, bound first so the port is known (0: the OS picks) and connections made while
-    vLLM starts wait in the backlog."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ from typing import Any
 from verst.inference_client.fleet import EngineFleet
 from verst.inference_client.weights import SHM_DIR, ShmSlot
 from verst.sync.buckets import BucketStream
-from verst.sync.transport import AdapterSpec, PushStats, TransportOptions
+from verst.sync.transport import VERSIONED_UNLESS_ADAPTER, AdapterSpec, PushStats, TransportOptions
 from verst.types import WeightBucket
 
 IPC_MODES = ("shm", "cuda_ipc")
@@ -52,11 +52,7 @@ class TensorTransport:
         return cls(fleet, bucket_bytes=options.bucket_bytes, ipc="cuda_ipc" if options.device == "cuda" else "shm",
                    adapter=options.adapter)
 
-    @property
-    def versioned_loads(self) -> bool:
-        """Full weights: each load flushes the cache and the last sets the version (`WeightTransport`);
-        an adapter's load leaves the base model's cache alone, so the syncer flushes for it."""
-        return self.adapter is None
+    versioned_loads = VERSIONED_UNLESS_ADAPTER
 
     def use_adapter(self, adapter: AdapterSpec | None) -> None:
         self.adapter = adapter
