@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # Quiet by default: a line per step, and a step's output (pip's) shown only when it fails; the last step's
 # output is kept in $(STEP_LOG). `make V=1` prints every command and all of its output as it runs.
 V ?= 0
-STEP_LOG := build/make-step.log
+STEP_LOG ?= build/make-step.log
 ifeq ($(V),1)
 Q :=
 step = $(2)
