@@ -91,7 +91,7 @@ demo-agentic: $(STAMP)
 # The report's browser test loads pages in Debian's chromium (installed here when missing; needs root).
 test: $(STAMP)
 	$(Q)$(VENV)/bin/ruff check verst tests bench
-	$(call step,installing chromium (apt-get) when missing,command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium))
+	$(call step,chromium for the browser test (apt-get installs it when missing),command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium))
 	$(Q)$(PY) -m pytest -q
 
 test-slow: $(STAMP)
