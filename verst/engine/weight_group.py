@@ -15,12 +15,13 @@ from verst.inference_client import weights
 from verst.inference_client.protocol import InitWeightsUpdateGroupRequest
 
 MASTER = "the group's master (rank 0, the trainer)"
+REACH_RETRY_S = 0.2
 
 
 async def join(body: InitWeightsUpdateGroupRequest) -> weights.WeightUpdateGroup | Response:
     """The joined group, or the error response: 400 when the address does not resolve, 502 when the
-    master failed, 504 when it (or the name's resolver) did not answer within `timeout_s`."""
-    refused = await _resolve(body)
+    master failed, 504 when it did not accept a connection (or every rank did not arrive) within `timeout_s`."""
+    refused = await _resolve(body) or await _reach(body)
     if refused is not None:
         return refused
     try:
@@ -30,6 +31,27 @@ async def join(body: InitWeightsUpdateGroupRequest) -> weights.WeightUpdateGroup
         )
     except (RuntimeError, ValueError, OSError) as exc:
         return peer_failed(body, exc)
+
+
+async def _reach(body: InitWeightsUpdateGroupRequest) -> Response | None:
+    """None once the master accepts a connection, tried every REACH_RETRY_S (the trainer may open it a moment
+    after asking). torch's store client retries a refused connection too, but with a backoff that overruns its
+    timeout by half (48 s at 30 s) and without the OS error; trying here ends on time and names it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + body.timeout_s
+    error: OSError = TimeoutError("a connection attempt got no answer")
+    while (left := deadline - loop.time()) > 0:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(body.master_address, body.master_port), left)
+        except TimeoutError:  # no answer at all until the deadline (before OSError: TimeoutError is one)
+            break
+        except OSError as exc:  # refused or unreachable: the master may not be listening yet
+            error = exc
+            await asyncio.sleep(min(REACH_RETRY_S, max(deadline - loop.time(), 0.0)))
+            continue
+        writer.close()
+        return None
+    return peer_failed(body, error, timed_out=True)
 
 
 async def _resolve(body: InitWeightsUpdateGroupRequest) -> Response | None:
@@ -48,12 +70,14 @@ async def _resolve(body: InitWeightsUpdateGroupRequest) -> Response | None:
     return None
 
 
-def peer_failed(body: InitWeightsUpdateGroupRequest, exc: BaseException) -> Response:
-    """The master failed (502) or did not answer in time (504): named with torch's error (its C++ stack, when
-    torch adds one, left out) and what to check."""
+def peer_failed(body: InitWeightsUpdateGroupRequest, exc: BaseException, timed_out: bool | None = None) -> Response:
+    """The master failed (502) or did not answer in time (504; by default when the error says so): named with
+    the error (torch's without the C++ stack it may add) and what to check."""
     peer = f"{body.master_address}:{body.master_port}"
     cause = f"{type(exc).__name__}: {_without_cpp_stack(str(exc)) or 'no message'}"
-    if isinstance(exc, TimeoutError) or "timed out" in cause or "timeout" in cause.lower():
+    if timed_out is None:
+        timed_out = isinstance(exc, TimeoutError) or "timed out" in cause or "timeout" in cause.lower()
+    if timed_out:
         return error_response(
             504, f"weight update group {body.group_name!r}: {MASTER} at {peer} did not answer within timeout_s = "
             f"{body.timeout_s:g} s ({cause}); check that the trainer has opened the group at that address and that "
