@@ -117,7 +117,8 @@ class CheckpointConfig(Section):
     load: str | None = Field(None, description="Resume from this checkpoint: a step directory, or a run "
                              "directory (its latest checkpoint).")
     save: bool = Field(True, description="Save a resumable checkpoint at the end.")
-    keep_last: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0: keep all).")
+    keep_last: int = Field(3, ge=0, description="Keep only the newest N checkpoints, never removing the one "
+                           "`latest` names (0: keep all).")
     export_hf: bool = Field(True, description="Export the final model as a Hugging Face checkpoint (with LoRA: "
                             "the PEFT adapter directory).")
     merge_lora: bool = Field(False, description="With LoRA and export_hf: also export the merged model (base + "

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from verst.engine import weight_group
 from verst.engine.config import IMPLS
 from verst.engine.http_errors import http_error, json_body, validated, validation_error
 from verst.engine.request import generate_reply
@@ -263,13 +264,9 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(400, "a weight update group with this name exists", "group_name", body.group_name)
         if body.backend == "nccl" and not state.on_cuda:
             return error_response(400, "nccl needs the engine on a CUDA device; use gloo", "backend", body.backend)
-        try:
-            group = await asyncio.to_thread(
-                weights.open_weight_update_group, body.master_address, body.master_port, body.rank_offset,
-                body.world_size, body.group_name, body.backend, body.timeout_s,
-            )
-        except (RuntimeError, ValueError, OSError) as exc:
-            return _peer_failed(body, exc)
+        group = await weight_group.join(body)
+        if isinstance(group, Response):
+            return group
         for joined in state.weight_groups.values():
             joined.flat.release()  # a trainer rebuilds its group after a failure: keep one bucket buffer, not one each
         state.weight_groups[body.group_name] = group
@@ -303,17 +300,6 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         name = (body or DestroyWeightsUpdateGroupRequest()).group_name
         state.weight_groups.pop(name, None)
         return {"success": True, "message": f"Left {name!r}."}
-
-
-def _peer_failed(body: InitWeightsUpdateGroupRequest, exc: Exception) -> Response:
-    """The group's master failed (502) or did not answer in time (504): the peer is named, the engine serves on."""
-    peer = f"{body.master_address}:{body.master_port}"
-    timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc) or "timeout" in type(exc).__name__.lower()
-    if timed_out:
-        return error_response(504, f"weight update group {body.group_name!r}: the master at {peer} did not answer "
-                              f"within timeout_s = {body.timeout_s:g} s ({type(exc).__name__})", "master_address", peer)
-    return error_response(502, f"weight update group {body.group_name!r}: joining the master at {peer} failed "
-                          f"({type(exc).__name__}: {exc})", "master_address", peer)
 
 
 def _add_lora_routes(app: FastAPI, state: ServerState) -> None:

@@ -7,9 +7,19 @@ their default value (sglang-router re-serialises requests with those defaults fi
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import JsonSchemaValue
 
 from verst.types.sampling import SamplingKnobs
@@ -365,14 +375,36 @@ class UpdateWeightsFromTensorRequest(AdapterPush):
     abort_all_requests: bool = False
 
 
+# The largest weight-update group the engine joins: one trainer and its engines. gloo's full-mesh rendezvous
+# costs every rank memory and store traffic in the group's size (~90 MB at 2**16 ranks; at 2**20 the store
+# refuses the payload), so a larger world_size is refused before the engine dials anyone.
+MAX_WORLD_SIZE = 2**16
+# An IP address (v4, or v6 in hex and colons) or a hostname of ASCII labels; anything else cannot name a host.
+_HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+HOST_PATTERN = rf"^(?:{_HOST_LABEL}(?:\.{_HOST_LABEL})*|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)$"
+# Joining takes well under a second when the trainer opens the group as it asks the engines to join, as
+# verst's does; 30 s leaves room for a loaded machine, and a wrong or unreachable master is reported then.
+JOIN_TIMEOUT_S = 30.0
+
+
 class InitWeightsUpdateGroupRequest(WireModel):
-    master_address: str = Field(..., min_length=1)
+    master_address: str = Field(..., min_length=1, max_length=253, json_schema_extra={"pattern": HOST_PATTERN},
+                                description="The trainer's (rank 0's) IP address or hostname.")
     master_port: int = Field(..., ge=1, le=65535)
-    rank_offset: int = Field(..., ge=1, description="Rank 0 is the trainer that broadcasts.")
-    world_size: int = Field(..., ge=2)
+    rank_offset: int = Field(..., ge=1, le=MAX_WORLD_SIZE - 1, description="Rank 0 is the trainer that broadcasts.")
+    world_size: int = Field(..., ge=2, le=MAX_WORLD_SIZE, description="The trainer and every engine of the group.")
     group_name: str = Field("weight_update_group", min_length=1)
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(120.0, gt=0)
+    timeout_s: float = Field(JOIN_TIMEOUT_S, gt=0, le=3600, description="verst: seconds to wait for the master "
+                             "and every rank to join, and for each broadcast received in the group.")
+
+    @field_validator("master_address")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if re.fullmatch(HOST_PATTERN, value) is None:
+            raise ValueError("not an IP address or a hostname (ASCII letters, digits, '-' and '_' in dot-separated "
+                             "labels); give the trainer's address as this engine reaches it")
+        return value
 
     @model_validator(mode="after")
     def _rank(self) -> InitWeightsUpdateGroupRequest:
