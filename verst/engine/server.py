@@ -51,6 +51,7 @@ from verst.inference_client.protocol import (
     UpdateWeightVersionRequest,
     is_batch,
 )
+from verst.inference_client.tensor_payload import deserialize_named_tensors
 from verst.monitor.stacks import arm_stack_dump
 
 log = logging.getLogger(__name__)
@@ -248,11 +249,8 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest) -> Response:
-        if body.load_format != "shm":
-            return error_response(400, "load_format must be 'shm' on this engine (tensors in a /dev/shm bucket)",
-                                  "load_format", body.load_format)
-        # views of a file the engine keeps mapped: no copy here (`param.copy_(view)` in the load), so no thread
-        named = weights.read_shm_bucket(body.serialized_named_tensors[0])
+        # views of the sender's shared memory or device memory: no copy here (`param.copy_(view)` in the load)
+        named = deserialize_named_tensors(body.serialized_named_tensors[0])
         if body.lora_name is not None:
             return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))

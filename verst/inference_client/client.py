@@ -313,11 +313,13 @@ class EngineClient:
         body = {"model_path": model_path, "weight_version": weight_version, **extra}
         return await self._post("/update_weights_from_disk", body, self.timeouts.weights)
 
-    async def update_weights_from_tensor(self, manifest: str, weight_version: str, flush_cache: bool = True,
-                                         **adapter: Any) -> dict:
-        """`manifest` from `verst.inference_client.weights.write_shm_bucket` (the sender keeps the file until this
-        returns). `adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter."""
-        body = {"serialized_named_tensors": [manifest], "load_format": "shm", "flush_cache": flush_cache,
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], weight_version: str | None,
+                                         flush_cache: bool = True, **adapter: Any) -> dict:
+        """SGLang's tensor load: one entry per tensor-parallel rank, each from
+        `verst.inference_client.tensor_payload.serialize_named_tensors` (the sender keeps the tensors alive
+        until this returns). `adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter
+        (the embedded engine's extension)."""
+        body = {"serialized_named_tensors": serialized_named_tensors, "load_format": None, "flush_cache": flush_cache,
                 "weight_version": weight_version, **adapter}
         return await self._post("/update_weights_from_tensor", body, self.timeouts.weights)
 

@@ -63,9 +63,12 @@ class EngineFleet:
         return await self.each("update_weights_from_disk",
                                lambda c: c.update_weights_from_disk(model_path, weight_version))
 
-    async def update_weights_from_tensor(self, manifest: str, weight_version: str, **adapter: Any) -> dict[str, Any]:
-        return await self.each("update_weights_from_tensor",
-                               lambda c: c.update_weights_from_tensor(manifest, weight_version, **adapter))
+    async def update_weights_from_tensor(self, payloads: Callable[[str], list[str]], weight_version: str | None,
+                                         **adapter: Any) -> dict[str, Any]:
+        """`payloads(url)`: the `serialized_named_tensors` of the engine at `url`, made for it alone (each
+        entry's unpickling gives back a reference of its own, `verst.inference_client.tensor_payload`)."""
+        return await self.each("update_weights_from_tensor", lambda c: c.update_weights_from_tensor(
+            payloads(c.base_url), weight_version, **adapter))
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, group_name: str = "weight_update_group", backend: str = "gloo"

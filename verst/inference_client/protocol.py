@@ -356,10 +356,12 @@ class AdapterPush(WireModel):
 
 
 class UpdateWeightsFromTensorRequest(AdapterPush):
-    """`serialized_named_tensors`: one manifest per tensor-parallel rank (one here); see `weights.py`."""
+    """`serialized_named_tensors`: one entry per tensor-parallel rank (one here), SGLang's pickled list of
+    (name, tensor); see `tensor_payload.py`."""
 
     serialized_named_tensors: list[str] = Field(..., min_length=1, max_length=1)
-    load_format: Literal["shm"] | None = Field(None, description="Only the /dev/shm bucket scheme ('shm').")
+    load_format: None = Field(None, description="SGLang's default format only: the entry is a list of (name, "
+                              "tensor) copied into the parameters of those names.")
     flush_cache: bool = True
     weight_version: str | None = Field(None, min_length=1)
     abort_all_requests: bool = False

@@ -1,5 +1,5 @@
 """`SyncConfig` → a transport and a syncer: the one place that maps `sync.transport` and the device to
-an implementation (gloo or NCCL, shared memory or CUDA IPC).
+an implementation (gloo or NCCL for the broadcast).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def build_transport(
     keep_snapshots: int = 2, source_model: str | Path | None = None, master_address: str = "127.0.0.1",
     timeout_s: float = 60.0, adapter: AdapterSpec | None = None,
 ) -> WeightTransport:
-    """`device` is where the trainer's full weights live: "cuda" selects NCCL / CUDA IPC. `adapter`: every
+    """`device` is where the trainer's full weights live: "cuda" selects NCCL (the tensor transport follows
+    the tensors: CUDA-IPC handles for CUDA tensors, shared memory for CPU ones). `adapter`: every
     push is that LoRA adapter, served by the engines under its name (LoRA's adapter sync).
 
     disk: `snapshot_dir` is required (e.g. RUN_DIR/weights); `source_model` makes each snapshot a complete
@@ -34,8 +35,7 @@ def build_transport(
                                     device=device, master_address=master_address, timeout_s=timeout_s,
                                     adapter=adapter)
     if cfg.transport == "tensor":
-        return TensorTransport(fleet, bucket_bytes=cfg.bucket_bytes, ipc="cuda_ipc" if device == "cuda" else "shm",
-                               adapter=adapter)
+        return TensorTransport(fleet, bucket_bytes=cfg.bucket_bytes, adapter=adapter)
     if cfg.transport == "disk":
         if snapshot_dir is None:
             raise ValueError("sync.transport = 'disk' needs snapshot_dir (where weight snapshots are written)")
