@@ -5,7 +5,7 @@ github.com/40349/sglang-v.0.5.9 at commit 00041e51828f3ea480ad834e093ba58447eebe
 GenerateReqInput, UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput,
 UpdateWeightsFromTensorReqInput, InitWeightsUpdateGroupReqInput, DestroyWeightsUpdateGroupReqInput,
 UpdateWeightVersionReqInput, PauseGenerationReqInput, AbortReq, LoadLoRAAdapterReqInput,
-UnloadLoRAAdapterReqInput and their outputs), and the arguments of `SamplingParams.__init__` in
+UnloadLoRAAdapterReqInput, ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput and their outputs), and the arguments of `SamplingParams.__init__` in
 `python/sglang/srt/sampling/sampling_params.py` of the same line. Every request dataclass also takes
 BaseReq's keyword fields `rid` and `http_worker_ipc`.
 """
@@ -85,7 +85,11 @@ REQUESTS: dict[str, dict[str, tuple]] = {
     "LoadLoRAAdapterReqInput": {**BASE_REQ, "lora_name": (STR, REQUIRED), "lora_path": (STR, REQUIRED),
                                 "pinned": (BOOL, False), "lora_id": (_OPT_STR, None)},
     "UnloadLoRAAdapterReqInput": {**BASE_REQ, "lora_name": (STR, REQUIRED), "lora_id": (_OPT_STR, None)},
+    # `tags`: "Currently we only support `weights` and `kv_cache`" (io_struct.py's comment)
+    "ReleaseMemoryOccupationReqInput": {**BASE_REQ, "tags": (_OPT_LIST, None)},
+    "ResumeMemoryOccupationReqInput": {**BASE_REQ, "tags": (_OPT_LIST, None)},
 }
+MEMORY_TAGS = ("weights", "kv_cache")
 PAUSE_MODES = ("abort", "retract", "in_place")  # PauseGenerationReqInput.mode's Literal
 
 # The HTTP route of each request, as SGLang's http_server serves it.
@@ -98,6 +102,8 @@ ROUTES = {
     "/update_weight_version": "UpdateWeightVersionReqInput", "/pause_generation": "PauseGenerationReqInput",
     "/abort_request": "AbortReq", "/load_lora_adapter": "LoadLoRAAdapterReqInput",
     "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
 }
 
 # Reply dataclasses: the fields every reply of that route carries.

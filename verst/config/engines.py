@@ -13,18 +13,21 @@ ENGINE_KINDS = ("embedded", "sglang", "vllm")
 
 @dataclasses.dataclass(frozen=True)
 class EngineCapabilities:
-    """`transports`: the `sync.transport` values it takes; `owned_flags`: server flags verst sets from its own
-    config, refused in the pass-through table."""
+    """`transports`: the `sync.transport` values it takes; `releases_memory`: it gives its device memory to a
+    colocated trainer while the trainer steps (SGLang's `/release_memory_occupation`); `owned_flags`: server
+    flags verst sets from its own config, refused in the pass-through table."""
 
     transports: tuple[str, ...]
     lora: bool
+    releases_memory: bool
     owned_flags: tuple[str, ...] = ()
 
 
 CAPABILITIES = {
-    "embedded": EngineCapabilities(("distributed", "tensor", "disk"), lora=True),
-    "vllm": EngineCapabilities(("disk",), lora=False, owned_flags=("model", "host", "port", "dtype")),
-    "sglang": EngineCapabilities(("distributed", "tensor", "disk"), lora=True,
+    "embedded": EngineCapabilities(("distributed", "tensor", "disk"), lora=True, releases_memory=True),
+    "vllm": EngineCapabilities(("disk",), lora=False, releases_memory=False,
+                               owned_flags=("model", "host", "port", "dtype")),
+    "sglang": EngineCapabilities(("distributed", "tensor", "disk"), lora=True, releases_memory=True,
                                  owned_flags=("model-path", "host", "port", "dtype", "weight-version")),
 }
 

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from verst.engine.config import IMPLS
 from verst.engine.http_errors import http_error, json_body, validated, validation_error
+from verst.engine.memory import release_memory, resume_memory
 from verst.engine.request import generate_reply
 from verst.engine.schema import ERROR_RESPONSES, PEER_RESPONSES, UNHEALTHY, install_openapi
 from verst.engine.service import (
@@ -43,6 +44,7 @@ from verst.inference_client.protocol import (
     InitWeightsUpdateGroupRequest,
     InvalidRequest,
     LoadLoraAdapterRequest,
+    MemoryOccupationRequest,
     PauseRequest,
     UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
@@ -201,6 +203,18 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     async def continue_generation() -> dict[str, Any]:
         await state.runner.acall(lambda core: core.resume())
         return {"success": True, "message": "Generation continued."}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
+        tags = (body or MemoryOccupationRequest()).tags
+        freed = await state.runner.acall(lambda core: release_memory(core, tags))
+        return {"success": True, "message": f"Released {', '.join(freed)}.", "freed_bytes": freed}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
+        tags = (body or MemoryOccupationRequest()).tags
+        resumed = await state.runner.acall(lambda core: resume_memory(core, tags))
+        return {"success": True, "message": f"Resumed {', '.join(resumed) or 'nothing'}."}
 
     @app.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:

@@ -355,6 +355,15 @@ class EngineClient:
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         return await self._post("/unload_lora_adapter", {"lora_name": lora_name}, self.timeouts.weights)
 
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        """Give the device memory to a colocated trainer (`tags`: weights, kv_cache; None: both). SGLang answers
+        null, the embedded engine the bytes each tag freed."""
+        return await self._post("/release_memory_occupation", {"tags": tags}, self.timeouts.weights)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        """Take back what `release_memory_occupation` gave (None: every released tag)."""
+        return await self._post("/resume_memory_occupation", {"tags": tags}, self.timeouts.weights)
+
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
         body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
         return await self._post("/update_weight_version", body, self.timeouts.control)

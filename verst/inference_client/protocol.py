@@ -424,6 +424,15 @@ class UnloadLoraAdapterRequest(WireModel):
     lora_name: str = Field(..., min_length=1)
 
 
+class MemoryOccupationRequest(WireModel):
+    """SGLang's `/release_memory_occupation` and `/resume_memory_occupation`: what to give back to (or take
+    back from) a colocated trainer."""
+
+    tags: list[Literal["weights", "kv_cache"]] | None = Field(
+        None, description="weights: the model's weights leave the device; kv_cache: the KV storage and prefix cache "
+                          "are dropped. None: both (release), or every released one (resume).")
+
+
 class UpdateWeightVersionRequest(WireModel):
     new_version: str = Field(..., min_length=1)
     abort_all_requests: bool = False

@@ -130,9 +130,12 @@ class Orchestration:
         return self._engine_group(model, args, wait, "eval")
 
     def _engine_group(self, model: str | Path, args: list[str] | None, wait: bool, role: Role) -> EngineActorGroup:
-        """The engine actors of the placement's `role` bundles, stopped with the orchestration."""
+        """The engine actors of the placement's `role` bundles, stopped with the orchestration. The sync
+        schedule leaves the engines idle while the trainer steps, so they can give it their memory then; the
+        one-step-off schedule generates meanwhile, so colocated engines keep theirs."""
         group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
-                                 startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait, role=role)
+                                 startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait, role=role,
+                                 idle_while_training=self.schedule == "sync")
         self._stack.append(group)
         return group
 

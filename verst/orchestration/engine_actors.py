@@ -5,6 +5,7 @@ health; `EngineActorGroup` is the driver's handle.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -13,8 +14,10 @@ from typing import Any
 import httpx
 import ray
 
+from verst.config.engines import CAPABILITIES
 from verst.engine.process import EngineProcess
 from verst.engines.kinds import ENGINE_KINDS, engine_kind
+from verst.inference_client.client import EngineClient
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, Role, current_bundle
 
@@ -91,22 +94,24 @@ class EngineServer:
             return False
 
     def release_memory(self) -> bool:
-        """Colocated placement: give the device memory back while the trainer steps. Returns whether
-        anything was released.
-
-        On CPU there is nothing to release: the engine's KV blocks are ordinary process memory and the
-        trainer and engine share the machine's RAM anyway. The embedded engine has no GPU release
-        either; an SGLang engine will call `release_memory_occupation` here. Generation is not running
-        while the trainer steps in the schedules that colocate (the loop's pause/flush does that).
-        """
-        return False
+        """Colocated placement: the server gives its memory to the trainer while it steps (weights and KV
+        cache: SGLang's `/release_memory_occupation`); generation has finished when the sync schedule calls
+        this (`EngineActorGroup` decides whether the run does)."""
+        asyncio.run(_call_server(self.server.url, lambda client: client.release_memory_occupation()))
+        return True
 
     def resume_memory(self) -> bool:
-        """Undo `release_memory` (reload weights and KV cache onto the device); see there."""
-        return False
+        """Undo `release_memory`: weights back on the device, the KV cache grown again as requests need it."""
+        asyncio.run(_call_server(self.server.url, lambda client: client.resume_memory_occupation()))
+        return True
 
     def stop(self) -> None:
         self.server.stop()
+
+
+async def _call_server(url: str, call: Any) -> Any:
+    async with EngineClient(url) as client:
+        return await call(client)
 
 
 _RemoteEngineServer = ray.remote(max_restarts=0, max_task_retries=0)(EngineServer)
@@ -142,8 +147,11 @@ class EngineActorGroup:
         log_dir: str | Path | None = None,
         wait: bool = True,
         role: Role = "engine",
+        idle_while_training: bool = False,
     ):
         check_engine_type(engine)
+        # engines that generate while the trainer steps (one-step-off) keep their memory
+        self._releases_memory = idle_while_training and CAPABILITIES[engine].releases_memory
         self.engine, self.startup_timeout_s, self.role = engine, startup_timeout_s, role
         self._placement, self._spawn = placement, (str(model), device, list(args or []), startup_timeout_s,
                                                    str(log_dir) if log_dir else None)
@@ -196,9 +204,15 @@ class EngineActorGroup:
         return dict(zip(self.urls, self._all("health", 30.0)))
 
     def release_memory(self) -> list[bool]:
+        """Colocated: each engine gives its memory to the trainer while it steps; per engine, whether it did
+        (not when the engines generate meanwhile, nor for an engine kind without the route: vLLM)."""
+        if not self._releases_memory:
+            return [False] * len(self._actors)
         return self._all("release_memory", 120.0)
 
     def resume_memory(self) -> list[bool]:
+        if not self._releases_memory:
+            return [False] * len(self._actors)
         return self._all("resume_memory", 120.0)
 
     def halt(self, index: int, timeout_s: float = 15.0) -> None:
