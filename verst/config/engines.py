@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 ENGINE_KINDS = ("embedded", "sglang", "vllm")
+MEMORY_SAVER = "enable-memory-saver"  # SGLang's flag for releasing GPU memory (`/release_memory_occupation`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +62,10 @@ def config_problems(engine: str, *, transport: str, lora: bool, model_impl: str,
         return [f"cluster.engine = {engine!r} is not one of {ENGINE_KINDS}"]
     kind = CAPABILITIES[engine]
     problems = []
-    if engine == "sglang" and placement == "colocated":
-        problems.append("cluster.placement = 'colocated' is not supported with cluster.engine = 'sglang': verst does "
-                        "not release SGLang's GPU memory while the trainer steps; use cluster.placement = "
-                        "'disaggregated'")
+    if engine == "sglang" and placement == "colocated" and not _flag_given(flags.get("sglang", {}), MEMORY_SAVER):
+        problems.append(f"cluster.placement = 'colocated' with cluster.engine = 'sglang' needs sglang.{MEMORY_SAVER} = "
+                        "true: verst has SGLang release its GPU memory around each train step, which SGLang does only "
+                        "with its memory saver on; or use cluster.placement = 'disaggregated'")
     if transport not in kind.transports:
         why = {"vllm": "vLLM takes new weights from disk here (collective_rpc reload_weights); its weight-transfer "
                        "API broadcasts over NCCL, which its CPU build does not have"}.get(engine, "")
@@ -83,6 +84,10 @@ def config_problems(engine: str, *, transport: str, lora: bool, model_impl: str,
         elif values:
             problems += _flag_problems(kind, table, values)
     return problems
+
+
+def _flag_given(values: dict[str, Any], name: str) -> bool:
+    return any(key.replace("_", "-") == name and value is True for key, value in values.items())
 
 
 def _flag_problems(kind: EngineCapabilities, table: str, values: dict[str, Any]) -> list[str]:

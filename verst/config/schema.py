@@ -10,6 +10,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from verst.config.device_rules import check_colocated_broadcast
 from verst.types.sampling import SamplingKnobs
 
 # Which model class runs a checkpoint: verst's native one (dense Llama-family, built without transformers:
@@ -511,15 +512,6 @@ def _check_true_on_policy(cfg: VerstConfig) -> None:
                 f"CPU float32 native forward); got {field} = {value!r}")
 
 
-def _on_cuda(device: str) -> bool:
-    """Whether cluster.device means CUDA here: 'cuda', or 'auto' where torch sees a CUDA device."""
-    if device != "auto":
-        return device == "cuda"
-    import torch
-
-    return torch.cuda.is_available()
-
-
 class VerstConfig(Section):
     name: str = Field("run", min_length=1, description="Run name; the run directory is runs/<name> by default.")
     run_dir: str | None = Field(None, description="Run directory; default runs/<name>.")
@@ -608,12 +600,7 @@ class VerstConfig(Section):
 
             check_adapters(self)
         self._check_engine()
-        if self.sync.transport == "tensor" and self.cluster.engine == "embedded" and _on_cuda(self.cluster.device):
-            raise ValueError(
-                f"sync.transport = 'tensor' with cluster.engine = 'embedded' on cluster.device = "
-                f"{self.cluster.device!r} (CUDA): on CUDA the tensor transport hands the engines CUDA-IPC handles "
-                "(SGLang's scheme), and the embedded engine takes tensors only as shared-memory buckets "
-                "(load_format = 'shm'); use sync.transport = 'distributed' (an NCCL broadcast) or 'disk'")
+        check_colocated_broadcast(self)
         if self.reward.type == "custom" and not self.reward.path:
             raise ValueError("reward.type = 'custom' needs reward.path (an import path)")
         if self.reward.type == "remote" and not self.reward.url:
