@@ -140,6 +140,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, f"generation probe failed: {type(exc).__name__}: {exc}")
         return Response(status_code=200) if ok else error_response(503, "the model produced non-finite logits")
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         core = state.core

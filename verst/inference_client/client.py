@@ -370,7 +370,8 @@ class EngineClient:
 
     # ---- state (idempotent GETs, retried) ---------------------------------------------------------------
     async def get_weight_version(self) -> str:
-        return str((await self._get("/get_weight_version"))["weight_version"])
+        """From `/model_info`: SGLang 0.5.9 answers `/get_weight_version` with a 404 pointing there."""
+        return str((await self._get("/model_info"))["weight_version"])
 
     async def get_model_info(self) -> dict[str, Any]:
         return await self._get("/get_model_info")
