@@ -116,3 +116,17 @@ REPLIES = {
     "/unload_lora_adapter": {"success", "error_message", "loaded_adapters"},
     "/get_load": {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "ts_tic"},  # GetLoadReqOutput, per rank
 }
+
+# How SGLang unpickles `serialized_named_tensors` (`MultiprocessingSerializer.deserialize`, its `SafeUnpickler`
+# in python/sglang/srt/utils/common.py, the allowlist against CVE-2025-10164): a global resolves only when its
+# module, with a dot appended, starts with one of these prefixes, and never when it is one of the denied pairs.
+UNPICKLE_MODULE_PREFIXES = (
+    "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
+    "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "pickletools.", "peft.",
+    "transformers.", "huggingface_hub.", "sglang.srt.weight_sync.tensor_bucket.",
+    "sglang.srt.model_executor.model_runner.", "sglang.srt.layers.", "sglang.srt.utils.",
+)
+UNPICKLE_DENIED = {
+    ("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"), ("subprocess", "Popen"),
+    ("subprocess", "run"), ("codecs", "decode"), ("types", "CodeType"), ("types", "FunctionType"),
+}

@@ -50,6 +50,8 @@ def test_flags_pass_through_unchanged_from_cli_and_recipe(tmp_path):
     ([*VLLM_DISK, "--vllm.model", "x"], "vllm.model: verst sets --model itself"),
     (["--cluster.engine", "sglang", "--sglang.model-path", "x"], "sglang.model-path: verst sets"),
     ([*VLLM_DISK, "--vllm.enable-prefix-caching", "false"], "vllm.enable-prefix-caching = false"),
+    (["--cluster.engine", "sglang", "--lora.enabled", "true", "--sync.transport", "disk"],
+     "lora.enabled = true with cluster.engine = 'sglang' needs sglang.enable-lora = true"),
     (["--cluster.engine", "sglang", "--cluster.placement", "colocated", "--sync.transport", "tensor"],
      "cluster.placement = 'colocated' with cluster.engine = 'sglang' needs sglang.enable-memory-saver = true"),
 ])
@@ -92,6 +94,8 @@ def test_engine_commands():
     cmd = sglang_command("/py", "/m", "127.0.0.1", 5, "bfloat16", "0", "cuda", ["--tp-size", "2"])
     assert cmd[:3] == ["/py", "-m", "sglang.launch_server"] and cmd[-2:] == ["--tp-size", "2"]
     assert cmd[cmd.index("--weight-version") + 1] == "0" and cmd[cmd.index("--model-path") + 1] == "/m"
+    assert "--enable-return-routed-experts" not in cmd
+    assert "--enable-return-routed-experts" in sglang_command("/py", "/m", "h", 5, "bfloat16", "0", "cuda", [], True)
 
 
 # ---- preflight -----------------------------------------------------------------------------------------

@@ -71,6 +71,9 @@ def config_problems(engine: str, *, transport: str, lora: bool, model_impl: str,
                        "API broadcasts over NCCL, which its CPU build does not have"}.get(engine, "")
         problems.append(f"sync.transport = {transport!r} is not supported with cluster.engine = {engine!r}"
                         f"{': ' + why if why else ''}; use one of {list(kind.transports)}")
+    if engine == "sglang" and lora and not _flag_given(flags.get("sglang", {}), "enable-lora"):
+        problems.append("lora.enabled = true with cluster.engine = 'sglang' needs sglang.enable-lora = true (SGLang "
+                        "loads adapters only with LoRA enabled at start-up)")
     if lora and not kind.lora:
         problems.append(f"lora.enabled = true is not supported with cluster.engine = {engine!r} (verst does not load "
                         "adapters into it); use cluster.engine = 'embedded' or 'sglang'")

@@ -581,10 +581,11 @@ class VerstConfig(Section):
                 f"an adapter from pushed tensors, not cluster.engine = {self.cluster.engine!r}; use sync.transport = "
                 "'disk' (an adapter directory loaded with /load_lora_adapter) or lora.sync = 'merged'")
         _check_true_on_policy(self)
-        if self.algorithm.routing_replay != "off" and self.cluster.engine != "embedded":
+        if self.algorithm.routing_replay != "off" and self.cluster.engine == "vllm":
             raise ValueError(
                 f"algorithm.routing_replay = {self.algorithm.routing_replay!r} needs engines that return routed "
-                f"experts on every reply; cluster.engine = {self.cluster.engine!r} is not wired for it, use 'embedded'")
+                f"experts on every reply; cluster.engine = {self.cluster.engine!r} is not wired for it, use 'embedded' "
+                "or 'sglang'")
         if self.algorithm.routing_replay != "off" and self.rollout.agent_fn:
             raise ValueError(
                 f"algorithm.routing_replay = {self.algorithm.routing_replay!r} records routed experts in the "
