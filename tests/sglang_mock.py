@@ -49,8 +49,11 @@ def check_body(path: str, body: Any) -> None:
     if not isinstance(body, dict):
         raise SchemaError(f"{path}: the body must be a JSON object, got {type(body).__name__}")
     _check_fields(path, body, fields)
-    for key, value in (body.get("sampling_params") or {}).items() if path == "/generate" else ():
-        _check_fields(f"{path} sampling_params", {key: value}, sg.SAMPLING_PARAMS, required=False)
+    params = body.get("sampling_params") if path == "/generate" else None
+    for one in params if isinstance(params, list) else [params or {}]:  # a batch has one per prompt
+        if not isinstance(one, dict):
+            raise SchemaError(f"{path}: sampling_params must be objects, got {one!r}")
+        _check_fields(f"{path} sampling_params", one, sg.SAMPLING_PARAMS, required=False)
     if path == "/pause_generation" and body.get("mode", "abort") not in sg.PAUSE_MODES:
         raise SchemaError(f"{path}: mode = {body['mode']!r} is not one of {sg.PAUSE_MODES}")
     bad_tags = [t for t in body.get("tags") or [] if t not in sg.MEMORY_TAGS] if "memory" in path else []
@@ -155,6 +158,10 @@ class MockSGLang:
         if path.endswith("_lora_adapter") and not self.args.enable_lora:
             return JSONResponse({"success": False, "error_message": "LoRA is not enabled (--enable-lora)",
                                  "loaded_adapters": None}, status_code=400)
+        if path == "/load_lora_adapter" and body["lora_name"] in self.state.core.loras.paths():
+            return JSONResponse({"success": False, "error_message": f"LoRA adapter {body['lora_name']!r} is loaded "
+                                 "already: SGLang loads a name once (unload it first)", "loaded_adapters": None},
+                                status_code=400)
         forwarded = {k: v for k, v in body.items() if k not in ("rid", "http_worker_ipc") or path == "/generate"}
         reply = await self.engine.post(path, json=forwarded)
         return self._as_sglang(path, reply)
