@@ -50,8 +50,11 @@ def test_sync_colocated_on_sglang_releases_memory_around_each_train_step(mock_lo
                                                                          tmp_path):
     paths_of(mock_log)
     cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "sync", "--cluster.placement",
-                    "colocated", "--sync.transport", "tensor", *sglang_args(tmp_path, "enable-memory-saver"))
-    check_run(cfg, run_schedule(cfg), steps=2)
+                    "colocated", "--sync.transport", "tensor", "--sync.check-weights", "true",
+                    *sglang_args(tmp_path, "enable-memory-saver"))
+    records = check_run(cfg, run_schedule(cfg), steps=2)
+    # the weight check's probes, sampled by the mock on the pushed weights, equal the trainer's logprobs
+    assert [r["sync/check_max_abs_diff"] for r in records if "sync/check_max_abs_diff" in r][0] <= 1e-4
     paths = paths_of(mock_log)
     cycle = [p for p in paths if p in ("/release_memory_occupation", "/resume_memory_occupation",
                                        "/update_weights_from_tensor")]
