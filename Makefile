@@ -8,7 +8,7 @@ TEST_EXTRAS := dev,verifiers,strands,openenv
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install vllm agents demo demo-real demo-agentic test test-slow test-gpu bench clean
+.PHONY: install vllm agents demo demo-real demo-agentic test test-slow test-floor test-gpu gpu-bundle bench clean
 
 install: $(STAMP)
 
@@ -83,11 +83,32 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
-test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m gpu
+# The unit and component tests with the oldest torch and transformers verst supports (constraints-floor.txt),
+# in an environment of their own: torch 2.11.0's PyPI build is a CUDA build (about 4.5 GB with its libraries),
+# which runs on the CPU. Not part of `make test` (the install alone takes minutes).
+FLOOR_VENV ?= .venv-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.verst-installed
+$(FLOOR_STAMP): pyproject.toml constraints-floor.txt
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install -q -c constraints-floor.txt torch transformers
+	$(FLOOR_VENV)/bin/python -m pip install -q -c constraints-floor.txt -e '.[dev]'
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_VENV)/bin/python -c "import torch, transformers; print('floor: torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -q tests/unit tests/component
+
+# The GPU check (docs/benchmarks.md, "The GPU check"): on a machine with a CUDA GPU, from the repository root.
+# With a bundle built by `make gpu-bundle` (.gpu/: the packages a bare GPU image lacks), it needs no network.
+test-gpu:
+	bash scripts/gpu/check.sh
+
+gpu-bundle:
+	bash scripts/gpu/bundle.sh
 
 bench: $(STAMP)
 	@for b in bench/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(NEMO_GYM_VENV) $(HARBOR_VENV) runs build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(NEMO_GYM_VENV) $(HARBOR_VENV) $(FLOOR_VENV) .gpu runs build *.egg-info

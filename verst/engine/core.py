@@ -17,6 +17,7 @@ import torch
 
 from verst.engine.config import EngineConfig
 from verst.engine.lora import LoraAdapter, LoraRegistry, build_adapter, read_adapter
+from verst.engine.memory import device_memory_bytes
 from verst.engine.model_runner import ModelRunner
 from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, Phase, Request
@@ -274,6 +275,7 @@ class EngineCore:
             "kv_cache_bytes": self.runner.cache.nbytes(),
             "prefix_cache_bytes": self.prefix_cache.nbytes(),
             "released_memory": sorted(self.released),
+            "device_memory_bytes": device_memory_bytes(self.runner.device),
             "model_impl": self.runner.impl,
             "loaded_loras": [adapter.describe() for adapter in self.loras.adapters.values()],
             **{f"total_{k}": v for k, v in self.counters.items()},

@@ -58,6 +58,11 @@ def resume_memory(core: Any, tags: list[str] | None) -> list[str]:
     return chosen
 
 
+def device_memory_bytes(device: torch.device) -> int:
+    """What the CUDA caching allocator holds on `device` (allocated and cached blocks); 0 on the CPU."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+
 def _chosen(tags: list[str] | None) -> list[str]:
     chosen = list(TAGS) if tags is None else list(dict.fromkeys(tags))
     unknown = [tag for tag in chosen if tag not in TAGS]
