@@ -32,6 +32,7 @@ from verst.trainer.batching import (
     balance_across_ranks,
     collate,
     dummy_micro_batch,
+    kept_outputs,
     pack_micro_batches,
     pad_right,
     split_to_count,
@@ -152,7 +153,7 @@ class FSDP2Backend:
         if value_head:
             model = add_value_head(model)
         if trainable and self.config.gradient_checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         if trainable and self.lora and not value_head:
             model = lora_mod.add_adapters(model, self.lora, self.adapters)  # the base frozen; FSDP2 shards it
         compute = _DTYPES[self.model_config.dtype]
@@ -209,14 +210,9 @@ class FSDP2Backend:
         routing = self._routing.forward(batch.routed_experts) if self._routing and model is self.model \
             else contextlib.nullcontext()
         with routing:
-            out = model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                logits_to_keep=batch.logits_to_keep,
-                use_cache=False,
-            )
+            logits = kept_outputs(model, batch)  # [n_resp_tokens, vocab]
         # [n_resp_tokens], [n_resp_tokens, vocab]
-        chosen, log_probs = token_logprobs(out.logits, batch.targets, self.temperature)
+        chosen, log_probs = token_logprobs(logits, batch.targets, self.temperature)
         entropy = None
         if with_entropy:
             entropy = batch.pad_responses(-(log_probs.exp() * log_probs).sum(-1))
@@ -485,3 +481,13 @@ def _buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
         size += nbytes
     if bucket:
         yield bucket
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in backward (non-reentrant). transformers names the switch
+    `activation_checkpointing_enable` since 5.2x and `gradient_checkpointing_enable` before (5.17, the floor)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
