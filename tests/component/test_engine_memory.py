@@ -1,7 +1,7 @@
 """Releasing and resuming an engine's memory (SGLang's `/release_memory_occupation`, `/resume_memory_occupation`)
-on a real engine process: after a release the process's resident memory falls by at least the KV storage it
-held, requests and weight loads are refused by name while released, and after a resume the engine generates
-the same tokens for the same seeds as before."""
+on a real engine process: after a release the process's resident memory falls by at least the KV pool it held
+(the slot storage of running requests; the prefix cache's copies go too), requests and weight loads are
+refused by name while released, and after a resume the engine generates the same tokens for the same seeds."""
 
 import asyncio
 
@@ -47,7 +47,6 @@ def test_release_frees_the_kv_pool_and_resume_generates_the_same_tokens(engine):
         async with EngineClient(engine.url) as client:
             before = await seeded(client)
             state = (await client.get_server_info())["internal_states"][0]
-            kv_bytes = state["kv_cache_bytes"] + state["prefix_cache_bytes"]
             rss_held = resident_bytes(engine.proc.pid)
             reply = await client.release_memory_occupation()
             rss_released = resident_bytes(engine.proc.pid)
@@ -56,13 +55,15 @@ def test_release_frees_the_kv_pool_and_resume_generates_the_same_tokens(engine):
             released_state = (await client.get_server_info())["internal_states"][0]
             await client.resume_memory_occupation()
             after = await seeded(client)
-            return before, after, kv_bytes, rss_held - rss_released, reply, refused.value, released_state
+            return before, after, state, rss_held - rss_released, reply, refused.value, released_state
 
-    before, after, kv_bytes, drop, reply, refused, released_state = asyncio.run(main())
-    print(f"KV pool {kv_bytes} bytes; resident memory fell by {drop} bytes")
-    assert kv_bytes > 32 * 2**20  # a pool big enough that the drop is not noise
-    assert reply["freed_bytes"]["kv_cache"] == kv_bytes and reply["freed_bytes"]["weights"] == 0  # CPU: weights stay
-    assert drop >= kv_bytes
+    before, after, state, drop, reply, refused, released_state = asyncio.run(main())
+    pool, cached = state["kv_cache_bytes"], state["prefix_cache_bytes"]
+    print(f"KV pool {pool} bytes, prefix cache {cached} bytes; resident memory fell by {drop} bytes")
+    assert pool > 16 * 2**20  # a pool big enough that the drop is not noise
+    assert reply["freed_bytes"] == {"kv_cache": pool + cached, "weights": 0}  # CPU: the weights stay
+    # the pool's large tensors go back whole; the prefix cache's small copies as far as the allocator's pages allow
+    assert drop >= pool
     assert refused.status == 400 and refused.field == "tags"
     assert released_state["released_memory"] == ["kv_cache", "weights"] and released_state["kv_cache_bytes"] == 0
     assert after == before
