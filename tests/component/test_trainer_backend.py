@@ -182,7 +182,8 @@ def test_activation_checkpointing_is_on_for_both_model_classes_and_keeps_the_ste
     def checkpointing(model):  # transformers' property is is_gradient_checkpointing before 5.2x (the floor, 5.17)
         if impl == "auto":
             return model.checkpointing is not None
-        return getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+        name = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+        return getattr(model, name)
 
     assert checkpointing(recomputed.model) and not checkpointing(plain.model)
     items = make_items(LENGTHS, seed=3)
