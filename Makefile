@@ -22,7 +22,7 @@ step = @echo "make: $(1)"; mkdir -p $(dir $(STEP_LOG)); { $(2); } >$(STEP_LOG) 2
 	exit $$status; }
 endif
 
-.PHONY: install vllm agents demo demo-real demo-agentic test test-slow test-gpu bench clean
+.PHONY: install vllm agents demo demo-real demo-agentic test test-slow test-floor test-gpu gpu-bundle bench clean
 
 install: $(STAMP)
 
@@ -97,11 +97,32 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(Q)$(PY) -m pytest -q -m slow
 
-test-gpu: $(STAMP)
-	$(Q)$(PY) -m pytest -q -m gpu
+# The unit and component tests with the oldest torch and transformers verst supports (constraints-floor.txt),
+# in an environment of their own: torch 2.11.0's PyPI build is a CUDA build (about 4.5 GB with its libraries),
+# which runs on the CPU. Not part of `make test` (the install alone takes minutes).
+FLOOR_VENV ?= .venv-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.verst-installed
+$(FLOOR_STAMP): pyproject.toml constraints-floor.txt
+	$(call step,creating $(FLOOR_VENV),test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV))
+	$(call step,upgrading pip in $(FLOOR_VENV),$(FLOOR_VENV)/bin/python -m pip install --upgrade pip)
+	$(call step,installing the floor torch and transformers,$(FLOOR_VENV)/bin/python -m pip install -c constraints-floor.txt torch transformers)
+	$(call step,installing verst [dev] at the floors,$(FLOOR_VENV)/bin/python -m pip install -c constraints-floor.txt -e '.[dev]')
+	$(Q)touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)
+	$(Q)$(FLOOR_VENV)/bin/python -c "import torch, transformers; print('floor: torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(Q)$(FLOOR_VENV)/bin/python -m pytest -q tests/unit tests/component
+
+# The GPU check (docs/benchmarks.md, "The GPU check"): on a machine with a CUDA GPU, from the repository root.
+# With a bundle built by `make gpu-bundle` (.gpu/: the packages a bare GPU image lacks), it needs no network.
+test-gpu:
+	$(Q)bash scripts/gpu/check.sh
+
+gpu-bundle:
+	$(Q)bash scripts/gpu/bundle.sh
 
 bench: $(STAMP)
 	@for b in bench/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	$(Q)rm -rf $(VENV) $(VLLM_VENV) $(NEMO_GYM_VENV) $(HARBOR_VENV) runs build *.egg-info
+	$(Q)rm -rf $(VENV) $(VLLM_VENV) $(NEMO_GYM_VENV) $(HARBOR_VENV) $(FLOOR_VENV) .gpu runs build *.egg-info

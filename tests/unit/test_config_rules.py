@@ -74,11 +74,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     "engine_takes_the_transport": (["--cluster.engine", "vllm"],
                                    r"sync.transport = 'distributed' is not supported with cluster.engine = 'vllm': "
                                    r"vLLM takes new weights from disk.*use one of \['disk'\]"),
-    "engine_colocates": (["--cluster.engine", "sglang", "--cluster.placement", "colocated"],
-                         r"cluster.placement = 'colocated' is not supported with cluster.engine = 'sglang'"),
-    "engine_loads_lora": (["--lora.enabled", "true", *VLLM],
-                          r"lora.enabled = true is not supported with cluster.engine = 'vllm'"),
-    "adapter_tensors_need_an_engine_that_loads_them": (["--lora.enabled", "true", "--cluster.engine", "sglang"],
+    "colocated_engines_release_memory": (["--cluster.engine", "sglang", "--cluster.placement", "colocated",
+                                          "--sync.transport", "tensor"],
+                                         r"cluster.placement = 'colocated' with cluster.engine = 'sglang' needs "
+                                         r"sglang.enable-memory-saver = true"),
+    "engine_loads_lora": (["--lora.enabled", "true", "--cluster.engine", "sglang", "--sync.transport", "disk"],
+                          r"lora.enabled = true with cluster.engine = 'sglang' needs sglang.enable-lora = true"),
+    "adapter_tensors_need_an_engine_that_loads_them": (["--lora.enabled", "true", "--cluster.engine", "sglang",
+                                                        "--sglang.enable-lora"],
                                                        r"lora.sync = 'adapter' with sync.transport = 'distributed': "
                                                        r"cluster.engine = 'sglang' does not load an adapter from "
                                                        r"pushed tensors \(only 'embedded' does\)"),
@@ -86,8 +89,13 @@ CASES: dict[str, tuple[list[str], str]] = {
                                            r"model.impl = 'native' chooses the embedded engine's model class"),
     "engine_flags_go_to_their_engine": (["--sglang.tp-size", "2"],
                                         r"\[sglang\] flags \(tp-size\) are given, but cluster.engine = 'embedded'"),
-    "cuda_ipc_needs_an_engine_that_takes_it": (["--sync.transport", "tensor", "--cluster.device", "cuda"],
-                                               r"sync.transport = 'tensor' with cluster.engine = 'embedded' on "
+    "colocated_broadcast_needs_a_gpu_each": (["--cluster.placement", "colocated", "--cluster.device", "cuda"],
+                                             r"sync.transport = 'distributed' with cluster.placement = 'colocated' on "
+                                             r"cluster.device = 'cuda' \(CUDA\): .*NCCL refuses two ranks of one group "
+                                             r"on one GPU; use sync.transport = 'tensor' or 'disk'"),
+    "cuda_ipc_needs_an_engine_that_takes_it": (["--plugins", "[tests.unit.engine_without_ipc]", "--cluster.engine",
+                                                "no_ipc", "--sync.transport", "tensor", "--cluster.device", "cuda"],
+                                               r"sync.transport = 'tensor' with cluster.engine = 'no_ipc' on "
                                                r"cluster.device = 'cuda' \(CUDA\)"),
     "eval_fleet_or_backend": (["--eval.num-engines", "1", "--eval.backend", "m:f"],
                               r"eval.num_engines = 1 with eval.backend = 'm:f'"),
@@ -110,7 +118,7 @@ def test_every_rule_has_a_case():
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
-def test_a_broken_rule_is_refused_by_field(rule):
+def test_a_broken_rule_is_refused_by_field(rule, registries_restored):
     overrides, message = CASES[rule]
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)

@@ -209,17 +209,31 @@ def engine_takes_the_transport(cluster: ClusterConfig, sync: SyncConfig) -> None
                          f"of {list(engine.transports)}")
 
 
-def engine_colocates(cluster: ClusterConfig) -> None:
-    if cluster.placement == "colocated" and not ENGINE_KINDS.entry(cluster.engine).colocated:
-        raise ValueError(f"cluster.placement = 'colocated' is not supported with cluster.engine = {cluster.engine!r}: "
-                         "verst does not release its device memory while the trainer steps; use cluster.placement = "
+def colocated_engines_release_memory(cluster: ClusterConfig, vllm: dict[str, Any], sglang: dict[str, Any]) -> None:
+    """Colocated, the engines give their memory to the trainer around each step; some need a flag for it."""
+    flag = ENGINE_KINDS.entry(cluster.engine).memory_flag
+    table = ENGINE_KINDS.entry(cluster.engine).flags_table
+    given = {"vllm": vllm, "sglang": sglang}.get(table or "", {})
+    if cluster.placement == "colocated" and flag and not _flag_given(given, flag):
+        raise ValueError(f"cluster.placement = 'colocated' with cluster.engine = {cluster.engine!r} needs "
+                         f"{table}.{flag} = true: verst has the engines release their device memory around each train "
+                         f"step, which {cluster.engine} does only with that flag; or use cluster.placement = "
                          "'disaggregated'")
 
 
-def engine_loads_lora(cluster: ClusterConfig, lora: LoraConfig) -> None:
-    if lora.enabled and not ENGINE_KINDS.entry(cluster.engine).lora:
+def engine_loads_lora(cluster: ClusterConfig, lora: LoraConfig, vllm: dict[str, Any],
+                      sglang: dict[str, Any]) -> None:
+    if not lora.enabled:
+        return
+    entry = ENGINE_KINDS.entry(cluster.engine)
+    if not entry.lora:
         raise ValueError(f"lora.enabled = true is not supported with cluster.engine = {cluster.engine!r} (verst does "
                          f"not load adapters into it); use cluster.engine = {_engines_with('lora')}")
+    given = {"vllm": vllm, "sglang": sglang}.get(entry.flags_table or "", {})
+    if entry.lora_flag and not _flag_given(given, entry.lora_flag):
+        raise ValueError(f"lora.enabled = true with cluster.engine = {cluster.engine!r} needs "
+                         f"{entry.flags_table}.{entry.lora_flag} = true ({cluster.engine} loads adapters only with LoRA "
+                         "enabled at start-up)")
 
 
 def adapter_tensors_need_an_engine_that_loads_them(cluster: ClusterConfig, sync: SyncConfig,
@@ -249,6 +263,18 @@ def engine_flags_go_to_their_engine(cluster: ClusterConfig, vllm: dict[str, Any]
                 raise ValueError(f"{table}.{name}: verst sets --{name} itself (model.path, model.dtype, a free port on "
                                  "the engine's node); leave it out")
         flag_argv(table, values)
+
+
+def colocated_broadcast_needs_a_gpu_each(cluster: ClusterConfig, sync: SyncConfig) -> None:
+    """Colocated on CUDA, a trainer rank and its engine share one GPU, and NCCL refuses two ranks of one group
+    on one device: a broadcast's group cannot form."""
+    if cluster.placement != "colocated" or WEIGHT_TRANSPORTS.entry(sync.transport).one_gpu:
+        return
+    if on_cuda(cluster.device):
+        others = " or ".join(repr(name) for name in WEIGHT_TRANSPORTS if WEIGHT_TRANSPORTS.entry(name).one_gpu)
+        raise ValueError(f"sync.transport = {sync.transport!r} with cluster.placement = 'colocated' on cluster.device = "
+                         f"{cluster.device!r} (CUDA): the trainer and an engine share a GPU, and NCCL refuses two ranks "
+                         f"of one group on one GPU; use sync.transport = {others}")
 
 
 def cuda_ipc_needs_an_engine_that_takes_it(cluster: ClusterConfig, sync: SyncConfig) -> None:
@@ -366,8 +392,9 @@ RULES: tuple[Callable[..., None], ...] = (
     importance_weighted_kl_needs_a_kl_loss, kl_penalty_needs_a_token_level_estimator, something_to_train_on,
     mismatch_band_is_ordered, critic_settings_need_a_critic, distillation_needs_a_teacher,
     a_teacher_needs_distillation, true_on_policy_needs_one_forward, routing_replay_needs_routed_experts,
-    engine_takes_the_transport, engine_colocates, engine_loads_lora, adapter_tensors_need_an_engine_that_loads_them,
-    model_impl_is_the_embedded_engines, engine_flags_go_to_their_engine, cuda_ipc_needs_an_engine_that_takes_it,
+    engine_takes_the_transport, colocated_engines_release_memory, engine_loads_lora,
+    adapter_tensors_need_an_engine_that_loads_them, model_impl_is_the_embedded_engines, engine_flags_go_to_their_engine,
+    colocated_broadcast_needs_a_gpu_each, cuda_ipc_needs_an_engine_that_takes_it,
     eval_fleet_or_backend, reward_source_has_its_setting, group_rewards_need_a_group_fn, adapters_train_with_lora,
     adapters_on_a_multi_lora_schedule, adapters_train_one_policy_each, every_adapter_is_a_valid_run,
 )
@@ -432,6 +459,10 @@ def cuda_visible() -> bool:
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False
     return Path("/dev/nvidiactl").exists() and any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def _flag_given(values: dict[str, Any], name: str) -> bool:
+    return any(key.replace("_", "-") == name and value is True for key, value in values.items())
 
 
 def _engines_with(trait: str) -> str:

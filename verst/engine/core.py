@@ -17,6 +17,7 @@ import torch
 
 from verst.engine.config import EngineConfig
 from verst.engine.lora import LoraAdapter, LoraRegistry, build_adapter, read_adapter
+from verst.engine.memory import device_memory_bytes
 from verst.engine.model_runner import ModelRunner
 from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, Phase, Request
@@ -54,6 +55,7 @@ class EngineCore:
         self.running: list[Request] = []  # running[i].slot == i
         self.requests: dict[str, Request] = {}
         self.paused = False
+        self.released: set[str] = set()  # memory tags given back to a colocated trainer (`memory.py`)
         self.weight_version = weight_version
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.counters = collections.Counter()
@@ -83,6 +85,7 @@ class EngineCore:
             raise InvalidRequest("sampling_params.stop", req.sampling.stop, "stop strings need a tokenizer")
 
     def add_request(self, req: Request) -> None:
+        self._check_resident("a request")
         self.validate(req)
         if req.rid in self.requests:
             raise InvalidRequest("rid", req.rid, "a request with this rid is still in flight")
@@ -197,6 +200,7 @@ class EngineCore:
         """Copy tensors into the model by name, all validated first; set the version; flush the cache.
         With `shapes` (every name and shape `named` will yield), `named` may be lazy: it is read once, each
         tensor copied as it comes (a checkpoint read a file at a time)."""
+        self._check_resident("a weight load", ("weights",))
         items = named if shapes is not None else list(named)
         table = self.check_weights(shapes if shapes is not None else [(name, t.shape) for name, t in items])
         count = 0
@@ -210,6 +214,12 @@ class EngineCore:
             self.prefix_cache.flush()
         self.counters["weight_updates"] += 1
         return count
+
+    def _check_resident(self, what: str, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        released = sorted(self.released.intersection(tags))
+        if released:
+            raise InvalidRequest("tags", released, f"{what} needs the engine's memory, released by "
+                                 "/release_memory_occupation; /resume_memory_occupation first")
 
     def read_lora(self, name: str, path: str) -> LoraAdapter:
         """Read and check an adapter directory without registering it (any thread: the model is only read)."""
@@ -263,6 +273,9 @@ class EngineCore:
             "prefix_cache_tokens": self.prefix_cache.num_tokens,
             "prefix_cache_sequences": len(self.prefix_cache),
             "kv_cache_bytes": self.runner.cache.nbytes(),
+            "prefix_cache_bytes": self.prefix_cache.nbytes(),
+            "released_memory": sorted(self.released),
+            "device_memory_bytes": device_memory_bytes(self.runner.device),
             "model_impl": self.runner.impl,
             "loaded_loras": [adapter.describe() for adapter in self.loras.adapters.values()],
             **{f"total_{k}": v for k, v in self.counters.items()},

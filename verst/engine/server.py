@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from verst.engine import weight_group
 from verst.engine.config import IMPLS
 from verst.engine.http_errors import http_error, json_body, validated, validation_error
+from verst.engine.memory import release_memory, resume_memory
 from verst.engine.request import generate_reply
 from verst.engine.schema import ERROR_RESPONSES, PEER_RESPONSES, UNHEALTHY, install_openapi
 from verst.engine.service import (
@@ -44,6 +45,7 @@ from verst.inference_client.protocol import (
     InitWeightsUpdateGroupRequest,
     InvalidRequest,
     LoadLoraAdapterRequest,
+    MemoryOccupationRequest,
     PauseRequest,
     UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
@@ -52,6 +54,7 @@ from verst.inference_client.protocol import (
     UpdateWeightVersionRequest,
     is_batch,
 )
+from verst.inference_client.tensor_payload import deserialize_named_tensors
 from verst.monitor.stacks import arm_stack_dump
 
 log = logging.getLogger(__name__)
@@ -138,6 +141,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, f"generation probe failed: {type(exc).__name__}: {exc}")
         return Response(status_code=200) if ok else error_response(503, "the model produced non-finite logits")
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         core = state.core
@@ -202,6 +206,18 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
         await state.runner.acall(lambda core: core.resume())
         return {"success": True, "message": "Generation continued."}
 
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
+        tags = (body or MemoryOccupationRequest()).tags
+        freed = await state.runner.acall(lambda core: release_memory(core, tags))
+        return {"success": True, "message": f"Released {', '.join(freed)}.", "freed_bytes": freed}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
+        tags = (body or MemoryOccupationRequest()).tags
+        resumed = await state.runner.acall(lambda core: resume_memory(core, tags))
+        return {"success": True, "message": f"Resumed {', '.join(resumed) or 'nothing'}."}
+
     @app.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
         def apply(core):
@@ -249,11 +265,8 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest) -> Response:
-        if body.load_format != "shm":
-            return error_response(400, "load_format must be 'shm' on this engine (tensors in a /dev/shm bucket)",
-                                  "load_format", body.load_format)
-        # views of a file the engine keeps mapped: no copy here (`param.copy_(view)` in the load), so no thread
-        named = weights.read_shm_bucket(body.serialized_named_tensors[0])
+        # views of the sender's shared memory or device memory: no copy here (`param.copy_(view)` in the load)
+        named = deserialize_named_tensors(body.serialized_named_tensors[0])
         if body.lora_name is not None:
             return JSONResponse(await load_adapter(body, named))
         return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))

@@ -141,9 +141,10 @@ def _add_info_routes(app: FastAPI, engine: EngineAPI, engine_name: str, server_i
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": await engine.get_weight_version()}
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
-        return await engine.get_model_info()
+        return {**await engine.get_model_info(), "weight_version": await engine.get_weight_version()}
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:

@@ -258,11 +258,13 @@ class EngineClient:
         body = {"model_path": model_path, "weight_version": weight_version, **extra}
         return await self._post("/update_weights_from_disk", body, self.timeouts.weights)
 
-    async def update_weights_from_tensor(self, manifest: str, weight_version: str, flush_cache: bool = True,
-                                         **adapter: Any) -> dict:
-        """`manifest` from `verst.inference_client.weights.write_shm_bucket` (the sender keeps the file until this
-        returns). `adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter."""
-        body = {"serialized_named_tensors": [manifest], "load_format": "shm", "flush_cache": flush_cache,
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], weight_version: str | None,
+                                         flush_cache: bool = True, **adapter: Any) -> dict:
+        """SGLang's tensor load: one entry per tensor-parallel rank, each from
+        `verst.inference_client.tensor_payload.serialize_named_tensors` (the sender keeps the tensors alive
+        until this returns). `adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter
+        (the embedded engine's extension)."""
+        body = {"serialized_named_tensors": serialized_named_tensors, "load_format": None, "flush_cache": flush_cache,
                 "weight_version": weight_version, **adapter}
         return await self._post("/update_weights_from_tensor", body, self.timeouts.weights)
 
@@ -298,13 +300,23 @@ class EngineClient:
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         return await self._post("/unload_lora_adapter", {"lora_name": lora_name}, self.timeouts.weights)
 
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        """Give the device memory to a colocated trainer (`tags`: weights, kv_cache; None: both). SGLang answers
+        null, the embedded engine the bytes each tag freed."""
+        return await self._post("/release_memory_occupation", {"tags": tags}, self.timeouts.weights)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        """Take back what `release_memory_occupation` gave (None: every released tag)."""
+        return await self._post("/resume_memory_occupation", {"tags": tags}, self.timeouts.weights)
+
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
         body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
         return await self._post("/update_weight_version", body, self.timeouts.control)
 
     # ---- state (idempotent GETs, retried) ---------------------------------------------------------------
     async def get_weight_version(self) -> str:
-        return str((await self._get("/get_weight_version"))["weight_version"])
+        """From `/model_info`: SGLang 0.5.9 answers `/get_weight_version` with a 404 pointing there."""
+        return str((await self._get("/model_info"))["weight_version"])
 
     async def get_model_info(self) -> dict[str, Any]:
         return await self._get("/get_model_info")

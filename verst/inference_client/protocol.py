@@ -366,10 +366,12 @@ class AdapterPush(WireModel):
 
 
 class UpdateWeightsFromTensorRequest(AdapterPush):
-    """`serialized_named_tensors`: one manifest per tensor-parallel rank (one here); see `weights.py`."""
+    """`serialized_named_tensors`: one entry per tensor-parallel rank (one here), SGLang's pickled list of
+    (name, tensor); see `tensor_payload.py`."""
 
     serialized_named_tensors: list[str] = Field(..., min_length=1, max_length=1)
-    load_format: Literal["shm"] | None = Field(None, description="Only the /dev/shm bucket scheme ('shm').")
+    load_format: None = Field(None, description="SGLang's default format only: the entry is a list of (name, "
+                              "tensor) copied into the parameters of those names.")
     flush_cache: bool = True
     weight_version: str | None = Field(None, min_length=1)
     abort_all_requests: bool = False
@@ -452,6 +454,15 @@ class LoadLoraAdapterRequest(WireModel):
 
 class UnloadLoraAdapterRequest(WireModel):
     lora_name: str = Field(..., min_length=1)
+
+
+class MemoryOccupationRequest(WireModel):
+    """SGLang's `/release_memory_occupation` and `/resume_memory_occupation`: what to give back to (or take
+    back from) a colocated trainer."""
+
+    tags: list[Literal["weights", "kv_cache"]] | None = Field(
+        None, description="weights: the model's weights leave the device; kv_cache: the KV storage and prefix cache "
+                          "are dropped. None: both (release), or every released one (resume).")
 
 
 class UpdateWeightVersionRequest(WireModel):

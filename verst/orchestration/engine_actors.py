@@ -5,6 +5,7 @@ health; `EngineActorGroup` is the driver's handle.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import ray
 from verst.config.imports import import_plugins
 from verst.engine.process import EngineProcess
 from verst.engine_kinds.kinds import engine_kind
+from verst.inference_client.client import EngineClient
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, Role, current_bundle
 
@@ -92,22 +94,24 @@ class EngineServer:
             return False
 
     def release_memory(self) -> bool:
-        """Colocated placement: give the device memory back while the trainer steps. Returns whether
-        anything was released.
-
-        On CPU there is nothing to release: the engine's KV blocks are ordinary process memory and the
-        trainer and engine share the machine's RAM anyway. The embedded engine has no GPU release
-        either; an SGLang engine will call `release_memory_occupation` here. Generation is not running
-        while the trainer steps in the schedules that colocate (the loop's pause/flush does that).
-        """
-        return False
+        """Colocated placement: the server gives its memory to the trainer while it steps (weights and KV
+        cache: SGLang's `/release_memory_occupation`); generation has finished when the sync schedule calls
+        this (the run decides whether to: `verst.run.training.DeviceShare`)."""
+        asyncio.run(_call_server(self.server.url, lambda client: client.release_memory_occupation()))
+        return True
 
     def resume_memory(self) -> bool:
-        """Undo `release_memory` (reload weights and KV cache onto the device); see there."""
-        return False
+        """Undo `release_memory`: weights back on the device, the KV cache grown again as requests need it."""
+        asyncio.run(_call_server(self.server.url, lambda client: client.resume_memory_occupation()))
+        return True
 
     def stop(self) -> None:
         self.server.stop()
+
+
+async def _call_server(url: str, call: Any) -> Any:
+    async with EngineClient(url) as client:
+        return await call(client)
 
 
 _RemoteEngineServer = ray.remote(max_restarts=0, max_task_retries=0)(EngineServer)
@@ -198,6 +202,8 @@ class EngineActorGroup:
         return dict(zip(self.urls, self._all("health", 30.0)))
 
     def release_memory(self) -> list[bool]:
+        """Colocated: each engine gives its memory to the trainer while it steps (the run asks only where the
+        engines are idle then and their kind releases memory); per engine, whether it did."""
         return self._all("release_memory", 120.0)
 
     def resume_memory(self) -> list[bool]:

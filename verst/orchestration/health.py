@@ -216,7 +216,7 @@ async def _load_adapter(url: str, name: str, path: str) -> None:
 async def _check_version(url: str, version: int) -> None:
     """The restarted engine must report the version the others serve before it is admitted."""
     async with httpx.AsyncClient() as http:
-        response = await http.get(f"{url}/get_weight_version", timeout=30.0)
+        response = await http.get(f"{url}/model_info", timeout=30.0)  # SGLang's route for the version
         response.raise_for_status()
         served = str(response.json()["weight_version"])
     if served != str(version):

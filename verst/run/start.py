@@ -18,6 +18,7 @@ from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
 from verst.config.adapters import adapter_names, adapter_run_config
+from verst.config.registries import ENGINE_KINDS
 from verst.eval.fleet import EvalFleet, open_eval_fleet
 from verst.eval.local import run_tokenizer
 from verst.inference_client.client import Timeouts
@@ -185,12 +186,20 @@ def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, s
     evaluator = Evaluator(cfg, lanes, rollouts.router_url, served_version=lambda: weights.version,
                           trainer_version=version.get, record=monitor.log_evaluation, snapshots=snapshots,
                           fleet=eval_fleet)
-    colocated = actors.engines if cfg.cluster.placement == "colocated" else None
-    trainer = TrainerGroup(actors.trainer, guard, DeviceShare(colocated, evaluator.settle_on_engines), started_at)
+    trainer = TrainerGroup(actors.trainer, guard, DeviceShare(shared_engines(cfg, actors.engines),
+                                                              evaluator.settle_on_engines), started_at)
     checkpointer = Checkpointer(cfg, run_dir, actors.trainer, rollouts,
                                 1 if actors.lane_cfgs else plan.train_steps_per_rollout)
     return RLRun(cfg, plan, rollouts=rollouts, trainer=trainer, weights=weights, evaluator=evaluator,
                  checkpointer=checkpointer, monitor=monitor, version=version)
+
+
+def shared_engines(cfg: VerstConfig, engines: Any) -> Any:
+    """The engines that give their device memory to the trainer around each step: colocated, under the sync
+    schedule (one-step-off generates while the trainer steps, so its engines keep theirs), of a kind that
+    releases memory; None otherwise."""
+    colocated = cfg.cluster.placement == "colocated" and cfg.schedule == "sync"
+    return engines if colocated and ENGINE_KINDS.entry(cfg.cluster.engine).releases_memory else None
 
 
 def sampling_temperature(cfg: VerstConfig) -> float:
