@@ -24,7 +24,7 @@ from verst.models.factory import init_model
 from verst.sync import build_syncer
 from verst.trainer import FSDP2Backend
 
-LAUNCHER = ["-m", "verst.engines.sglang_launcher"]
+LAUNCHER = ["-m", "verst.engine_kinds.sglang_launcher"]
 
 
 def start_mock(model, tmp_path, flags=(), log=None):
