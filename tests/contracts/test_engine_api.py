@@ -18,7 +18,7 @@ import torch
 from tests.lora_adapters import make_adapter
 from verst.engine.core import EngineConfig, EngineCore
 from verst.engine.process import BackgroundServer
-from verst.inference_client.protocol import JOIN_TIMEOUT_S, MAX_WORLD_SIZE
+from verst.inference_client.weight_protocol import JOIN_TIMEOUT_S, MAX_WORLD_SIZE
 from verst.models.factory import init_model
 from verst.models.loader import load_model_and_tokenizer
 
@@ -316,7 +316,7 @@ def test_a_master_address_that_does_not_resolve_is_named_at_once(http):
 def test_the_join_timeout_defaults_to_the_documented_short_one(http):
     """A join without timeout_s gives up after JOIN_TIMEOUT_S (30 s, docs/engine-api.md), not minutes; the
     published schema says so too."""
-    from verst.inference_client.protocol import InitWeightsUpdateGroupRequest
+    from verst.inference_client.weight_protocol import InitWeightsUpdateGroupRequest
 
     assert JOIN_TIMEOUT_S <= 30
     assert InitWeightsUpdateGroupRequest.model_validate(GROUP).timeout_s == JOIN_TIMEOUT_S

@@ -15,19 +15,20 @@ import pytest
 
 from tests.contracts import sglang_schema as sg
 from verst.inference_client import protocol as p
+from verst.inference_client import weight_protocol as wp
 from verst.inference_client.client import EngineClient
 
 MODELS: dict[str, type[p.WireModel]] = {
-    "GenerateReqInput": p.GenerateRequest, "UpdateWeightFromDiskReqInput": p.UpdateWeightsFromDiskRequest,
-    "UpdateWeightsFromDistributedReqInput": p.UpdateWeightsFromDistributedRequest,
-    "UpdateWeightsFromTensorReqInput": p.UpdateWeightsFromTensorRequest,
-    "InitWeightsUpdateGroupReqInput": p.InitWeightsUpdateGroupRequest,
-    "DestroyWeightsUpdateGroupReqInput": p.DestroyWeightsUpdateGroupRequest,
-    "UpdateWeightVersionReqInput": p.UpdateWeightVersionRequest, "PauseGenerationReqInput": p.PauseRequest,
-    "AbortReq": p.AbortRequest, "LoadLoRAAdapterReqInput": p.LoadLoraAdapterRequest,
-    "UnloadLoRAAdapterReqInput": p.UnloadLoraAdapterRequest,
-    "ReleaseMemoryOccupationReqInput": p.MemoryOccupationRequest,
-    "ResumeMemoryOccupationReqInput": p.MemoryOccupationRequest,
+    "GenerateReqInput": p.GenerateRequest, "UpdateWeightFromDiskReqInput": wp.UpdateWeightsFromDiskRequest,
+    "UpdateWeightsFromDistributedReqInput": wp.UpdateWeightsFromDistributedRequest,
+    "UpdateWeightsFromTensorReqInput": wp.UpdateWeightsFromTensorRequest,
+    "InitWeightsUpdateGroupReqInput": wp.InitWeightsUpdateGroupRequest,
+    "DestroyWeightsUpdateGroupReqInput": wp.DestroyWeightsUpdateGroupRequest,
+    "UpdateWeightVersionReqInput": wp.UpdateWeightVersionRequest, "PauseGenerationReqInput": p.PauseRequest,
+    "AbortReq": p.AbortRequest, "LoadLoRAAdapterReqInput": wp.LoadLoraAdapterRequest,
+    "UnloadLoRAAdapterReqInput": wp.UnloadLoraAdapterRequest,
+    "ReleaseMemoryOccupationReqInput": wp.MemoryOccupationRequest,
+    "ResumeMemoryOccupationReqInput": wp.MemoryOccupationRequest,
 }
 
 # Fields the embedded engine takes that this SGLang release does not: verst's extensions.
@@ -152,7 +153,7 @@ def test_sampling_params_use_sglang_names_and_defaults():
         ours = info.get_default(call_default_factory=True)
         assert ours == fields[name][1] or ours == [] and fields[name][1] is None, name
     assert p.PauseRequest.model_json_schema()["properties"]["mode"]["enum"] == list(sg.PAUSE_MODES)
-    tags = p.MemoryOccupationRequest.model_json_schema()["properties"]["tags"]["anyOf"][0]["items"]["enum"]
+    tags = wp.MemoryOccupationRequest.model_json_schema()["properties"]["tags"]["anyOf"][0]["items"]["enum"]
     assert tags == list(sg.MEMORY_TAGS)
 
 

@@ -4,7 +4,7 @@ without its C++ stack, and what to check (`verst.engine.weight_group.peer_failed
 import json
 
 from verst.engine.weight_group import peer_failed
-from verst.inference_client.protocol import InitWeightsUpdateGroupRequest
+from verst.inference_client.weight_protocol import InitWeightsUpdateGroupRequest
 
 BODY = InitWeightsUpdateGroupRequest(master_address="trainer-0", master_port=29500, rank_offset=2, world_size=3,
                                      group_name="g")

@@ -6,27 +6,20 @@ in order), plus the rules that need what the run finds at start-up (the device, 
 
 from __future__ import annotations
 
+import functools
 import inspect
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from verst.config.adapters import adapter_run_config
 from verst.config.arithmetic import batch_plan
+from verst.config.devices import on_cuda
 from verst.config.engine_flags import flag_argv
 from verst.config.inputs import ModelConfig, RewardConfig, RolloutConfig
 from verst.config.registries import ADVANTAGE_ESTIMATORS, ENGINE_KINDS, NO_CORRECTION, WEIGHT_TRANSPORTS
-from verst.config.runtime import (
-    CheckpointConfig,
-    ClusterConfig,
-    EvalConfig,
-    FaultConfig,
-    SyncConfig,
-    TeacherConfig,
-)
+from verst.config.runtime import CheckpointConfig, ClusterConfig, EvalConfig, FaultConfig, SyncConfig, TeacherConfig
 from verst.config.section import Section
 from verst.config.training import AlgorithmConfig, CriticConfig, LoraConfig, TrainerConfig
 
@@ -211,10 +204,9 @@ def engine_takes_the_transport(cluster: ClusterConfig, sync: SyncConfig) -> None
 
 def colocated_engines_release_memory(cluster: ClusterConfig, vllm: dict[str, Any], sglang: dict[str, Any]) -> None:
     """Colocated, the engines give their memory to the trainer around each step; some need a flag for it."""
-    flag = ENGINE_KINDS.entry(cluster.engine).memory_flag
-    table = ENGINE_KINDS.entry(cluster.engine).flags_table
-    given = {"vllm": vllm, "sglang": sglang}.get(table or "", {})
-    if cluster.placement == "colocated" and flag and not _flag_given(given, flag):
+    entry = ENGINE_KINDS.entry(cluster.engine)
+    flag, table = entry.memory_flag, entry.flags_table
+    if cluster.placement == "colocated" and flag and not _flag_given({"vllm": vllm, "sglang": sglang}, table, flag):
         raise ValueError(f"cluster.placement = 'colocated' with cluster.engine = {cluster.engine!r} needs "
                          f"{table}.{flag} = true: verst has the engines release their device memory around each train "
                          f"step, which {cluster.engine} does only with that flag; or use cluster.placement = "
@@ -229,8 +221,7 @@ def engine_loads_lora(cluster: ClusterConfig, lora: LoraConfig, vllm: dict[str, 
     if not entry.lora:
         raise ValueError(f"lora.enabled = true is not supported with cluster.engine = {cluster.engine!r} (verst does "
                          f"not load adapters into it); use cluster.engine = {_engines_with('lora')}")
-    given = {"vllm": vllm, "sglang": sglang}.get(entry.flags_table or "", {})
-    if entry.lora_flag and not _flag_given(given, entry.lora_flag):
+    if entry.lora_flag and not _flag_given({"vllm": vllm, "sglang": sglang}, entry.flags_table, entry.lora_flag):
         raise ValueError(f"lora.enabled = true with cluster.engine = {cluster.engine!r} needs "
                          f"{entry.flags_table}.{entry.lora_flag} = true ({cluster.engine} loads adapters only with LoRA "
                          "enabled at start-up)")
@@ -398,13 +389,17 @@ RULES: tuple[Callable[..., None], ...] = (
     eval_fleet_or_backend, reward_source_has_its_setting, group_rewards_need_a_group_fn, adapters_train_with_lora,
     adapters_on_a_multi_lora_schedule, adapters_train_one_policy_each, every_adapter_is_a_valid_run,
 )
-_PARAMETERS = {rule: tuple(inspect.signature(rule).parameters) for rule in RULES}
 
 
-def check_rules(config: Section) -> None:
-    """Every rule over `config`, in order; the first broken one raises."""
-    for rule in RULES:
-        rule(**{name: config if name == "config" else getattr(config, name) for name in _PARAMETERS[rule]})
+def check_rules(config: Section, rules: tuple[Callable[..., None], ...] = RULES) -> None:
+    """Every rule over `config`, in order, each given the sections it names; the first broken one raises."""
+    for rule in rules:
+        rule(**{name: config if name == "config" else getattr(config, name) for name in _parameters(rule)})
+
+
+@functools.cache
+def _parameters(rule: Callable[..., None]) -> tuple[str, ...]:
+    return tuple(inspect.signature(rule).parameters)
 
 
 # ---- rules of what the run finds at start-up, and of `verst sft` --------------------------------------
@@ -441,27 +436,13 @@ SFT_RULES: tuple[Callable[..., None], ...] = (sft_trains_one_policy,)
 
 
 def check_sft_rules(config: Section) -> None:
-    for rule in SFT_RULES:
-        rule(**{name: getattr(config, name) for name in inspect.signature(rule).parameters})
+    check_rules(config, SFT_RULES)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def on_cuda(device: str) -> bool:
-    """Whether `cluster.device` means CUDA here: 'cuda', or 'auto' on a machine with an NVIDIA GPU (its device
-    files; torch is not imported to find out)."""
-    if device != "auto":
-        return device == "cuda"
-    return cuda_visible()
-
-
-def cuda_visible() -> bool:
-    """An NVIDIA GPU is visible to this process (the driver's device files), without importing torch."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return Path("/dev/nvidiactl").exists() and any(Path("/dev").glob("nvidia[0-9]*"))
-
-
-def _flag_given(values: dict[str, Any], name: str) -> bool:
+def _flag_given(tables: dict[str, dict[str, Any]], table: str | None, name: str) -> bool:
+    """Whether the pass-through `table` sets the bare flag `name` (dashes or underscores)."""
+    values = tables.get(table or "", {})
     return any(key.replace("_", "-") == name and value is True for key, value in values.items())
 
 

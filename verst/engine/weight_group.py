@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from verst.engine.service import error_response
 from verst.inference_client import weights
-from verst.inference_client.protocol import InitWeightsUpdateGroupRequest
+from verst.inference_client.weight_protocol import InitWeightsUpdateGroupRequest
 
 MASTER = "the group's master (rank 0, the trainer)"
 REACH_RETRY_S = 0.2

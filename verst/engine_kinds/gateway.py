@@ -35,10 +35,9 @@ from verst.inference_client.protocol import (
     GenerateRequest,
     InvalidRequest,
     PauseRequest,
-    UpdateWeightsFromDiskRequest,
-    UpdateWeightVersionRequest,
     is_batch,
 )
+from verst.inference_client.weight_protocol import UpdateWeightsFromDiskRequest, UpdateWeightVersionRequest
 
 log = logging.getLogger("verst.engine_kinds.gateway")
 _stopping = threading.Event()  # set once the gateway itself stops the vLLM server
