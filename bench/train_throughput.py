@@ -1,8 +1,10 @@
 """Train-step throughput: verst's FSDP2 backend (1 rank, then 2 ranks) against a plain transformers +
 AdamW loop on the same model and batch, measured in one run, and verst with activation checkpointing
 (`trainer.gradient_checkpointing`). Target: verst overhead <= 15% on the tiny models, <= 5% on a real one
-(`--model smollm2`: SmolLM2-135M-Instruct; or `--model PATH`, any HF checkpoint directory). Prints the peak
-RSS of this process (the plain loop and the 1-rank backends) and of the 2-rank actors.
+(`--model smollm2`: SmolLM2-135M-Instruct; or `--model PATH`, any HF checkpoint directory). Every variant gets
+the same cores (`--cores N`, default all): one thread per core in one process, or half of them per rank,
+each rank pinned to its half. Prints the peak RSS of this process (the plain loop and the 1-rank backends)
+and of the 2-rank actors.
 
     .venv/bin/python bench/train_throughput.py [--arch qwen3] [--size small] [--steps 4] [--ranks 1,2]
     .venv/bin/python bench/train_throughput.py --model smollm2 --batch 16 --steps 3 --ranks 1
@@ -22,11 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
+from _cores import bench_cores, describe, pin_here  # noqa: E402
 from _memory import PeakMemory, peak_rss_mib  # noqa: E402
 from _models import resolve_model  # noqa: E402
 
@@ -34,6 +36,7 @@ from verst.config.schema import ClusterConfig, ModelConfig, TrainerConfig  # noq
 from verst.engine.weights import safetensors_files, safetensors_shapes  # noqa: E402
 from verst.models.factory import init_model  # noqa: E402
 from verst.orchestration import Orchestration  # noqa: E402
+from verst.run.cores import split_among  # noqa: E402
 from verst.trainer import FSDP2Backend, TrainItem, sft_loss_fn  # noqa: E402
 
 
@@ -134,10 +137,11 @@ def one_rank(path: Path, args, items: list[TrainItem]) -> dict[str, tuple[float,
 
 
 def two_ranks(path: Path, args, items: list[TrainItem]) -> tuple[tuple[float, float], dict[str, float]]:
-    """Two rank actors on a local Ray, as `verst sft` starts them with cluster.trainer_ranks = 2."""
+    """Two rank actors on a local Ray, as `verst sft` starts them with cluster.trainer_ranks = 2: the same
+    cores as the one-rank variants, split between the two ranks (each pinned to its half)."""
     factory = functools.partial(FSDP2Backend, ModelConfig(path=str(path)), trainer_config(args), device="cpu")
     with PeakMemory() as memory, Orchestration(ClusterConfig(trainer_ranks=2, device="cpu"), engines=False) as orch:
-        group = orch.start_trainer(factory)
+        group = orch.start_trainer(factory, shares=list(split_among(args.cores, 2)))
         timing = interleaved({"verst2": lambda: group.train_step(items, sft_loss_fn)}, args.steps)["verst2"]
         memory.poll()
     return timing, memory.by_role()
@@ -178,7 +182,7 @@ def report(name: str, args, tokens: int, one: dict, two: tuple | None) -> None:
     if two is not None:
         (two_s, _), memory = two
         print(f"verst FSDP2, 2 ranks       : {tokens / two_s:9.1f} tokens/s  ({two_s * 1e3:.0f} ms/step, "
-              f"{os.cpu_count()} CPU cores)")
+              f"{describe(args.cores)})")
         print("  peak RSS: " + ", ".join(f"{role} {mib:.0f} MiB" for role, mib in memory.items() if role != "driver"))
 
 
@@ -196,8 +200,14 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2", help="1: the in-process variants; 2: two rank actors on Ray")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="skip the variant with activation checkpointing")
+    parser.add_argument("--cores", type=int, default=None, help="CPU cores every variant gets (default: all): the "
+                        "plain loop and the 1-rank backends one thread per core, the 2 ranks half of them each")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    args.cores = bench_cores(args.cores)
+    pin_here(args.cores)
+    torch.set_num_threads(len(args.cores))
+    print(f"every variant on {describe(args.cores)}: the plain loop and 1 rank with {len(args.cores)} torch threads, "
+          f"2 ranks with {' + '.join(str(s.threads) for s in split_among(args.cores, 2))}")
     from transformers import AutoConfig
     from transformers.utils import logging
 

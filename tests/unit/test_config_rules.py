@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from verst.config import ConfigError, load_config
+from verst.config.core_rules import cores_exist
 from verst.config.registries import ENGINE_KINDS, WEIGHT_TRANSPORTS
 from verst.config.rules import (
     RULES,
@@ -108,6 +109,14 @@ CASES: dict[str, tuple[list[str], str]] = {
                                           r"lora.adapters \(multi-LoRA\) with schedule = 'one_step_off'"),
     "adapters_train_one_policy_each": ([*ADAPTERS, "--checkpoint.merge-lora", "true"],
                                        r"checkpoint.merge_lora = true with lora.adapters"),
+    "core_budget_is_for_the_cpu": (["--cluster.device", "cuda", "--cluster.cores", "4"],
+                                   r"cluster.cores = 4 set the CPU's core budget, and cluster.device = 'cuda'"),
+    "core_budget_is_one_machines": (["--cluster.ray-address", "10.0.0.1:6379", "--cluster.trainer-threads", "2"],
+                                    r"cluster.trainer_threads = 2 plan the cores of the machine the run starts on"),
+    "engine_takes_its_core_share": ([*VLLM, "--cluster.engine-threads", "2"],
+                                    r"cluster.engine_threads = 2 with cluster.engine = 'vllm': that engine sets its own"),
+    "true_on_policy_trains_on_one_thread": (["--algorithm.true-on-policy", "true", "--cluster.trainer-threads", "2"],
+                                            r"cluster.trainer_threads = 2 with algorithm.true_on_policy = true"),
     "every_adapter_is_a_valid_run": ([*ADAPTERS, "--lora.adapters", "[{name: add, batch_size: 3, global_batch_size: 16}]"],
                                      r"lora.adapters\[0\] \('add'\): .*3 × 8 = 24 samples per rollout"),
 }
@@ -133,6 +142,13 @@ def test_rules_of_what_the_run_finds_at_start_up():
     transport_reaches_the_engines("distributed", "10.0.0.1", ["10.0.0.2"])  # a broadcast crosses machines
     with pytest.raises(ValueError, match=r"engine\(s\) \[0\] were placed on \['10.0.0.2'\]"):
         transport_reaches_the_engines("tensor", "10.0.0.1", ["10.0.0.2", "10.0.0.1"])
+
+
+def test_core_count_against_the_machine():
+    cores_exist(None, (0, 1))
+    cores_exist(2, (0, 1))
+    with pytest.raises(ValueError, match=r"cluster.cores = 3, but this process may run on 2 core\(s\) \(\[0, 1\]\)"):
+        cores_exist(3, (0, 1))
 
 
 def test_rules_of_sft():

@@ -47,6 +47,7 @@ class EngineEntry(Entry):
     routed_experts: bool = False  # returns the routed experts of every token (algorithm.routing_replay)
     true_on_policy: bool = False  # scores with the trainer's own per-sequence forward (algorithm.true_on_policy)
     model_impl: bool = False  # runs verst's model classes (model.impl chooses one)
+    cpu_share: bool = False  # on CPU, takes its cores and torch threads from the run (cluster.cores), also mid-run
     flags_table: str | None = None  # its pass-through table of server flags ([vllm], [sglang])
     owned_flags: tuple[str, ...] = ()  # server flags verst sets from its own config, refused in the table
 
@@ -107,7 +108,7 @@ _KINDS = "verst.engine_kinds.kinds"
 ENGINE_KINDS.add("embedded", EngineEntry(
     f"{_KINDS}:EMBEDDED", "verst's own engine (PyTorch, continuous batching, prefix cache)",
     transports=("distributed", "tensor", "disk"), lora=True, adapter_tensors=True, releases_memory=True,
-    cuda_ipc=True, routed_experts=True, true_on_policy=True, model_impl=True))
+    cuda_ipc=True, routed_experts=True, true_on_policy=True, model_impl=True, cpu_share=True))
 ENGINE_KINDS.add("vllm", EngineEntry(
     f"{_KINDS}:VLLM", "vLLM behind verst's gateway (its own environment, `make vllm`)",
     transports=("disk",), transport_note="vLLM takes new weights from disk here (collective_rpc reload_weights); its "

@@ -1,8 +1,7 @@
 """Every rule that ties config fields together, one named function each, checked when a config loads (`RULES`,
-in order), plus the rules that need what the run finds at start-up (the device, the placement) and the ones
-`verst sft` adds. A rule takes the sections it reads by name (`config`: the whole tree) and raises
-`ValueError` naming each field and its value, and what would work instead.
-"""
+in order; the core budget's in `core_rules`), plus the rules that need what the run finds at start-up (the device,
+the placement) and the ones `verst sft` adds. A rule takes the sections it reads by name (`config`: the whole
+tree) and raises `ValueError` naming each field and its value, and what would work instead."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from pydantic import ValidationError
 
 from verst.config.adapters import adapter_run_config
 from verst.config.arithmetic import batch_plan
+from verst.config.core_rules import CORE_RULES
 from verst.config.devices import on_cuda
 from verst.config.engine_flags import flag_argv
 from verst.config.inputs import ModelConfig, RewardConfig, RolloutConfig
@@ -387,7 +387,7 @@ RULES: tuple[Callable[..., None], ...] = (
     adapter_tensors_need_an_engine_that_loads_them, model_impl_is_the_embedded_engines, engine_flags_go_to_their_engine,
     colocated_broadcast_needs_a_gpu_each, cuda_ipc_needs_an_engine_that_takes_it,
     eval_fleet_or_backend, reward_source_has_its_setting, group_rewards_need_a_group_fn, adapters_train_with_lora,
-    adapters_on_a_multi_lora_schedule, adapters_train_one_policy_each, every_adapter_is_a_valid_run,
+    adapters_on_a_multi_lora_schedule, adapters_train_one_policy_each, every_adapter_is_a_valid_run, *CORE_RULES,
 )
 
 

@@ -56,6 +56,15 @@ class ClusterConfig(Section):
         "auto", description="sglang-router in front of the engines: auto uses it for two or more engines and calls "
         "a single engine directly (a router hop there costs throughput and routes nothing); always uses it anyway."
     )
+    cores: int | None = Field(
+        None, ge=1, description="CPU: how many of the cores this process may run on the run divides between the "
+        "trainer ranks and the embedded engines, each process pinned to its share (None: all of them). A side "
+        "computing alone (sync) gets every core in turn; one_step_off and fully_async split them, re-split from "
+        "each side's measured work (docs/cluster.md, 'Cores and threads on CPU').")
+    trainer_threads: int | None = Field(
+        None, ge=1, description="CPU: each trainer rank's torch threads, on its planned cores (None: one per core).")
+    engine_threads: int | None = Field(
+        None, ge=1, description="CPU: each embedded engine's torch threads, on its planned cores (None: one per core).")
 
     @field_validator("ray_address")
     @classmethod

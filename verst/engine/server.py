@@ -43,8 +43,13 @@ from verst.inference_client.protocol import (
     PauseRequest,
     is_batch,
 )
-from verst.inference_client.weight_protocol import MemoryOccupationRequest, UpdateWeightVersionRequest
+from verst.inference_client.weight_protocol import (
+    MemoryOccupationRequest,
+    SetCoresRequest,
+    UpdateWeightVersionRequest,
+)
 from verst.monitor.stacks import arm_stack_dump
+from verst.types.cores import CoreShare, take_share, usable_cores
 
 log = logging.getLogger(__name__)
 ENGINE_VERSION = "verst-engine-0.1"
@@ -155,7 +160,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "return_routed_experts": config.return_routed_experts, "dp_size": 1, "tp_size": 1,
             "weight_version": stats["weight_version"], "step_errors": state.runner.step_errors,
             "busy_seconds": state.runner.busy_seconds, "max_loaded_loras": config.max_loaded_loras,
-            "loaded_loras": stats["loaded_loras"],
+            "loaded_loras": stats["loaded_loras"], "torch_threads": state.runner.torch_threads,
+            "cpu_cores": list(usable_cores()),
             "uptime_seconds": time.monotonic() - state.runner.started_at,
             "internal_states": [stats],
         }
@@ -207,6 +213,18 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
         resumed = await state.runner.acall(lambda core: resume_memory(core, tags))
         return {"success": True, "message": f"Resumed {', '.join(resumed) or 'nothing'}."}
 
+    @app.post("/set_cores")
+    async def set_cores(body: SetCoresRequest) -> dict[str, Any]:
+        share = CoreShare(tuple(sorted(set(body.cores))), body.threads)
+        if share.cores[-1] >= (os.cpu_count() or 1):
+            raise InvalidRequest("cores", body.cores, f"this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
+        try:  # on the engine thread: torch's thread count is the calling thread's
+            await state.runner.acall(lambda core: take_share(share))
+        except OSError as exc:  # a core this machine does not have, or one the process may not use
+            raise InvalidRequest("cores", body.cores, f"cannot run there: {exc.strerror}") from None
+        state.runner.torch_threads = share.threads
+        return {"success": True, "cores": list(share.cores), "threads": share.threads}
+
     @app.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
         def apply(core):
@@ -237,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report each output's logprobs from the trainer's forward over the whole sequence alone "
                         "(bitwise equal to the trainer's; native model, float32, CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
-    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the forward (CPU)")
+    p.add_argument("--cpu-cores", default=None, metavar="IDS",
+                   help="comma-separated CPU ids every thread of the server runs on (default: where it was started)")
     p.add_argument("--disable-priority-preemption", action="store_true",
                    help="a waiting request of a higher priority waits for free slots instead of retracting "
                    "running lower-priority ones")
@@ -255,6 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     return p
+
+
+def parse_cores(text: str) -> tuple[int, ...]:
+    """`--cpu-cores`: "0,1,4" -> (0, 1, 4)."""
+    try:
+        cores = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise SystemExit(f"--cpu-cores {text!r}: give comma-separated CPU ids, e.g. 0,1") from None
+    if not cores or min(cores) < 0:
+        raise SystemExit(f"--cpu-cores {text!r}: give comma-separated CPU ids, e.g. 0,1")
+    return cores
 
 
 def uvicorn_config(app: FastAPI, log_level: str = "warning") -> Any:
@@ -279,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("verst").setLevel(min(logging.INFO, logging.getLevelName(args.log_level.upper())))
-    torch.set_num_threads(args.torch_threads)
+    if args.cpu_cores:
+        take_share(CoreShare(parse_cores(args.cpu_cores), args.torch_threads))
+    else:
+        torch.set_num_threads(args.torch_threads)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     model = load_causal_lm(args.model, args.model_impl, args.dtype, args.device, args.trust_remote_code)
     check_vocab(tokenizer, model)

@@ -300,6 +300,10 @@ class EngineClient:
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         return await self._post("/unload_lora_adapter", {"lora_name": lora_name}, self.timeouts.weights)
 
+    async def set_cores(self, cores: list[int], threads: int) -> Any:
+        """The embedded engine computes on `cores` with `threads` torch threads from now on (verst's route)."""
+        return await self._post("/set_cores", {"cores": cores, "threads": threads}, self.timeouts.control)
+
     async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
         """Give the device memory to a colocated trainer (`tags`: weights, kv_cache; None: both). SGLang answers
         null, the embedded engine the bytes each tag freed."""

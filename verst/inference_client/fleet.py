@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from verst.inference_client.client import EngineClient, EngineError, Timeouts
+from verst.types.cores import CoreShare
 
 T = TypeVar("T")
 
@@ -59,6 +60,14 @@ class EngineFleet:
 
     async def flush_cache(self) -> dict[str, Any]:
         return await self.each("flush_cache", lambda c: c.flush_cache())
+
+    async def set_cores(self, shares: list[CoreShare]) -> dict[str, Any]:
+        """Engine i computes on `shares[i]` from now on (the embedded engine's `/set_cores`)."""
+        if len(shares) != len(self.urls):
+            raise ValueError(f"{len(shares)} core shares for {len(self.urls)} engines")
+        by_url = dict(zip(self.urls, shares))
+        return await self.each("set_cores", lambda c: c.set_cores(list(by_url[c.base_url].cores),
+                                                                 by_url[c.base_url].threads))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict[str, Any]:
         return await self.each("update_weights_from_disk",

@@ -139,3 +139,11 @@ class MemoryOccupationRequest(WireModel):
 class UpdateWeightVersionRequest(WireModel):
     new_version: str = Field(..., min_length=1)
     abort_all_requests: bool = False
+
+
+class SetCoresRequest(WireModel):
+    """verst's `/set_cores` (the embedded engine on CPU): the cores it computes on from now on and its torch
+    intra-op threads, as the run's core budget hands them out."""
+
+    cores: list[Annotated[int, Field(ge=0)]] = Field(..., min_length=1, description="CPU ids (the process's affinity)")
+    threads: int = Field(..., ge=1, le=1024, description="torch intra-op threads of the engine's forward")

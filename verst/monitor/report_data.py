@@ -215,6 +215,21 @@ def time_breakdown(run: Run) -> dict[str, dict[float, float]]:
     return parts
 
 
+# Whose threads compute each part of a step (the core budget's perf/*_threads, CPU runs).
+PART_THREADS = {"generate": "perf/engine_threads", "wait for data": "perf/engine_threads",
+                "old logprobs": "perf/trainer_threads", "train": "perf/trainer_threads"}
+
+
+def part_threads(run: Run) -> dict[str, dict[float, float]]:
+    """Per part of `time_breakdown`, the torch threads that computed it at each step (where logged)."""
+    out = {}
+    for label, key in PART_THREADS.items():
+        s = run.get(key)
+        if s is not None:
+            out[label] = dict(zip(s.steps, s.values))
+    return out
+
+
 def startup_phases(run: Run) -> dict[str, float]:
     """`time/startup/<phase>_s` as {phase: seconds}, plus 'total' (`time/startup_s`) when logged."""
     out = {k.removeprefix("time/startup/").removesuffix("_s"): s.values[-1]

@@ -30,6 +30,7 @@ from verst.orchestration.placement import BundlePlan, Placement, Role, plan_bund
 from verst.orchestration.ray_session import RaySession
 from verst.rollout.manager import PartsFactory, RolloutManager, RouterSpec
 from verst.types import Group
+from verst.types.cores import CoreShare
 
 
 class Orchestration:
@@ -89,22 +90,25 @@ class Orchestration:
         self.shutdown()
 
     # ---- the actor groups ----------------------------------------------------------------
-    def start_trainer(self, factory: Callable[[], Any], *, wait: bool = True):
+    def start_trainer(self, factory: Callable[[], Any], *, wait: bool = True, shares: list[CoreShare] | None = None):
         """`cluster.trainer_ranks` rank actors hosting `factory()` (see `TrainerActorGroup`). With
-        `wait=False` they start in the background until the group's first call or `wait_ready()`."""
+        `wait=False` they start in the background until the group's first call or `wait_ready()`. `shares`:
+        on CPU, each rank's cores and threads."""
         from verst.orchestration.trainer_actors import TrainerActorGroup
 
         group = TrainerActorGroup(factory, self._placed(), device=self.device, timeout_s=self.timeout_s,
-                                  start_timeout_s=self.start_timeout_s, wait=wait)
+                                  start_timeout_s=self.start_timeout_s, wait=wait, shares=shares)
         self._stack.append(group)
         return group
 
-    def start_engines(self, model: str | Path, *, args: list[str] | None = None, wait: bool = True) -> EngineActorGroup:
+    def start_engines(self, model: str | Path, *, args: list[str] | None = None, wait: bool = True,
+                      shares: list[CoreShare] | None = None) -> EngineActorGroup:
         """`cluster.num_engines` engine actors serving `model`; `args` go to the server command line.
-        With `wait=False` the servers start in the background until `group.wait_ready()`."""
+        With `wait=False` the servers start in the background until `group.wait_ready()`. `shares`: on CPU,
+        each engine's cores and threads (an engine kind that takes them)."""
         if not self.engines:
             raise RuntimeError("this orchestration was planned without engines (engines=False)")
-        return self._engine_group(model, args, wait, "engine")
+        return self._engine_group(model, args, wait, "engine", shares)
 
     def start_teacher_engines(self, model: str | Path, *, args: list[str] | None = None,
                               wait: bool = True) -> EngineActorGroup:
@@ -122,10 +126,11 @@ class Orchestration:
             raise RuntimeError("this orchestration was planned without evaluation engines (eval_engines=0)")
         return self._engine_group(model, args, wait, "eval")
 
-    def _engine_group(self, model: str | Path, args: list[str] | None, wait: bool, role: Role) -> EngineActorGroup:
+    def _engine_group(self, model: str | Path, args: list[str] | None, wait: bool, role: Role,
+                      shares: list[CoreShare] | None = None) -> EngineActorGroup:
         """The engine actors of the placement's `role` bundles, stopped with the orchestration."""
         group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
-                                 plugins=self.plugins,
+                                 plugins=self.plugins, shares=shares,
                                  startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait, role=role)
         self._stack.append(group)
         return group

@@ -20,6 +20,7 @@ from verst.engine_kinds.kinds import engine_kind
 from verst.inference_client.client import EngineClient
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, Role, current_bundle
+from verst.types.cores import CoreShare
 
 
 def check_engine_type(engine: str) -> None:
@@ -117,6 +118,13 @@ async def _call_server(url: str, call: Any) -> Any:
 _RemoteEngineServer = ray.remote(max_restarts=0, max_task_retries=0)(EngineServer)
 
 
+def share_args(share: CoreShare | None) -> list[str]:
+    """The embedded engine's arguments for its share of the cores (none: one thread, unpinned)."""
+    if share is None:
+        return []
+    return ["--torch-threads", str(share.threads), "--cpu-cores", ",".join(map(str, share.cores))]
+
+
 def with_weight_version(args: list[str], version: int) -> list[str]:
     """Server arguments with `--weight-version` set to `version`."""
     out, skip = [], False
@@ -148,6 +156,7 @@ class EngineActorGroup:
         wait: bool = True,
         role: Role = "engine",
         plugins: tuple[str, ...] = (),
+        shares: list[CoreShare] | None = None,
     ):
         check_engine_type(engine)
         self.engine, self.startup_timeout_s, self.role, self.plugins = engine, startup_timeout_s, role, tuple(plugins)
@@ -158,8 +167,8 @@ class EngineActorGroup:
         count = len(placement.plan.bundles_of(role))
         self._actors = [
             _RemoteEngineServer.options(**placement.actor_options(role, i)).remote(
-                i, str(model), device, list(args or []), startup_timeout_s, str(log_dir) if log_dir else None,
-                role=role, engine=engine, plugins=self.plugins)
+                i, str(model), device, [*(args or []), *share_args(shares[i] if shares else None)], startup_timeout_s,
+                str(log_dir) if log_dir else None, role=role, engine=engine, plugins=self.plugins)
             for i in range(count)
         ]
         self._starting = [actor.start.remote() for actor in self._actors]

@@ -16,6 +16,7 @@ from verst.inference_client.fleet import IdleMeter
 from verst.monitor import MetricsLogger, write_summary
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
+from verst.run.cores import CoreBudget
 from verst.run.guard import Guard
 from verst.run.lanes import Lane, adapter_score_lines, score_span
 from verst.run.lanes import summary as lanes_summary
@@ -25,13 +26,14 @@ log = logging.getLogger(__name__)
 
 class RunMonitor:
     """`fault_metrics()`: the engine supervisor's `fault/` metrics (read at every step); `restarts`: the
-    times this run restarted after a trainer rank died; `started`: the run's start (perf_counter)."""
+    times this run restarted after a trainer rank died; `started`: the run's start (perf_counter); `cores`:
+    the core budget on CPU, told each step's work."""
 
     def __init__(self, cfg: VerstConfig, run_dir: Path, logger: MetricsLogger, progress: RunProgress, guard: Guard,
                  *, idle_meter: IdleMeter | None = None, fault_metrics: Callable[[], dict[str, float]] = dict,
-                 restarts: int = 0, started: float | None = None):
+                 restarts: int = 0, started: float | None = None, cores: CoreBudget | None = None):
         self.cfg, self.run_dir, self.logger, self.progress, self.guard = cfg, Path(run_dir), logger, progress, guard
-        self.idle_meter, self.fault_metrics, self.restarts = idle_meter, fault_metrics, restarts
+        self.idle_meter, self.fault_metrics, self.restarts, self.cores = idle_meter, fault_metrics, restarts, cores
         self.started = time.perf_counter() if started is None else started
 
     async def log_step(self, metrics: dict[str, float], step_start: float, version: int,
@@ -45,6 +47,9 @@ class RunMonitor:
         idle = await self.engine_idle()
         if idle is not None:
             metrics["perf/engine_idle_fraction"] = idle
+        if self.cores is not None:  # the threads this step had; the next steps' cores re-split from its work
+            metrics.update(self.cores.plan.metrics())
+            await self.guard("re-splitting the cores (set_cores)", "engine_call_timeout_s", self.cores.observe(metrics))
         metrics.update(self.fault_metrics())
         if self.restarts:
             metrics["fault/trainer_restarts"] = float(self.restarts)

@@ -32,6 +32,7 @@ from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, fai
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.rollout.from_config import build_rollout_parts, prepare_rollout_parts
 from verst.run.checkpointer import Checkpointer, prepare_resume
+from verst.run.cores import CoreBudget, CorePlan, core_layout
 from verst.run.evaluator import Evaluator
 from verst.run.guard import Guard
 from verst.run.lanes import Lane
@@ -90,7 +91,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                                eval_engines=cfg.eval.num_engines, plugins=cfg.plugins) as orch:
         clock.lap("ray")
         orch.check_transport(cfg.sync.transport)
-        actors = start_actors(orch, cfg, plan)
+        layout = core_layout(cfg, orch.device)
+        actors = start_actors(orch, cfg, plan, None if layout is None else layout.plan())
         urls = actors.engines.wait_ready().urls
         teacher_urls = actors.teacher.wait_ready().urls if actors.teacher is not None else []
         if actors.evaluators is not None:
@@ -103,6 +105,9 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                                  run_dir / "logs", node=orch.node)
         async with EngineFleet(urls, timeouts=Timeouts(control=cfg.fault.engine_call_timeout_s)) as fleet, \
                 open_eval_fleet(cfg, actors.evaluators, run_dir / "logs", eval_router(cfg)) as eval_fleet:
+            cores = None if layout is None else CoreBudget(layout, actors.trainer, fleet if layout.engines else None)
+            if cores is not None:
+                log.info("cores: %s", cores.plan.describe())
             syncer = TrainerWeightSync(
                 actors.trainer, cfg.sync, urls, fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
                 checker=weight_checker(cfg, actors.trainer, sampling_temperature(cfg)),
@@ -111,10 +116,11 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
             supervisor = EngineSupervisor(
                 cfg.fault, actors.engines, list(actors.managers.values()), urls, processes, watchdog,
                 RestartSource(cfg, syncer, actors.trainer, run_dir / "weights"),
-                served_version=lambda: syncer.version or 0, on_restart=syncer.engine_replaced)
+                served_version=lambda: syncer.version or 0, on_restart=functools.partial(
+                    engine_replaced, syncer, cores))
             run = assemble(cfg, plan, run_dir, actors, syncer, supervisor, watchdog, eval_fleet, logger,
                            idle_meter=IdleMeter(fleet), router_url=urls[0], restarts=restarts, started=started,
-                           started_at=started_at)
+                           started_at=started_at, cores=cores)
             try:
                 if resume is not None:
                     await run.resume(resume)  # before any rollout: the engines serve its weights
@@ -140,9 +146,10 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                 await run.stop()  # a run stopped early (an error, cancelled) has an evaluation in flight
 
 
-def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan) -> Actors:
+def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan, cores: CorePlan | None = None) -> Actors:
     """Every process of the run, started without waiting. The trainer ranks, the slowest to start, come first:
-    they get the worker processes Ray has already started. The backend factory imports torch in the ranks."""
+    they get the worker processes Ray has already started. The backend factory imports torch in the ranks.
+    `cores`: on CPU, the cores and threads of each rank and policy engine."""
     lane_cfgs = {name: absolute_paths(adapter_run_config(cfg, name)) for name in adapter_names(cfg)}  # multi-LoRA
     adapter_steps = {name: batch_plan(own).total_train_steps for name, own in lane_cfgs.items()}
     trainer = orch.start_trainer(functools.partial(
@@ -152,8 +159,9 @@ def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan) -> Acto
         critic=cfg.critic if cfg.algorithm.needs_critic else None,
         per_sequence=cfg.algorithm.true_on_policy, routing=cfg.algorithm.routing_replay,
         adapter_steps=adapter_steps or None, plugins=cfg.plugins,
-    ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
-    engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False)
+    ), wait=False, shares=list(cores.trainer) if cores else None)  # its start-up: time/startup/trainer_s
+    engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False,
+                                 shares=list(cores.engines) if cores and cores.engines else None)
     teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=engine_server_args(cfg), wait=False) \
         if orch.teacher_engines else None
     evaluators = orch.start_eval_engines(cfg.model.path, args=engine_server_args(cfg), wait=False) \
@@ -168,7 +176,7 @@ def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan) -> Acto
 def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, syncer: TrainerWeightSync,
              supervisor: EngineSupervisor | None, watchdog: Watchdog | None, eval_fleet: EvalFleet | None,
              logger: MetricsLogger, *, idle_meter: IdleMeter | None, router_url: str, restarts: int, started: float,
-             started_at: float) -> RLRun:
+             started_at: float, cores: CoreBudget | None = None) -> RLRun:
     """The run's parts over its started processes, each given only what it uses."""
     guard, version = Guard(cfg.fault, watchdog), TrainerVersion()
     first = next(iter(actors.managers.values()))
@@ -180,7 +188,8 @@ def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, s
     total_steps = sum(lane.plan.total_train_steps for lane in lanes)
     monitor = RunMonitor(cfg, run_dir, logger, RunProgress(
         cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off"), guard, idle_meter=idle_meter,
-        fault_metrics=supervisor.metrics if supervisor is not None else dict, restarts=restarts, started=started)
+        fault_metrics=supervisor.metrics if supervisor is not None else dict, restarts=restarts, started=started,
+        cores=cores)
     snapshots = EvalSnapshots(run_dir, actors.trainer, guard, lora=cfg.lora.enabled,
                               pushed=functools.partial(weights.model_snapshot, lora=cfg.lora.enabled))
     evaluator = Evaluator(cfg, lanes, rollouts.router_url, served_version=lambda: weights.version,
@@ -192,6 +201,13 @@ def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, s
                                 1 if actors.lane_cfgs else plan.train_steps_per_rollout)
     return RLRun(cfg, plan, rollouts=rollouts, trainer=trainer, weights=weights, evaluator=evaluator,
                  checkpointer=checkpointer, monitor=monitor, version=version)
+
+
+def engine_replaced(syncer: TrainerWeightSync, cores: CoreBudget | None) -> None:
+    """An engine was restarted: the next push reconnects to it, and the next step's end gives it its cores."""
+    syncer.engine_replaced()
+    if cores is not None:
+        cores.engine_replaced()
 
 
 def shared_engines(cfg: VerstConfig, engines: Any) -> Any:

@@ -100,8 +100,6 @@ class FSDP2Backend:
         self.device = resolve_device(device)
         ensure_single_process_group(self.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if self.device.type == "cpu":
-            torch.set_num_threads(1)  # one thread per rank process; see PLATFORM.md
         torch.manual_seed(trainer.seed + self.rank)
         self._step = 0
         self._writing: persistence.BackgroundSave | None = None  # a background save in progress
