@@ -90,7 +90,7 @@ def report(runs: list[dict[str, dict[str, Any]]], args: Any, model_path: Path) -
     """Print each run's seconds per step of each side, TRL's over verst's with its spread over the runs, and
     the peak memory of every process; returns the summary."""
     per_run = [{side: {**seconds_per_step(result["step_times"], args.warmup), "version": result["version"],
-                       "peak_rss_mib": result["peak_rss_mib"],
+                       "peak_rss_mib": result["peak_rss_mib"], "threads": result["threads"],
                        "startup_s": result["step_times"][0] - result["started"]}
                 for side, result in raw.items()} for raw in runs]
     tuning = "LoRA (rank 8, alpha 16, every linear layer)" if args.lora else "full fine-tuning"
@@ -101,7 +101,7 @@ def report(runs: list[dict[str, dict[str, Any]]], args: Any, model_path: Path) -
         for side, s in summary.items():
             each = ", ".join(f"{x:.2f}" for x in s["each_s"])
             print(f"run {i} {side:12s} {s['s_per_step']:7.2f} s/step  (steps: {each}; launch to step 1 end "
-                  f"{s['startup_s']:.1f} s; {s['version']})")
+                  f"{s['startup_s']:.1f} s; {s['version']}; threads {s['threads']})")
             print(" " * 19 + "peak RSS: " + ", ".join(f"{role} {mib:.0f} MiB" for role, mib in s["peak_rss_mib"].items()))
     ratios: dict[str, list[float]] = {}
     for summary in per_run:

@@ -167,7 +167,7 @@ def test_the_report_gives_each_run_and_the_spread(capsys):
                              "cores": (0, 1)})()
 
     def side(ends):
-        return {"step_times": ends, "version": "v", "peak_rss_mib": {"p": 1.0}, "started": 0.0}
+        return {"step_times": ends, "version": "v", "peak_rss_mib": {"p": 1.0}, "started": 0.0, "threads": 2}
 
     runs = [{"trl": side([1.0, 4.0, 7.0]), "fully_async": side([1.0, 3.0, 5.0])},
             {"trl": side([1.0, 4.0, 7.0]), "fully_async": side([1.0, 2.0, 3.0])}]
