@@ -190,11 +190,13 @@ TIME_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval", ("time/eval_s",)),
 )
 STEP_TIME_KEY = "perf/step_time_s"
+OUTAGE_KEY = "time/engine_outage_s"  # seconds of a step while an engine was out (dead or hung, until it served again)
 
 
 def time_breakdown(run: Run) -> dict[str, dict[float, float]]:
-    """Seconds per step of each component of TIME_PARTS the run logged, plus 'other' (the step time not
-    covered by them). `time/train_s` includes the old-logprob pass, so 'train' is the rest of it."""
+    """Seconds per step of each component of TIME_PARTS the run logged, plus 'engine outage' (the step time
+    not covered by them while an engine was out) and 'other' (the rest). `time/train_s` includes the
+    old-logprob pass, so 'train' is the rest of it."""
     parts: dict[str, dict[float, float]] = {}
     for label, keys in TIME_PARTS:
         s = run.get(*keys)
@@ -208,6 +210,11 @@ def time_breakdown(run: Run) -> dict[str, dict[float, float]]:
         # Evaluation runs beside the train steps in the RL schedules, so it is not part of a step's time.
         within = [p for label, p in parts.items() if label != "eval"]
         other = {k: t - sum(p.get(k, 0.0) for p in within) for k, t in zip(total.steps, total.values)}
+        outage = run.get(OUTAGE_KEY)
+        if outage is not None:  # the parts above go on around a failed engine; what it held up is its own
+            held = {k: min(max(0.0, other.get(k, 0.0)), v) for k, v in zip(outage.steps, outage.values)}
+            parts["engine outage"] = held
+            other = {k: v - held.get(k, 0.0) for k, v in other.items()}
         if any(v > 1e-3 for v in other.values()):
             # Without a logged generate, wait or train part (SFT), the rest of the step is the train step.
             rest = "other" if {"generate", "wait for data", "train"} & set(parts) else "train step"

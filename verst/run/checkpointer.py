@@ -14,8 +14,9 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from verst.config import VerstConfig
 from verst.models.loader import drop_chat_template
@@ -25,6 +26,7 @@ from verst.run.rollouts import Rollouts
 from verst.trainer.backend import MERGED_LORA_DIR, TrainerRanks, export_backend, load_backend, save_backend
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
@@ -60,6 +62,7 @@ class Checkpointer:
         self.cfg, self.run_dir, self.ranks, self.rollouts = cfg, Path(run_dir), ranks, rollouts
         self.steps_per_rollout = steps_per_rollout
         self.last_step: int | None = None
+        self.last_save_s: float | None = None  # the last committed save's seconds, from its start
         self._committing: concurrent.futures.Future | None = None
         self._abandoned = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verst-checkpoint")
@@ -67,18 +70,26 @@ class Checkpointer:
 
     def due(self, version: int) -> bool:
         interval = self.cfg.checkpoint.interval
-        at_boundary = self.cfg.schedule == "fully_async" or version % self.steps_per_rollout == 0
-        return bool(interval) and version % interval == 0 and at_boundary and version != self.last_step
+        return bool(interval) and version % interval == 0 and self.at_boundary(version) and version != self.last_step
+
+    def at_boundary(self, version: int) -> bool:
+        """Whether a checkpoint of `version` may be taken: at a rollout-batch boundary (any step, fully async)."""
+        return self.cfg.schedule == "fully_async" or version % self.steps_per_rollout == 0
 
     async def save(self, version: int, history: list[tuple[int, float]], eval_in_flight: bool) -> float:
         """Save the run at `version` with its evaluation `history` (and whether an evaluation of `version`
         is in flight, which a resumed run makes again); returns the pause before the run may go on."""
         await self.wait()
         start = time.perf_counter()
-        tmp = layout.new_tmp_dir(self.run_dir, version)
+        final = layout.checkpoints_dir(self.run_dir) / layout.step_dir_name(version)
+        try:
+            tmp = layout.new_tmp_dir(self.run_dir, version)
+        except OSError as error:
+            raise layout.not_saved(final, final.with_name(layout.TMP_PREFIX + final.name), error) from error
         _, rollout_counts = await asyncio.gather(
-            asyncio.to_thread(self.ranks.apply, save_backend, str(tmp / layout.TRAINER_DIR), True),
-            self.rollouts.save(tmp),
+            _saving("the trainer ranks' save", final, tmp, asyncio.to_thread(
+                self.ranks.apply, save_backend, str(tmp / layout.TRAINER_DIR), True)),
+            _saving("the rollout manager's save", final, tmp, self.rollouts.save(tmp)),
         )
         manifest = {
             "step": version, "version": version, "schedule": self.cfg.schedule,
@@ -89,12 +100,13 @@ class Checkpointer:
         if self.rollouts.multi_lora:  # each adapter's steps and scores
             manifest["adapters"] = {lane.adapter: {"steps": lane.steps, "eval_history": [list(e) for e in lane.eval_history]}
                                     for lane in self.rollouts.lanes}
-        self._committing = self._pool.submit(self._commit, tmp, manifest)
+        self._committing = self._pool.submit(self._commit, tmp, manifest, start)
         self.last_step = version
         return time.perf_counter() - start
 
-    def _commit(self, tmp: Path, manifest: dict[str, Any]) -> None:
-        """In the background: once the ranks' writes have ended, the atomic commit."""
+    def _commit(self, tmp: Path, manifest: dict[str, Any], start: float) -> None:
+        """In the background: once the ranks' writes have ended, the atomic commit; `last_save_s` is then
+        the whole save's time (pause, writes, commit)."""
         try:
             layout.wait_trainer_writes(tmp / layout.TRAINER_DIR, self.cfg.cluster.trainer_ranks, manifest["step"],
                                        abandoned=self._abandoned)
@@ -104,6 +116,7 @@ class Checkpointer:
             raise layout.not_saved(self.run_dir / layout.CHECKPOINTS_DIR / layout.step_dir_name(manifest["step"]),
                                    tmp, error) from error
         layout.commit(tmp, manifest, self.cfg.checkpoint.keep_last)
+        self.last_save_s = time.perf_counter() - start
 
     async def restore(self, point: ResumePoint) -> None:
         """The trainer's state on the ranks, the rollout side's, and each lane's steps (multi-LoRA: with each
@@ -157,6 +170,14 @@ class Checkpointer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+async def _saving(what: str, final: Path, tmp: Path, part: Awaitable[T]) -> T:
+    """One part of a save's pause; its failure is the save's, naming the part (an interrupt stays one)."""
+    try:
+        return await part
+    except Exception as error:
+        raise layout.not_saved(final, tmp, error, what) from error
 
 
 def drop_untrained_template(cfg: VerstConfig, hf: Path) -> None:

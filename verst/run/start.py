@@ -27,10 +27,11 @@ from verst.monitor import MetricsLogger, prepare_run_dir
 from verst.monitor.progress import RunProgress
 from verst.orchestration import EngineActorGroup, Orchestration, RolloutManagerHandle, TrainerActorGroup
 from verst.orchestration.health import EngineSupervisor
-from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
+from verst.orchestration.watchdog import RunProcesses, Watchdog, failure_report
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.rollout.from_config import build_rollout_parts, prepare_rollout_parts
 from verst.run.checkpointer import Checkpointer, prepare_resume
+from verst.run.ending import end_early
 from verst.run.evaluator import Evaluator
 from verst.run.guard import Guard
 from verst.run.lanes import Lane
@@ -46,6 +47,7 @@ from verst.run.setup import (
     router_spec,
     weight_checker,
 )
+from verst.run.signals import STOP
 from verst.run.snapshots import EvalSnapshots
 from verst.run.training import DeviceShare, TrainerGroup
 from verst.run.weights import RestartSource, WeightPush
@@ -74,6 +76,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     engines serve: the trainer, usually the slowest to start, is first needed by the first train step.
     `restarts`: the times this run has restarted after a trainer rank died (`fault/trainer_restarts`)."""
     started, started_at = time.perf_counter(), time.time()  # the summary's time/total_s includes start-up
+    STOP.attach()  # a signal cancels the run until its loop runs (see `RLRun.begin`)
     cfg = absolute_paths(cfg)
     resume = prepare_resume(cfg)  # refused before anything starts
     if cfg.teacher.model_path is not None:
@@ -88,6 +91,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs", teacher_engines=teachers,
                                eval_engines=cfg.eval.num_engines, plugins=cfg.plugins) as orch:
         clock.lap("ray")
+        _watched_by_reaper(orch, run_dir)
         orch.check_transport(cfg.sync.transport)
         actors = start_actors(orch, cfg, plan)
         urls = actors.engines.wait_ready().urls
@@ -126,17 +130,18 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                 async with supervisor:
                     with run.monitor.progress:
                         yield run
-            except Exception as error:
-                run.checkpointer.abandon()  # a commit waiting for a dead rank's write must not hold the exit
-                await run.evaluator.drop()
-                await syncer.close_within(10.0)  # a dead or stuck part must not hold the report back
-                report = None if isinstance(error, RunFailure) else \
-                    await asyncio.to_thread(failure_report, processes, error)
-                if report is not None:
-                    raise report from None  # one screen: what died, how, and its log
-                raise
+            except BaseException as error:  # a failure, or an interrupt (a signal, a cancel)
+                if isinstance(error, GeneratorExit):
+                    raise
+                stopped = await end_early(run, error, functools.partial(asyncio.to_thread, failure_report,
+                                                                        processes))
+                if stopped is error:
+                    raise
+                raise stopped from None  # one screen: what failed, how, its log, and what to do
             finally:
                 await run.stop()  # a run stopped early (an error, cancelled) has an evaluation in flight
+                STOP.detach()
+                _watched_by_reaper(orch, None)  # its summary is written: a kill from here leaves it as it is
 
 
 def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan) -> Actors:
@@ -177,9 +182,10 @@ def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, s
     weights = WeightPush(syncer, guard, transport=cfg.sync.transport, weights_dir=run_dir / "weights",
                          ranks=actors.trainer, supervisor=supervisor)
     total_steps = sum(lane.plan.total_train_steps for lane in lanes)
-    monitor = RunMonitor(cfg, run_dir, logger, RunProgress(
-        cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off"), guard, idle_meter=idle_meter,
-        fault_metrics=supervisor.metrics if supervisor is not None else dict, restarts=restarts, started=started)
+    progress = RunProgress(cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off")
+    monitor = RunMonitor(cfg, run_dir, logger, progress, guard, idle_meter=idle_meter, restarts=restarts,
+                         started=started, started_at=started_at,
+                         **({"fault_metrics": supervisor.metrics} if supervisor is not None else {}))
     snapshots = EvalSnapshots(run_dir, actors.trainer, guard, lora=cfg.lora.enabled,
                               pushed=functools.partial(weights.model_snapshot, lora=cfg.lora.enabled))
     evaluator = Evaluator(cfg, lanes, rollouts.router_url, served_version=lambda: weights.version,
@@ -191,6 +197,12 @@ def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, s
                                 1 if actors.lane_cfgs else plan.train_steps_per_rollout)
     return RLRun(cfg, plan, rollouts=rollouts, trainer=trainer, weights=weights, evaluator=evaluator,
                  checkpointer=checkpointer, monitor=monitor, version=version)
+
+
+def _watched_by_reaper(orch: Orchestration, run_dir: Path | None) -> None:
+    """The reaper of the run's Ray session writes `run_dir`'s summary and report if the driver is killed."""
+    if orch.session is not None:
+        orch.session.watch_run(run_dir)
 
 
 def sampling_temperature(cfg: VerstConfig) -> float:
