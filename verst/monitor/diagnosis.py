@@ -29,7 +29,7 @@ def headline(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if len(lines) <= 1:
         return error_text(error)
-    return f"{type(error).__name__}: {lines[0]} ... {lines[-1]}"
+    return f"{type(error).__name__}: {lines[0]} [...] {lines[-1]}"
 
 
 def os_error_in(error: BaseException) -> OSError | None:
@@ -60,7 +60,8 @@ def _os_error_in_text(error: BaseException) -> OSError | None:
     if not found:
         return None
     _, code, message = found[-1]
-    return OSError(int(code), message.split(": '")[0])
+    strerror, _, filename = message.partition(": '")
+    return OSError(int(code), strerror, filename.rstrip("'")) if filename else OSError(int(code), strerror)
 
 
 def cause_text(error: BaseException) -> str:

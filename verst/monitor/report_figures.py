@@ -167,7 +167,8 @@ def time_panels(runs: list[Run]) -> list[Panel]:
         panels.append(Panel("time-steps", "Seconds per step, by part", {"data": traces, "layout": layout(
             "step", "s", barmode="stack", bargap=0.1, legend={**LEGEND, "traceorder": "normal"})},
             "time/rollout_s, perf/trainer_wait_s, time/logprob_s, time/train_s, sync/seconds, time/eval_s; engine "
-            "outage: the rest of perf/step_time_s while an engine was out (time/engine_outage_s); other: the rest. "
+            "outage: time/engine_outage_s, taken from what it held up (other, generate, weight sync); other: the "
+            "rest of perf/step_time_s. "
             "Evaluation runs beside the steps in the RL schedules", wide=True))
     labels = list(dict.fromkeys(label for b in breakdowns for label in b))
     if labels:

@@ -160,7 +160,8 @@ class EngineSupervisor:
     async def _probe(http: httpx.AsyncClient, url: str, timeout: float) -> str:
         """'ok', 'dead' (refused: nothing listens) or 'silent' (no answer within `timeout`, or an error status)."""
         try:
-            response = await asyncio.wait_for(http.get(f"{url}/health", timeout=timeout), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: Python 3.11's may drop the poller's cancel
+                response = await http.get(f"{url}/health", timeout=timeout)
         except httpx.ConnectError:
             return "dead"
         except (httpx.TransportError, asyncio.TimeoutError):
@@ -271,7 +272,8 @@ class Outages:
 
 
 async def _ray(ref: ray.ObjectRef, timeout_s: float = 60.0) -> Any:
-    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        return await asyncio.wrap_future(ref.future())
 
 
 async def _load_adapter(url: str, name: str, path: str) -> None:

@@ -107,22 +107,25 @@ def watch(driver: int, tmp_dir: Path) -> None:
     existing = descendants({driver}, table)  # the driver's children from before the run are not its own
     tracked: dict[int, int] = {}  # pid -> start time
     run_dir: str | None = None  # the run in progress
+    pending = b""  # read from stdin, not yet a whole line
+    stdin = sys.stdin.fileno()
     while True:
-        readable, _, _ = select.select([sys.stdin.buffer], [], [], POLL_S)
+        readable, _, _ = select.select([stdin], [], [], POLL_S)
         table = process_table()
         for pid in descendants({driver} | set(tracked), table) - existing - {me}:
             tracked.setdefault(pid, table[pid][1])
         if readable:
-            line = sys.stdin.buffer.readline()
-            if line.strip() == b"done":
-                finish(tracked, tmp_dir, only_naming=str(tmp_dir))
-                return
-            if line.startswith(b"run "):
-                named = line[4:].strip().decode()
-                run_dir = None if named == "-" else named
-                continue
-            if not line:  # end of file: the driver is gone
+            chunk = os.read(stdin, 4096)  # unbuffered: several lines may come in one read
+            if not chunk:  # end of file: the driver is gone
                 break
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if line.strip() == b"done":
+                    finish(tracked, tmp_dir, only_naming=str(tmp_dir))
+                    return
+                if line.startswith(b"run "):
+                    named = line[4:].strip().decode()
+                    run_dir = None if named == "-" else named
         if table.get(driver, (0, -1))[1] != started:  # gone (or its pid reused)
             break
     finish(tracked, tmp_dir)

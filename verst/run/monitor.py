@@ -15,6 +15,7 @@ from verst.config import VerstConfig
 from verst.inference_client.fleet import IdleMeter
 from verst.monitor import MetricsLogger, write_summary
 from verst.monitor.diagnosis import cause_text
+from verst.monitor.postmortem import write_stopped
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
 from verst.monitor.segments import FINISHED, Segments
@@ -107,17 +108,7 @@ class RunMonitor:
         except OSError as error:
             lines.append(f"{self.segments.path} not updated: {cause_text(error)}")
         summary = {**self.summary(version, history, lanes, score_key), "stopped": end}
-        lines.append(f"what ran: {version} train steps in {summary['time/total_s']:.0f} s{_over(self.segments)}")
-        try:  # a full disk, or metrics a report cannot read: said, not raised
-            lines.append(f"summary: {write_summary(self.run_dir, summary)}")
-        except Exception as error:
-            lines.append(f"summary.json not written: {cause_text(error)}")
-        try:
-            lines.append(f"report: {write_report(self.run_dir)}")
-        except Exception as error:
-            lines.append(f"report.html not written: {cause_text(error)}; write it later with: verst report "
-                         f"{self.run_dir}")
-        return lines
+        return write_stopped(self.run_dir, summary) + lines
 
     def summary(self, version: int, history: list[tuple[int, float]], lanes: list[Lane],
                 score_key: str) -> dict[str, Any]:

@@ -81,7 +81,7 @@ class StopRequest:
 
     def _arm(self) -> None:
         log.warning("%s: the run stops at the end of this train step, saving a checkpoint first "
-                    "(checkpoint.on_signal); within %.0f s, else where it is; send it again to stop now",
+                    "(checkpoint.on_signal); within %g s, else where it is; send it again to stop now",
                     self.signum.name, STOP_GRACE_S)
         self._timer = self._loop.call_later(max(0.0, self.seconds_left()), self._cancel,
                                             f"the step did not end within {STOP_GRACE_S:g} s of {self.signum.name}")
