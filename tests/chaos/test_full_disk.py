@@ -8,11 +8,14 @@ import errno
 import json
 import os
 import pathlib
+import subprocess
+import sys
 from concurrent.futures import Future
 
 import pytest
 
 from tests.chaos.stand_ins import CheckpointException, SavingRanks, check_screen, no_space, run_to_failure, saving_run
+from tests.e2e.test_rl_schedules import REPO, rl_args
 from verst.monitor import checkpoint_dirs as layout
 from verst.monitor import read_metrics
 from verst.monitor.logger import JsonlSink
@@ -127,3 +130,32 @@ def test_a_failed_save_of_the_rollout_side_names_it_and_removes_the_temporary_di
                                       "rollout.pkl"],
                  todo="no checkpoint to continue from")
     assert not list(layout.checkpoints_dir(run_dir).glob(f"{layout.TMP_PREFIX}*"))
+
+
+@pytest.mark.slow
+def test_verst_train_on_a_real_30_mb_tmpfs_stops_in_one_screen(tiny_model_dir, addition_data_dir, tmp_path):
+    """The issue's own set-up: a 30 MB tmpfs (mounting needs root: skipped elsewhere), a save every 5 steps."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        run_dir = disk / "run"
+        args = rl_args(tmp_path, tiny_model_dir, addition_data_dir, "--run-dir", str(run_dir),
+                       "--rollout.num-rollouts", "200", "--checkpoint.interval", "5")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run([sys.executable, "-m", "verst.cli.main", "train", *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+        stderr = done.stderr
+        assert done.returncode == 1, stderr
+        assert "Traceback" not in stderr and "pid=" not in stderr, stderr
+        screen = stderr[stderr.index("verst train: run stopped: "):]
+        latest = layout.read_latest(run_dir)
+        check_screen(screen, names=["not saved: trainer rank 0's write failed: OSError: [Errno 28] No space left on "
+                                    "device", f"{latest} is still the latest checkpoint", "free space: "],
+                     todo=f"continue with: make room under {run_dir}, then verst train --resume {run_dir}")
+        assert len(stderr.strip().splitlines()) <= 12, stderr
+        assert "No space left on device" in json.loads((run_dir / "summary.json").read_text())["stopped"]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

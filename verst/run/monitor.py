@@ -26,7 +26,7 @@ from verst.run.lanes import summary as lanes_summary
 log = logging.getLogger(__name__)
 
 
-def _none(step_start: float) -> dict[str, float]:
+def _no_fault_metrics(step_start: float) -> dict[str, float]:
     return {}
 
 
@@ -36,7 +36,7 @@ class RunMonitor:
     `started_at`: this segment's start (perf_counter, Unix time). The run's segments are in `segments`."""
 
     def __init__(self, cfg: VerstConfig, run_dir: Path, logger: MetricsLogger, progress: RunProgress, guard: Guard,
-                 *, idle_meter: IdleMeter | None = None, fault_metrics: Callable[[float], dict[str, float]] = _none,
+                 *, idle_meter: IdleMeter | None = None, fault_metrics: Callable[[float], dict[str, float]] = _no_fault_metrics,
                  restarts: int = 0, started: float | None = None, started_at: float | None = None):
         self.cfg, self.run_dir, self.logger, self.progress, self.guard = cfg, Path(run_dir), logger, progress, guard
         self.idle_meter, self.fault_metrics, self.restarts = idle_meter, fault_metrics, restarts
