@@ -29,7 +29,7 @@ def arm_stack_dump(log_path: str | Path | None = None) -> None:
 def keep_output_in(path: Path) -> None:
     """Send this process's stdout and stderr (file descriptors 1 and 2: Python's, C libraries', Ray's own
     worker messages) to `path`, appended: a log in the run directory outlives the run, where Ray's files in the
-    run's temporary directory do not. Its lines then no longer reach the driver's terminal."""
+    run's temporary directory do not. Its lines then do not reach the driver's terminal."""
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
