@@ -14,19 +14,18 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from verst.config import VerstConfig
 from verst.models.loader import drop_chat_template
 from verst.monitor import checkpoint_dirs as layout
+from verst.monitor.diagnosis import cause_text
 from verst.monitor.run_dir import resumes_here, run_dir_of
 from verst.run.rollouts import Rollouts
 from verst.trainer.backend import MERGED_LORA_DIR, TrainerRanks, export_backend, load_backend, save_backend
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
@@ -86,11 +85,17 @@ class Checkpointer:
             tmp = layout.new_tmp_dir(self.run_dir, version)
         except OSError as error:
             raise layout.not_saved(final, final.with_name(layout.TMP_PREFIX + final.name), error) from error
-        _, rollout_counts = await asyncio.gather(
-            _saving("the trainer ranks' save", final, tmp, asyncio.to_thread(
-                self.ranks.apply, save_backend, str(tmp / layout.TRAINER_DIR), True)),
-            _saving("the rollout manager's save", final, tmp, self.rollouts.save(tmp)),
-        )
+        parts = {"the trainer ranks' save": asyncio.to_thread(self.ranks.apply, save_backend,
+                                                              str(tmp / layout.TRAINER_DIR), True),
+                 "the rollout manager's save": self.rollouts.save(tmp)}
+        # Both parts end before a failure removes the directory: the other would write into it again.
+        outcomes = dict(zip(parts, await asyncio.gather(*parts.values(), return_exceptions=True)))
+        for what, outcome in outcomes.items():
+            if isinstance(outcome, Exception):
+                raise layout.not_saved(final, tmp, outcome, what) from outcome
+            if isinstance(outcome, BaseException):  # an interrupt stays one
+                raise outcome
+        rollout_counts = outcomes["the rollout manager's save"]
         manifest = {
             "step": version, "version": version, "schedule": self.cfg.schedule,
             "eval_history": [list(entry) for entry in history],
@@ -168,16 +173,20 @@ class Checkpointer:
         stays until the next run in this directory removes it; `latest` keeps the previous checkpoint)."""
         self._abandoned.set()
 
+    async def settle(self, timeout_s: float = 10.0) -> None:
+        """After `abandon`: the commit in flight ends, committed or given up, so `latest` is final when the
+        run's error names it. Its own error is logged: the run's error is the one raised."""
+        committing, self._committing = self._committing, None
+        if committing is None:
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.wrap_future(committing)
+        except Exception as error:  # TimeoutError too: a commit stuck on its disk is left to its thread
+            log.warning("the checkpoint commit in flight when the run stopped did not end: %s", cause_text(error))
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-async def _saving(what: str, final: Path, tmp: Path, part: Awaitable[T]) -> T:
-    """One part of a save's pause; its failure is the save's, naming the part (an interrupt stays one)."""
-    try:
-        return await part
-    except Exception as error:
-        raise layout.not_saved(final, tmp, error, what) from error
 
 
 def drop_untrained_template(cfg: VerstConfig, hf: Path) -> None:

@@ -26,6 +26,7 @@ async def end_early(run: RLRun, error: BaseException, explain: Explain) -> BaseE
     hung, a save or a metrics row that could not be written), else the error itself (a bug: its traceback
     is the story). Either way the run's summary.json and report tell what ran before it stopped."""
     run.checkpointer.abandon()  # a commit waiting for a dead rank's write must not hold the exit
+    await run.checkpointer.settle()  # one already writing ends: the latest checkpoint named below is final
     await run.evaluator.drop()
     await run.weights.close_within(10.0)  # a dead or stuck part must not hold the report back
     interrupted = not isinstance(error, Exception) or isinstance(error, StoppedBySignal)
