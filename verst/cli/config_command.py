@@ -58,24 +58,41 @@ def run_config_command(prog: str, argv: list[str], description: str, run: Callab
         print(f"verst {prog}: {error}", file=sys.stderr)
         return 2
     if not dry_run:
-        try:
-            run(cfg)
-        except KeyboardInterrupt:
-            print(interrupted_message(prog, cfg), file=sys.stderr, flush=True)
-            return 130
+        return run_stoppable(prog, cfg, run)
     return 0
 
 
-def interrupted_message(prog: str, cfg: VerstConfig) -> str:
-    """What Ctrl-C leaves: the run's latest checkpoint and how to continue from it (no traceback)."""
+def run_stoppable(prog: str, cfg: VerstConfig, run: Callable[[VerstConfig], object]) -> int:
+    """`run(cfg)` with SIGINT and SIGTERM handled alike (`verst.run.signals`): an interrupted run exits
+    with 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM) after one line naming its latest
+    checkpoint and the command that continues it; no traceback."""
+    import asyncio
+    import signal
+
+    from verst.run.signals import STOP, StoppedBySignal, StopSignals
+
+    with StopSignals():
+        try:
+            run(cfg)
+        except (KeyboardInterrupt, asyncio.CancelledError, StoppedBySignal):
+            signum = STOP.signum or signal.SIGINT
+            print(interrupted_message(prog, cfg, signum.name), file=sys.stderr, flush=True)
+            return 128 + int(signum)
+    return 0
+
+
+def interrupted_message(prog: str, cfg: VerstConfig, signal_name: str = "SIGINT") -> str:
+    """What an interrupt leaves: the run's latest checkpoint and how to continue from it (no traceback)."""
     from verst.monitor.checkpoint_dirs import read_latest
     from verst.monitor.run_dir import run_dir_of
 
     run_dir = run_dir_of(cfg)
     latest = read_latest(run_dir) if run_dir.is_dir() else None
     if latest is None:
-        return f"verst {prog}: interrupted; {run_dir} holds no checkpoint yet (checkpoint.interval = {cfg.checkpoint.interval})"
-    return f"verst {prog}: interrupted; latest checkpoint {latest}; continue with: verst {prog} --resume {run_dir}"
+        return (f"verst {prog}: interrupted by {signal_name}; {run_dir} holds no checkpoint yet "
+                f"(checkpoint.interval = {cfg.checkpoint.interval})")
+    return (f"verst {prog}: interrupted by {signal_name}; latest checkpoint {latest}; "
+            f"continue with: verst {prog} --resume {run_dir}")
 
 
 def parse_config_command(prog: str, argv: list[str], description: str,

@@ -128,6 +128,9 @@ class CheckpointConfig(Section):
     save: bool = Field(True, description="Save a resumable checkpoint at the end.")
     keep_last: int = Field(3, ge=0, description="Keep only the newest N checkpoints, never removing the one "
                            "`latest` names (0: keep all).")
+    on_signal: bool = Field(True, description="RL: on SIGINT or SIGTERM (Ctrl-C, a preemption), stop at the end of "
+                            "the train step and save a checkpoint first, if both fit in 20 s of the signal (within "
+                            "the 30 s Kubernetes and Slurm wait before SIGKILL); false stops where the run is.")
     export_hf: bool = Field(True, description="Export the final model as a Hugging Face checkpoint (with LoRA: "
                             "the PEFT adapter directory).")
     merge_lora: bool = Field(False, description="With LoRA and export_hf: also export the merged model (base + "

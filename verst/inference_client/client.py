@@ -25,6 +25,7 @@ from verst.inference_client.replies import (  # what callers of the client catch
     error_field,
     error_message,
     json_or_raise,
+    transport_error_text,
 )
 
 __all__ = ["EngineClient", "EngineError", "GenerateResult", "RoutingKeyError", "Timeouts", "engine_went_away"]
@@ -193,7 +194,7 @@ class EngineClient:
         except httpx.TimeoutException as exc:
             raise EngineError(url, None, f"timed out after {self.timeouts.generate:g}s ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:
-            raise EngineError(url, None, f"{type(exc).__name__}: {exc}") from exc
+            raise EngineError(url, None, transport_error_text(exc)) from exc
 
     def _generate_body(
         self, input_ids: list[int] | None, sampling_params: dict[str, Any] | None, *, text: str | None = None,
@@ -349,7 +350,7 @@ class EngineClient:
             message = f"timed out after {timeout:g}s ({type(exc).__name__})"
             raise EngineError(self.base_url + path, None, message) from exc
         except httpx.TransportError as exc:
-            raise EngineError(self.base_url + path, None, f"{type(exc).__name__}: {exc}") from exc
+            raise EngineError(self.base_url + path, None, transport_error_text(exc)) from exc
         return json_or_raise(response, self.base_url + path)
 
     async def _get(self, path: str) -> Any:
@@ -358,7 +359,7 @@ class EngineClient:
             try:
                 response = await self._http.get(path, timeout=self.timeouts.control)
             except httpx.TransportError as exc:
-                last = EngineError(self.base_url + path, None, f"{type(exc).__name__}: {exc}")
+                last = EngineError(self.base_url + path, None, transport_error_text(exc))
             else:
                 if response.status_code not in (502, 503, 504):
                     return json_or_raise(response, self.base_url + path)

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from verst.inference_client.client import EngineClient, EngineError, Timeouts
+from verst.inference_client.replies import transport_error_text
 from verst.types.cores import CoreShare
 
 T = TypeVar("T")
@@ -17,7 +18,7 @@ T = TypeVar("T")
 
 class FleetError(RuntimeError):
     def __init__(self, action: str, failures: dict[str, BaseException]):
-        lines = "; ".join(f"{url}: {type(exc).__name__}: {exc}" for url, exc in failures.items())
+        lines = "; ".join(f"{url}: {transport_error_text(exc)}" for url, exc in failures.items())
         super().__init__(f"{action} failed on {len(failures)} engine(s): {lines}")
         self.failures = failures
 

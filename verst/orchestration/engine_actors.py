@@ -18,6 +18,7 @@ from verst.config.imports import import_plugins
 from verst.engine.process import EngineProcess
 from verst.engine_kinds.kinds import engine_kind
 from verst.inference_client.client import EngineClient
+from verst.monitor.diagnosis import headline
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, Role, current_bundle
 from verst.types.cores import CoreShare
@@ -35,7 +36,8 @@ class EngineServer:
     def __init__(self, index: int, model: str, device: str, args: list[str], startup_timeout_s: float,
                  log_dir: str | None, port: int = 0, role: str = "engine", engine: str = "embedded",
                  plugins: tuple[str, ...] = ()):
-        arm_stack_dump()  # a hang report can read this actor's stacks
+        # A hang report can read this actor's stacks; its output goes beside its server's log.
+        arm_stack_dump(Path(log_dir) / f"{role}-{index}-actor.log" if log_dir else None)
         import_plugins(list(plugins))  # an engine kind of the run's own is registered there
         self.index = index
         # Bind where the router (perhaps on another node) can reach it: this node's Ray address,
@@ -261,7 +263,7 @@ class EngineActorGroup:
             try:
                 out.append(ray.get(ref))
             except ray.exceptions.RayError as error:
-                out.append({"index": index, "actor_error": str(error).splitlines()[0][:200]})
+                out.append({"index": index, "actor_error": headline(error)})
         return out
 
     def shutdown(self, grace_s: float = 15.0) -> None:

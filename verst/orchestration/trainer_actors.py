@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -39,10 +40,11 @@ STREAM_AHEAD_BUCKETS = 2
 class TrainerRank:
     """The body of one trainer rank actor. Methods are called by `TrainerActorGroup` only."""
 
-    def __init__(self, rank: int, world_size: int, device: str):
+    def __init__(self, rank: int, world_size: int, device: str, log_dir: str | None = None):
         from verst.orchestration.tensor_wire import register_tensor_serializer  # imports torch: ranks only
 
-        arm_stack_dump()  # a hang report can read this rank's stacks
+        # A hang report can read this rank's stacks; its output goes to RUN/logs/trainer-<rank>.log.
+        arm_stack_dump(Path(log_dir) / f"trainer-{rank}.log" if log_dir else None)
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend: TrainBackend | None = None
         self.weight_sync: SyncerLoop | None = None  # rank 0, after open_weight_sync
@@ -184,7 +186,9 @@ class TrainerActorGroup(CollectiveCalls):
         failure_grace_s: float = 2.0,
         wait: bool = True,
         shares: list[CoreShare] | None = None,
+        log_dir: str | Path | None = None,
     ):
+        """`log_dir`: where each rank writes its output (`trainer-<rank>.log`); None: Ray's worker files."""
         self.world_size = len(placement.plan.trainer_bundles)
         self.timeout_s, self.failure_grace_s, self.start_timeout_s = timeout_s, failure_grace_s, start_timeout_s
         self._closed = False
@@ -194,7 +198,8 @@ class TrainerActorGroup(CollectiveCalls):
         # each is submitted to every rank under this lock, so all ranks run them in the same order.
         self._submit_lock = threading.Lock()
         self._actors = [
-            _RemoteTrainerRank.options(**placement.actor_options("trainer", rank)).remote(rank, self.world_size, device)
+            _RemoteTrainerRank.options(**placement.actor_options("trainer", rank)).remote(
+                rank, self.world_size, device, str(log_dir) if log_dir else None)
             for rank in range(self.world_size)
         ]
         rendezvous = self._actors[0].rendezvous.remote()  # each setup starts once rank 0 has answered

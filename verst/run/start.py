@@ -24,15 +24,17 @@ from verst.eval.local import run_tokenizer
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.models.loader import check_same_tokenizer
-from verst.monitor import MetricsLogger, prepare_run_dir
+from verst.monitor import MetricsLogger, prepare_run_dir, run_dir_of
 from verst.monitor.progress import RunProgress
 from verst.orchestration import EngineActorGroup, Orchestration, RolloutManagerHandle, TrainerActorGroup
 from verst.orchestration.health import EngineSupervisor
-from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
+from verst.orchestration.watchdog import RunProcesses, Watchdog, failure_report
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.rollout.from_config import build_rollout_parts, prepare_rollout_parts
+from verst.rollout.manager import RouterSpec
 from verst.run.checkpointer import Checkpointer, prepare_resume
 from verst.run.cores import CoreBudget, CorePlan, core_layout
+from verst.run.ending import end_early
 from verst.run.evaluator import Evaluator
 from verst.run.guard import Guard
 from verst.run.lanes import Lane
@@ -48,6 +50,7 @@ from verst.run.setup import (
     router_spec,
     weight_checker,
 )
+from verst.run.signals import STOP
 from verst.run.snapshots import EvalSnapshots
 from verst.run.training import DeviceShare, TrainerGroup
 from verst.run.weights import RestartSource, WeightPush
@@ -76,6 +79,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     engines serve: the trainer, usually the slowest to start, is first needed by the first train step.
     `restarts`: the times this run has restarted after a trainer rank died (`fault/trainer_restarts`)."""
     started, started_at = time.perf_counter(), time.time()  # the summary's time/total_s includes start-up
+    STOP.attach()  # a signal cancels the run until its loop runs (see `RLRun.begin`)
     cfg = absolute_paths(cfg)
     resume = prepare_resume(cfg)  # refused before anything starts
     if cfg.teacher.model_path is not None:
@@ -90,6 +94,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs", teacher_engines=teachers,
                                eval_engines=cfg.eval.num_engines, plugins=cfg.plugins) as orch:
         clock.lap("ray")
+        _watched_by_reaper(orch, run_dir)
         orch.check_transport(cfg.sync.transport)
         layout = core_layout(cfg, orch.device)
         actors = start_actors(orch, cfg, plan, None if layout is None else layout.plan())
@@ -133,17 +138,18 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                 async with supervisor:
                     with run.monitor.progress:
                         yield run
-            except Exception as error:
-                run.checkpointer.abandon()  # a commit waiting for a dead rank's write must not hold the exit
-                await run.evaluator.drop()
-                await syncer.close_within(10.0)  # a dead or stuck part must not hold the report back
-                report = None if isinstance(error, RunFailure) else \
-                    await asyncio.to_thread(failure_report, processes, error)
-                if report is not None:
-                    raise report from None  # one screen: what died, how, and its log
-                raise
+            except BaseException as error:  # a failure, or an interrupt (a signal, a cancel)
+                if isinstance(error, GeneratorExit):
+                    raise
+                stopped = await end_early(run, error, functools.partial(asyncio.to_thread, failure_report,
+                                                                        processes))
+                if stopped is error:
+                    raise
+                raise stopped from None  # one screen: what failed, how, its log, and what to do
             finally:
                 await run.stop()  # a run stopped early (an error, cancelled) has an evaluation in flight
+                STOP.detach()
+                _watched_by_reaper(orch, None)  # its summary is written: a kill from here leaves it as it is
 
 
 def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan, cores: CorePlan | None = None) -> Actors:
@@ -167,10 +173,19 @@ def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan, cores: 
     evaluators = orch.start_eval_engines(cfg.model.path, args=engine_server_args(cfg), wait=False) \
         if cfg.eval.num_engines else None
     managers = {name: orch.start_rollout_manager(None, functools.partial(build_rollout_parts, own),
-                                                 router=router_spec(own, cfg.cluster.num_engines),
+                                                 router=_logged_router(own, cfg, name),
                                                  prepare=functools.partial(prepare_rollout_parts, own))
                 for name, own in (lane_cfgs or {None: cfg}).items()}
     return Actors(trainer, engines, teacher, evaluators, managers, lane_cfgs)
+
+
+def _logged_router(own: VerstConfig, cfg: VerstConfig, adapter: str | None) -> RouterSpec | None:
+    """The router of a lane (multi-LoRA: `adapter`'s), writing its output to RUN/logs/router[-<adapter>].log."""
+    spec = router_spec(own, cfg.cluster.num_engines)
+    if spec is None:
+        return None
+    name = f"router-{adapter}.log" if adapter else "router.log"
+    return dataclasses.replace(spec, log_path=str(run_dir_of(cfg) / "logs" / name))
 
 
 def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, syncer: TrainerWeightSync,
@@ -186,10 +201,10 @@ def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, s
     weights = WeightPush(syncer, guard, transport=cfg.sync.transport, weights_dir=run_dir / "weights",
                          ranks=actors.trainer, supervisor=supervisor)
     total_steps = sum(lane.plan.total_train_steps for lane in lanes)
-    monitor = RunMonitor(cfg, run_dir, logger, RunProgress(
-        cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off"), guard, idle_meter=idle_meter,
-        fault_metrics=supervisor.metrics if supervisor is not None else dict, restarts=restarts, started=started,
-        cores=cores)
+    progress = RunProgress(cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off")
+    monitor = RunMonitor(cfg, run_dir, logger, progress, guard, idle_meter=idle_meter, restarts=restarts,
+                         started=started, started_at=started_at, cores=cores,
+                         **({"fault_metrics": supervisor.metrics} if supervisor is not None else {}))
     snapshots = EvalSnapshots(run_dir, actors.trainer, guard, lora=cfg.lora.enabled,
                               pushed=functools.partial(weights.model_snapshot, lora=cfg.lora.enabled))
     evaluator = Evaluator(cfg, lanes, rollouts.router_url, served_version=lambda: weights.version,
@@ -216,6 +231,12 @@ def shared_engines(cfg: VerstConfig, engines: Any) -> Any:
     releases memory; None otherwise."""
     colocated = cfg.cluster.placement == "colocated" and cfg.schedule == "sync"
     return engines if colocated and ENGINE_KINDS.entry(cfg.cluster.engine).releases_memory else None
+
+
+def _watched_by_reaper(orch: Orchestration, run_dir: Path | None) -> None:
+    """The reaper of the run's Ray session writes `run_dir`'s summary and report if the driver is killed."""
+    if orch.session is not None:
+        orch.session.watch_run(run_dir)
 
 
 def sampling_temperature(cfg: VerstConfig) -> float:
