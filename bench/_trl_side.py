@@ -125,6 +125,10 @@ def run_trl(cfg: VerstConfig, *, target: float, max_steps: int, time_cap_s: floa
     tokenizer = load_tokenizer(cfg.model.path)
     tokenizer.padding_side = "left"  # TRL pads prompts itself; this keeps any other padding on the left too
     model = load_model(cfg.model.path)
+    if cfg.lora.enabled:  # the same adapters as verst's trainer puts on its model (PEFT, lora.* settings)
+        from verst.trainer.lora import add_adapters
+
+        model = add_adapters(model, cfg.lora)
     train = datasets.Dataset.from_list(prompt_rows(cfg, tokenizer, "train"))
     args = GRPOConfig(
         output_dir=out_dir, report_to="none", use_cpu=True, bf16=False, fp16=False,

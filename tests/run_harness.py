@@ -69,14 +69,16 @@ class Manager:
     router_url = None
 
 
-def harness_run(tmp_path: Path, *overrides: str, fleet: Any = None) -> RLRun:
+def harness_run(tmp_path: Path, *overrides: str, fleet: Any = None, logger: Any = None,
+                ranks: Any = None, manager: Any = None) -> RLRun:
     """A run of `--eval.interval 1` and `overrides` over the stand-ins (`run.monitor.logger.rows`,
-    `run.weights.syncer.events`, `run.trainer.ranks.exports`)."""
-    cfg = load_config(None, ["--eval.interval", "1", *overrides])
-    actors = Actors(Ranks(), None, None, None, {None: Manager()}, {})
-    return assemble(cfg, batch_plan(cfg), tmp_path / "run", actors, Syncer(), None, None, fleet, Logger(),
-                    idle_meter=None, router_url="http://127.0.0.1:9", restarts=0, started=time.perf_counter(),
-                    started_at=time.time())
+    `run.weights.syncer.events`, `run.trainer.ranks.exports`), in `tmp_path / "run"`."""
+    cfg = load_config(None, ["--eval.interval", "1", "--run-dir", str(tmp_path / "run"), *overrides])
+    (tmp_path / "run").mkdir(parents=True, exist_ok=True)
+    actors = Actors(ranks or Ranks(), None, None, None, {None: manager or Manager()}, {})
+    return assemble(cfg, batch_plan(cfg), tmp_path / "run", actors, Syncer(), None, None, fleet,
+                    Logger() if logger is None else logger, idle_meter=None, router_url="http://127.0.0.1:9",
+                    restarts=0, started=time.perf_counter(), started_at=time.time())
 
 
 async def train_step(run: RLRun) -> dict[str, float]:

@@ -4,6 +4,7 @@ disk. Either way the previous checkpoint stays `latest`, complete, and the run r
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ from tests.e2e.test_resume import SEEDED, kill_tagged, verst
 from tests.e2e.test_rl_schedules import rl_args, rl_config, run_schedule
 from verst.monitor import checkpoint_dirs as layout
 from verst.monitor import read_metrics
+from verst.orchestration.watchdog import RunFailure
 
 
 def check_finished(run_dir: Path, steps: int) -> None:
@@ -44,13 +46,16 @@ def test_a_full_disk_during_a_save_stops_the_run_naming_the_checkpoint_and_keeps
 
     monkeypatch.setattr(layout, "_fsync_tree", full_disk_at_step_2)
     run = BackgroundRun(cfg)
-    with pytest.raises(layout.CheckpointError) as caught:
+    with pytest.raises(RunFailure) as caught:
         run.result()
     monkeypatch.undo()
     step_1 = layout.checkpoints_dir(run.run_dir) / "step_1"
-    assert str(caught.value).startswith(f"checkpoint {layout.checkpoints_dir(run.run_dir) / 'step_2'} not saved: "
-                                        f"OSError: [Errno 28] No space left on device; {step_1} is still the latest")
+    message = str(caught.value)
+    assert message.startswith(f"run stopped: checkpoint {layout.checkpoints_dir(run.run_dir) / 'step_2'} not saved: "
+                              f"OSError: [Errno 28] No space left on device; {step_1} is still the latest"), message
+    assert f"continue with: make room under {run.run_dir}, then verst train --resume {run.run_dir}" in message
     assert layout.resolve(run.run_dir) == step_1  # complete: manifest and trainer state
+    assert "No space left on device" in json.loads((run.run_dir / "summary.json").read_text())["stopped"]
 
     resumed = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"load": cfg.run_dir})})
     assert run_schedule(resumed)["train/steps"] == 4

@@ -3,6 +3,7 @@ router) ends and its temporary directories are removed, by the reaper the run st
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -46,6 +47,15 @@ def test_a_killed_driver_leaves_no_process_and_no_temporary_directory(tiny_model
         left = {pid: cmdline(pid)[:200] for pid in processes_naming(tmp_root)}
         assert left == {}, left
         assert os.listdir(tmp_root) == []  # the run's temporary directory (Ray's session, the engines') is gone
+        run_dir = tmp_path / "run"  # the reaper then writes the run's summary and report
+        deadline = time.monotonic() + 120
+        while not (run_dir / "report.html").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["stopped"].startswith("killed: ") and summary["segments"][-1]["end"] == "killed", summary
+        assert (run_dir / "report.html").stat().st_size > 0
+        logs = [entry["log"] for entry in json.loads((run_dir / "processes.json").read_text()) if entry["log"]]
+        assert logs and all(log.startswith(str(run_dir / "logs")) and os.path.exists(log) for log in logs), logs
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -78,5 +88,5 @@ def test_ctrl_c_ends_the_run_in_one_line_naming_its_latest_checkpoint(tiny_model
     assert driver.returncode == 130, stderr
     assert "Traceback" not in stderr and "never retrieved" not in stderr, stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("verst train: interrupted; latest checkpoint ") and last.endswith(
+    assert last.startswith("verst train: interrupted by SIGINT; latest checkpoint ") and last.endswith(
         f"continue with: verst train --resume {tmp_path / 'run'}"), last

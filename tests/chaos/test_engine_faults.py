@@ -4,8 +4,10 @@ engine, how it ended, and its log."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +38,10 @@ def test_a_killed_engine_stops_the_run_naming_it_and_its_log(ray_session, tiny_m
     assert "engine 1 (http://127.0.0.1:" in message and "killed by SIGKILL" in message, message
     assert f"log {run.run_dir / 'logs' / 'engine-1.log'}" in message, message
     assert len(message.splitlines()) <= 40  # one screen
+    assert (run.run_dir / "summary.json").exists() and (run.run_dir / "report.html").exists()
+    logs = {entry["name"]: entry["log"] for entry in json.loads((run.run_dir / "processes.json").read_text())}
+    for name, log in logs.items():  # every log in the run directory, which outlives the run's temporary one
+        assert log is not None and log.startswith(str(run.run_dir / "logs")) and Path(log).exists(), (name, log)
 
 
 @pytest.mark.slow

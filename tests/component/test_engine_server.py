@@ -11,7 +11,8 @@ import torch
 from verst.engine.process import EngineProcess
 from verst.inference_client.client import EngineClient
 from verst.inference_client.ports import free_port
-from verst.inference_client.weights import broadcast_tensors, dtype_name, open_weight_update_group, write_shm_bucket
+from verst.inference_client.tensor_payload import serialize_named_tensors
+from verst.inference_client.weights import broadcast_tensors, dtype_name, open_weight_update_group
 from verst.models.factory import init_model
 from verst.models.loader import load_model
 
@@ -60,17 +61,16 @@ def test_weight_update_from_disk(engine, models):
     assert ids == greedy_of(models[7]) and version == "disk-7"
 
 
-def test_weight_update_from_shared_memory(engine, models):
+def test_weight_update_from_tensors_in_shared_memory(engine, models):
     named = list(load_model(models[8]).state_dict().items())
 
     async def main():
         async with EngineClient(engine.url) as client:
-            with write_shm_bucket(named) as bucket:
-                await client.update_weights_from_tensor(bucket.manifest, "shm-8")
+            await client.update_weights_from_tensor([serialize_named_tensors(named)], "tensor-8")
             return await greedy(client)
 
     ids, version = run(main())
-    assert ids == greedy_of(models[8]) and version == "shm-8"
+    assert ids == greedy_of(models[8]) and version == "tensor-8"
 
 
 def test_weight_update_from_a_gloo_broadcast(engine, models):

@@ -4,6 +4,8 @@ trainer's new weights (greedy ids equal, logprobs within 1e-4) under a higher ve
 Also: versions never go back, a failing engine is named and leaves nobody paused, the check mode."""
 
 import asyncio
+import gc
+import glob
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from verst.config.schema import ModelConfig, SyncConfig, TrainerConfig
 from verst.engine.core import EngineConfig, EngineCore
 from verst.engine.process import BackgroundServer, EngineProcess
 from verst.inference_client.fleet import EngineFleet
-from verst.inference_client.weights import write_shm_bucket
+from verst.inference_client.tensor_payload import serialize_named_tensors
 from verst.models.factory import init_model
 from verst.models.loader import load_model, load_tokenizer
 from verst.sync import LogprobChecker, VersionError, WeightCheckError, WeightSyncError, build_syncer, list_snapshots
@@ -208,8 +210,8 @@ def test_check_mode_passes_on_correct_weights_and_fails_on_a_corrupted_engine(en
             # corrupt one tensor on the second engine only, keeping its version string
             weights = trainer_weights(trainer)
             name = "model.layers.1.mlp.down_proj.weight"
-            with write_shm_bucket([(name, weights[name] + 0.05)]) as shm:
-                await fleet.clients[engines[1]].update_weights_from_tensor(shm.manifest, str(version + 1))
+            corrupted = [serialize_named_tensors([(name, weights[name] + 0.05)])]
+            await fleet.clients[engines[1]].update_weights_from_tensor(corrupted, str(version + 1))
             with pytest.raises(WeightCheckError) as info:
                 await LogprobChecker(trainer.logprobs).check(fleet, version + 1)
             await syncer.sync(trainer.named_weights(BUCKET), version + 2)  # leave the engines correct
@@ -218,6 +220,58 @@ def test_check_mode_passes_on_correct_weights_and_fails_on_a_corrupted_engine(en
     first, second, error = asyncio.run(main())
     assert first["sync/check_max_abs_diff"] < 1e-4 and "sync/check_seconds" not in second
     assert list(error.mismatches) == [engines[1]] and engines[1] in str(error) and "engine logprob" in str(error)
+
+
+def torch_shm_files() -> set[str]:
+    gc.collect()  # transports other tests left unclosed free their buffers
+    return set(glob.glob("/dev/shm/torch_*"))
+
+
+def test_a_tensor_sync_copies_the_trainers_bytes_and_leaves_no_shared_memory_file(trainer, model_path):
+    """SGLang's tensor format end to end, in-process engine: after the push every engine parameter equals the
+    trainer's bit for bit, and once the transport closes no shared-memory file of the push is left."""
+    before = torch_shm_files()
+    with serve(model_path) as server:
+        async def main():
+            async with EngineFleet([server.url]) as fleet:
+                syncer = build_syncer(SyncConfig(transport="tensor", bucket_bytes=BUCKET), fleet)
+                version = await syncer.current_version() + 1
+                train_step(trainer, seed=31)
+                await syncer.sync(trainer.named_weights(BUCKET), version)
+                during = torch_shm_files() - before
+                await syncer.close()
+                return during
+
+        during = asyncio.run(main())
+        served = server.core.model.state_dict()
+        for name, tensor in trainer_weights(trainer).items():
+            assert torch.equal(served[name], tensor), name
+    assert len(during) == 3  # the three staging buffers, kept between pushes
+    assert not torch_shm_files() - before
+
+
+def test_a_tensor_sync_to_an_engine_process_serves_the_trainers_logprobs_and_leaves_no_file(trainer, model_path):
+    """The same across processes (`verst serve engine`): the engine maps the trainer's files by name."""
+    before = torch_shm_files()
+    engine = EngineProcess(model_path).start()
+    try:
+        async def main():
+            async with EngineFleet([engine.url]) as fleet:
+                syncer = build_syncer(SyncConfig(transport="tensor", bucket_bytes=BUCKET), fleet)
+                version = await syncer.current_version() + 1
+                for step in range(2):  # the second push reuses the staging buffers
+                    train_step(trainer, seed=41 + step)
+                    await syncer.sync(trainer.named_weights(BUCKET), version + step)
+                check = await LogprobChecker(trainer.logprobs).check(fleet, version + 1)
+                await syncer.close()
+                return check, await greedy(fleet), version + 1
+
+        check, results, version = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert check["sync/check_max_abs_diff"] <= 1e-4
+    assert_serves(trainer, model_path, results, version)
+    assert not torch_shm_files() - before
 
 
 @pytest.mark.slow

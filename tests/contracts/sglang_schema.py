@@ -5,7 +5,7 @@ github.com/40349/sglang-v.0.5.9 at commit 00041e51828f3ea480ad834e093ba58447eebe
 GenerateReqInput, UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput,
 UpdateWeightsFromTensorReqInput, InitWeightsUpdateGroupReqInput, DestroyWeightsUpdateGroupReqInput,
 UpdateWeightVersionReqInput, PauseGenerationReqInput, AbortReq, LoadLoRAAdapterReqInput,
-UnloadLoRAAdapterReqInput and their outputs), and the arguments of `SamplingParams.__init__` in
+UnloadLoRAAdapterReqInput, ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput and their outputs), and the arguments of `SamplingParams.__init__` in
 `python/sglang/srt/sampling/sampling_params.py` of the same line. Every request dataclass also takes
 BaseReq's keyword fields `rid` and `http_worker_ipc`.
 """
@@ -85,7 +85,11 @@ REQUESTS: dict[str, dict[str, tuple]] = {
     "LoadLoRAAdapterReqInput": {**BASE_REQ, "lora_name": (STR, REQUIRED), "lora_path": (STR, REQUIRED),
                                 "pinned": (BOOL, False), "lora_id": (_OPT_STR, None)},
     "UnloadLoRAAdapterReqInput": {**BASE_REQ, "lora_name": (STR, REQUIRED), "lora_id": (_OPT_STR, None)},
+    # `tags`: "Currently we only support `weights` and `kv_cache`" (io_struct.py's comment)
+    "ReleaseMemoryOccupationReqInput": {**BASE_REQ, "tags": (_OPT_LIST, None)},
+    "ResumeMemoryOccupationReqInput": {**BASE_REQ, "tags": (_OPT_LIST, None)},
 }
+MEMORY_TAGS = ("weights", "kv_cache")
 PAUSE_MODES = ("abort", "retract", "in_place")  # PauseGenerationReqInput.mode's Literal
 
 # The HTTP route of each request, as SGLang's http_server serves it.
@@ -98,6 +102,8 @@ ROUTES = {
     "/update_weight_version": "UpdateWeightVersionReqInput", "/pause_generation": "PauseGenerationReqInput",
     "/abort_request": "AbortReq", "/load_lora_adapter": "LoadLoRAAdapterReqInput",
     "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
 }
 
 # Reply dataclasses: the fields every reply of that route carries.
@@ -109,4 +115,18 @@ REPLIES = {
     "/load_lora_adapter": {"success", "error_message", "loaded_adapters"},  # LoRAUpdateOutput
     "/unload_lora_adapter": {"success", "error_message", "loaded_adapters"},
     "/get_load": {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "ts_tic"},  # GetLoadReqOutput, per rank
+}
+
+# How SGLang unpickles `serialized_named_tensors` (`MultiprocessingSerializer.deserialize`, its `SafeUnpickler`
+# in python/sglang/srt/utils/common.py, the allowlist against CVE-2025-10164): a global resolves only when its
+# module, with a dot appended, starts with one of these prefixes, and never when it is one of the denied pairs.
+UNPICKLE_MODULE_PREFIXES = (
+    "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
+    "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "pickletools.", "peft.",
+    "transformers.", "huggingface_hub.", "sglang.srt.weight_sync.tensor_bucket.",
+    "sglang.srt.model_executor.model_runner.", "sglang.srt.layers.", "sglang.srt.utils.",
+)
+UNPICKLE_DENIED = {
+    ("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"), ("subprocess", "Popen"),
+    ("subprocess", "run"), ("codecs", "decode"), ("types", "CodeType"), ("types", "FunctionType"),
 }

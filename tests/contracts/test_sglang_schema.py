@@ -15,17 +15,20 @@ import pytest
 
 from tests.contracts import sglang_schema as sg
 from verst.inference_client import protocol as p
+from verst.inference_client import weight_protocol as wp
 from verst.inference_client.client import EngineClient
 
 MODELS: dict[str, type[p.WireModel]] = {
-    "GenerateReqInput": p.GenerateRequest, "UpdateWeightFromDiskReqInput": p.UpdateWeightsFromDiskRequest,
-    "UpdateWeightsFromDistributedReqInput": p.UpdateWeightsFromDistributedRequest,
-    "UpdateWeightsFromTensorReqInput": p.UpdateWeightsFromTensorRequest,
-    "InitWeightsUpdateGroupReqInput": p.InitWeightsUpdateGroupRequest,
-    "DestroyWeightsUpdateGroupReqInput": p.DestroyWeightsUpdateGroupRequest,
-    "UpdateWeightVersionReqInput": p.UpdateWeightVersionRequest, "PauseGenerationReqInput": p.PauseRequest,
-    "AbortReq": p.AbortRequest, "LoadLoRAAdapterReqInput": p.LoadLoraAdapterRequest,
-    "UnloadLoRAAdapterReqInput": p.UnloadLoraAdapterRequest,
+    "GenerateReqInput": p.GenerateRequest, "UpdateWeightFromDiskReqInput": wp.UpdateWeightsFromDiskRequest,
+    "UpdateWeightsFromDistributedReqInput": wp.UpdateWeightsFromDistributedRequest,
+    "UpdateWeightsFromTensorReqInput": wp.UpdateWeightsFromTensorRequest,
+    "InitWeightsUpdateGroupReqInput": wp.InitWeightsUpdateGroupRequest,
+    "DestroyWeightsUpdateGroupReqInput": wp.DestroyWeightsUpdateGroupRequest,
+    "UpdateWeightVersionReqInput": wp.UpdateWeightVersionRequest, "PauseGenerationReqInput": p.PauseRequest,
+    "AbortReq": p.AbortRequest, "LoadLoRAAdapterReqInput": wp.LoadLoraAdapterRequest,
+    "UnloadLoRAAdapterReqInput": wp.UnloadLoraAdapterRequest,
+    "ReleaseMemoryOccupationReqInput": wp.MemoryOccupationRequest,
+    "ResumeMemoryOccupationReqInput": wp.MemoryOccupationRequest,
 }
 
 # Fields the embedded engine takes that this SGLang release does not: verst's extensions.
@@ -63,7 +66,8 @@ NOT_TAKEN = {
     },
     **{name: {"rid": _INTERNAL, "http_worker_ipc": _INTERNAL} for name in (
         "UpdateWeightsFromDistributedReqInput", "UpdateWeightsFromTensorReqInput", "InitWeightsUpdateGroupReqInput",
-        "DestroyWeightsUpdateGroupReqInput", "UpdateWeightVersionReqInput", "PauseGenerationReqInput")},
+        "DestroyWeightsUpdateGroupReqInput", "UpdateWeightVersionReqInput", "PauseGenerationReqInput",
+        "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput")},
     "AbortReq": {"http_worker_ipc": _INTERNAL, "finished_reason": _INTERNAL, "abort_message": _INTERNAL},
     "LoadLoRAAdapterReqInput": {"rid": _INTERNAL, "http_worker_ipc": _INTERNAL, "lora_id": _INTERNAL},
     "UnloadLoRAAdapterReqInput": {"rid": _INTERNAL, "http_worker_ipc": _INTERNAL, "lora_id": _INTERNAL},
@@ -149,6 +153,8 @@ def test_sampling_params_use_sglang_names_and_defaults():
         ours = info.get_default(call_default_factory=True)
         assert ours == fields[name][1] or ours == [] and fields[name][1] is None, name
     assert p.PauseRequest.model_json_schema()["properties"]["mode"]["enum"] == list(sg.PAUSE_MODES)
+    tags = wp.MemoryOccupationRequest.model_json_schema()["properties"]["tags"]["anyOf"][0]["items"]["enum"]
+    assert tags == list(sg.MEMORY_TAGS)
 
 
 def captured_client_bodies() -> list[tuple[str, dict[str, Any]]]:
@@ -181,6 +187,9 @@ def captured_client_bodies() -> list[tuple[str, dict[str, Any]]]:
             await client.update_weight_version("3")
             await client.load_lora_adapter("a", "/adapter")
             await client.unload_lora_adapter("a")
+            await client.update_weights_from_tensor(["payload"], "4")
+            await client.release_memory_occupation()
+            await client.resume_memory_occupation(["weights"])
 
     asyncio.run(drive())
     return sent
@@ -188,8 +197,7 @@ def captured_client_bodies() -> list[tuple[str, dict[str, Any]]]:
 
 def test_client_bodies_are_bodies_sglang_takes():
     sent = captured_client_bodies()
-    assert {path for path, _ in sent} >= set(sg.ROUTES) - {"/update_weights_from_tensor",
-                                                             "/destroy_weights_update_group"}
+    assert {path for path, _ in sent} >= set(sg.ROUTES) - {"/destroy_weights_update_group"}
     for path, body in sent:
         if path not in sg.ROUTES:
             assert body == {}, f"{path}: SGLang takes no body fields here, verst sent {body}"

@@ -1,5 +1,5 @@
-"""`make demo-real` shortened: GRPO on SmolLM2-135M-Instruct raises held-out accuracy (slow: ~15 minutes on
-2 cores; the first run also downloads and converts the model into artifacts/)."""
+"""`make demo-real` shortened to 16 of its 30 steps: GRPO on SmolLM2-135M-Instruct raises held-out accuracy
+(`make test-slow`; the first run also downloads and converts the model into artifacts/)."""
 
 import json
 from pathlib import Path

@@ -103,7 +103,12 @@ def test_resume_refuses_a_changed_field_then_continues(ray_session, tiny_model_d
     assert manifest["eval_history"][0][0] == 0
 
     resumed = changed.model_copy(update={"trainer": cfg.trainer})  # only safe fields differ now
-    assert run_schedule(resumed)["train/steps"] == 2
+    summary = run_schedule(resumed)
+    assert summary["train/steps"] == 2
+    segments = summary["segments"]  # the totals cover both segments
+    assert [(s["from_step"], s["to_step"], s["end"]) for s in segments] == [(0, 1, "finished"), (1, 2, "finished")]
+    assert summary["time/total_s"] == pytest.approx(sum(s["seconds"] for s in segments))
+    assert summary["time/total_s"] > segments[1]["seconds"] > 0
     records = read_metrics(Path(cfg.run_dir))
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2]  # the same metrics.jsonl, continued
     assert [r["eval/weight_version"] for r in records if "eval/accuracy" in r] == [0, 1, 2]

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from verst.config import load_config
+from verst.config import VerstConfig, load_config
 from verst.monitor import checkpoint_dirs as layout
 
 
@@ -27,6 +27,36 @@ def test_commit_moves_latest_and_prunes(tmp_path):
     assert sorted(p.name for p in layout.checkpoints_dir(tmp_path).glob("step_*")) == ["step_2", "step_3"]
     assert layout.resolve(tmp_path) == layout.checkpoints_dir(tmp_path) / "step_3"
     assert layout.read_manifest(layout.resolve(tmp_path))["version"] == 3
+
+
+def step_names(run_dir):
+    return sorted((p.name for p in layout.checkpoints_dir(run_dir).glob("step_*")), key=lambda n: int(n[5:]))
+
+
+def test_a_run_keeps_its_newest_three_checkpoints_by_default(tmp_path):
+    keep_last = VerstConfig().checkpoint.keep_last
+    for step in range(1, 6):
+        fake_step(tmp_path, step, keep_last)
+    assert step_names(tmp_path) == ["step_3", "step_4", "step_5"]
+    assert layout.resolve(tmp_path).name == "step_5"
+
+
+def test_pruning_never_removes_the_checkpoint_latest_names(tmp_path):
+    """A run resumed from an older step (checkpoint.load = .../step_10) saves below the newest step numbers:
+    its own checkpoint, the oldest by number, stays, as a restart or --resume reads it next."""
+    keep_last = VerstConfig().checkpoint.keep_last
+    for step in (10, 20, 30, 40):
+        fake_step(tmp_path, step, keep_last)
+    assert step_names(tmp_path) == ["step_20", "step_30", "step_40"]
+    fake_step(tmp_path, 15, keep_last)
+    assert step_names(tmp_path) == ["step_15", "step_20", "step_30", "step_40"]
+    assert layout.resolve(tmp_path) == layout.checkpoints_dir(tmp_path) / "step_15"
+
+
+def test_keep_last_0_keeps_every_checkpoint(tmp_path):
+    for step in range(1, 6):
+        fake_step(tmp_path, step, keep_last=0)
+    assert step_names(tmp_path) == [f"step_{step}" for step in range(1, 6)]
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):

@@ -25,15 +25,51 @@ def test_unknown_command(capsys):
     assert "unknown command 'fly'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["train", "sft"])
-def test_config_command_help_lists_every_field_without_torch(command):
-    result = run_cli([command, "--help"])
+def listed_flags(help_text: str) -> set[str]:
+    return {line.split()[0] for line in help_text.splitlines() if line.startswith("  --") and "." in line.split()[0]}
+
+
+def test_train_help_lists_every_field_without_torch():
+    result = run_cli(["train", "--help"])
     assert result.returncode == 0, result.stderr
     for dotted, _, default, doc in iter_fields():
         flag = f"--{dotted.replace('_', '-')} "
         assert flag in result.stdout, flag
         assert doc in result.stdout
         assert f"(default: {default!r})" in result.stdout
+
+
+def test_sft_help_lists_only_the_fields_sft_reads_without_torch():
+    from verst.cli.sft import SFT_FIELDS
+
+    result = run_cli(["sft", "--help"])
+    assert result.returncode == 0, result.stderr
+    dotted = {name for name, *_ in iter_fields()}
+    for name in SFT_FIELDS:  # each names a field or a section of the schema
+        assert name in dotted or any(field.startswith(f"{name}.") for field in dotted), name
+    flags = listed_flags(result.stdout)
+    assert {"--sft.num-steps", "--trainer.lr", "--checkpoint.keep-last", "--lora.rank", "--data.train-path",
+            "--eval.max-prompts", "--rollout.agent-fn"} <= flags
+    rl_only = {flag for flag in flags if flag.startswith(("--algorithm.", "--buffer.", "--sync.", "--teacher.",
+                                                          "--critic.", "--fault.", "--vllm", "--sglang"))}
+    assert rl_only == set()
+    assert not flags & {"--rollout.batch-size", "--rollout.n-samples-per-prompt", "--trainer.global-batch-size",
+                        "--cluster.num-engines", "--lora.adapters", "--eval.backend"}
+    assert "--schedule " not in result.stdout
+    assert len(flags) < len(listed_flags(run_cli(["train", "--help"]).stdout)) / 2
+
+
+def test_model_help_shows_each_subcommand_and_its_arguments(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["model", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "verst model init [-h] --arch {qwen3,qwen3-moe,llama} --size {tiny,small} --out OUT [--seed SEED]" in out
+    assert "verst model get [-h] --out OUT [--cache CACHE] {smollm2-135m-instruct}" in out
+    assert "verst model import [-h] --gguf GGUF --out OUT" in out
+    for argument in ("--seed SEED           weight initialisation seed (default: 0)", "--cache CACHE",
+                     "--gguf GGUF  the .gguf file"):
+        assert argument in out
 
 
 def test_dry_run_prints_config_and_arithmetic_without_torch(tmp_path, tiny_model_dir, addition_data_dir):

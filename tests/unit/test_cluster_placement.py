@@ -131,7 +131,7 @@ def test_the_distributed_transport_is_rooted_at_rank_0s_node_address(monkeypatch
 
     opened = {}
     monkeypatch.setattr(trainer_actors.ray.util, "get_node_ip_address", lambda: "10.1.2.3")
-    monkeypatch.setattr(trainer_actors, "_SyncerLoop", lambda sync, urls, options: opened.update(options))
+    monkeypatch.setattr(trainer_actors, "SyncerLoop", lambda sync, urls, options: opened.update(options))
     rank = SimpleNamespace(backend=object())
     trainer_actors.TrainerRank.open_weight_sync(rank, SyncConfig(), ["http://10.0.0.9:1"], {"timeout_s": 5.0})
     assert opened == {"master_address": "10.1.2.3", "timeout_s": 5.0}

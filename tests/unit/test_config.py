@@ -92,8 +92,10 @@ def test_tensor_transport_to_the_embedded_engine_on_cpu_is_accepted():
          "rollout.rollout_fn = 'examples.plugins.rollout:one_round' with schedule = 'fully_async' is refused"),
         (["--fault.max-restarts", "1"], "fault.max_restarts = 1 restarts a run from its latest checkpoint, but "
                                         "checkpoint.interval = 0 saves none before the end"),
-        (["--sync.transport", "tensor", "--cluster.device", "cuda"],
-         "sync.transport = 'tensor' with cluster.engine = 'embedded' on cluster.device = 'cuda' (CUDA)"),
+        (["--cluster.placement", "colocated", "--cluster.device", "cuda"],
+         "sync.transport = 'distributed' with cluster.placement = 'colocated' on cluster.device = 'cuda' (CUDA): the "
+         "trainer and an engine share a GPU, and NCCL refuses two ranks of one group on one GPU; use sync.transport = "
+         "'tensor' or 'disk'"),
         (["--reward.type", "custom"], "reward.type = 'custom' needs reward.path"),
         (["--reward.type", "remote"], "reward.type = 'remote' needs reward.url"),
         (["--algorithm.mismatch-correction", "tis", "--algorithm.old-logprobs", "rollout"], "cannot be combined with algorithm.old_logprobs = 'rollout'"),
@@ -175,3 +177,11 @@ def test_ppo_with_its_critic_is_accepted_on_every_schedule(schedule):
     cfg = load_config(None, ["--algorithm.advantage-estimator", "ppo", "--critic.lr", "1e-4", "--schedule", schedule,
                              "--lora.enabled", "true"])
     assert cfg.algorithm.needs_critic and cfg.critic.lr == 1e-4 and cfg.critic.model_path is None
+
+
+def test_the_colocated_broadcast_rule_reads_no_torch_when_the_device_is_named():
+    # config loading stays torch-free (`verst train --dry-run`); only cluster.device = 'auto' asks torch
+    code = ("import sys; from verst.config.load import load_config; "
+            "load_config(None, ['--cluster.placement', 'colocated', '--cluster.device', 'cpu']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

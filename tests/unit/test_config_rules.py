@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from verst.config import ConfigError, load_config
+from verst.config.core_rules import cores_exist
 from verst.config.registries import ENGINE_KINDS, WEIGHT_TRANSPORTS
 from verst.config.rules import (
     RULES,
@@ -79,11 +80,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     "engine_takes_the_transport": (["--cluster.engine", "vllm"],
                                    r"sync.transport = 'distributed' is not supported with cluster.engine = 'vllm': "
                                    r"vLLM takes new weights from disk.*use one of \['disk'\]"),
-    "engine_colocates": (["--cluster.engine", "sglang", "--cluster.placement", "colocated"],
-                         r"cluster.placement = 'colocated' is not supported with cluster.engine = 'sglang'"),
-    "engine_loads_lora": (["--lora.enabled", "true", *VLLM],
-                          r"lora.enabled = true is not supported with cluster.engine = 'vllm'"),
-    "adapter_tensors_need_an_engine_that_loads_them": (["--lora.enabled", "true", "--cluster.engine", "sglang"],
+    "colocated_engines_release_memory": (["--cluster.engine", "sglang", "--cluster.placement", "colocated",
+                                          "--sync.transport", "tensor"],
+                                         r"cluster.placement = 'colocated' with cluster.engine = 'sglang' needs "
+                                         r"sglang.enable-memory-saver = true"),
+    "engine_loads_lora": (["--lora.enabled", "true", "--cluster.engine", "sglang", "--sync.transport", "disk"],
+                          r"lora.enabled = true with cluster.engine = 'sglang' needs sglang.enable-lora = true"),
+    "adapter_tensors_need_an_engine_that_loads_them": (["--lora.enabled", "true", "--cluster.engine", "sglang",
+                                                        "--sglang.enable-lora"],
                                                        r"lora.sync = 'adapter' with sync.transport = 'distributed': "
                                                        r"cluster.engine = 'sglang' does not load an adapter from "
                                                        r"pushed tensors \(only 'embedded' does\)"),
@@ -91,8 +95,13 @@ CASES: dict[str, tuple[list[str], str]] = {
                                            r"model.impl = 'native' chooses the embedded engine's model class"),
     "engine_flags_go_to_their_engine": (["--sglang.tp-size", "2"],
                                         r"\[sglang\] flags \(tp-size\) are given, but cluster.engine = 'embedded'"),
-    "cuda_ipc_needs_an_engine_that_takes_it": (["--sync.transport", "tensor", "--cluster.device", "cuda"],
-                                               r"sync.transport = 'tensor' with cluster.engine = 'embedded' on "
+    "colocated_broadcast_needs_a_gpu_each": (["--cluster.placement", "colocated", "--cluster.device", "cuda"],
+                                             r"sync.transport = 'distributed' with cluster.placement = 'colocated' on "
+                                             r"cluster.device = 'cuda' \(CUDA\): .*NCCL refuses two ranks of one group "
+                                             r"on one GPU; use sync.transport = 'tensor' or 'disk'"),
+    "cuda_ipc_needs_an_engine_that_takes_it": (["--plugins", "[tests.unit.engine_without_ipc]", "--cluster.engine",
+                                                "no_ipc", "--sync.transport", "tensor", "--cluster.device", "cuda"],
+                                               r"sync.transport = 'tensor' with cluster.engine = 'no_ipc' on "
                                                r"cluster.device = 'cuda' \(CUDA\)"),
     "eval_fleet_or_backend": (["--eval.num-engines", "1", "--eval.backend", "m:f"],
                               r"eval.num_engines = 1 with eval.backend = 'm:f'"),
@@ -105,6 +114,14 @@ CASES: dict[str, tuple[list[str], str]] = {
                                           r"lora.adapters \(multi-LoRA\) with schedule = 'one_step_off'"),
     "adapters_train_one_policy_each": ([*ADAPTERS, "--checkpoint.merge-lora", "true"],
                                        r"checkpoint.merge_lora = true with lora.adapters"),
+    "core_budget_is_for_the_cpu": (["--cluster.device", "cuda", "--cluster.cores", "4"],
+                                   r"cluster.cores = 4 set the CPU's core budget, and cluster.device = 'cuda'"),
+    "core_budget_is_one_machines": (["--cluster.ray-address", "10.0.0.1:6379", "--cluster.trainer-threads", "2"],
+                                    r"cluster.trainer_threads = 2 plan the cores of the machine the run starts on"),
+    "engine_takes_its_core_share": ([*VLLM, "--cluster.engine-threads", "2"],
+                                    r"cluster.engine_threads = 2 with cluster.engine = 'vllm': that engine sets its own"),
+    "true_on_policy_trains_on_one_thread": (["--algorithm.true-on-policy", "true", "--cluster.trainer-threads", "2"],
+                                            r"cluster.trainer_threads = 2 with algorithm.true_on_policy = true"),
     "every_adapter_is_a_valid_run": ([*ADAPTERS, "--lora.adapters", "[{name: add, batch_size: 3, global_batch_size: 16}]"],
                                      r"lora.adapters\[0\] \('add'\): .*3 × 8 = 24 samples per rollout"),
 }
@@ -115,7 +132,7 @@ def test_every_rule_has_a_case():
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
-def test_a_broken_rule_is_refused_by_field(rule):
+def test_a_broken_rule_is_refused_by_field(rule, registries_restored):
     overrides, message = CASES[rule]
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
@@ -130,6 +147,13 @@ def test_rules_of_what_the_run_finds_at_start_up():
     transport_reaches_the_engines("distributed", "10.0.0.1", ["10.0.0.2"])  # a broadcast crosses machines
     with pytest.raises(ValueError, match=r"engine\(s\) \[0\] were placed on \['10.0.0.2'\]"):
         transport_reaches_the_engines("tensor", "10.0.0.1", ["10.0.0.2", "10.0.0.1"])
+
+
+def test_core_count_against_the_machine():
+    cores_exist(None, (0, 1))
+    cores_exist(2, (0, 1))
+    with pytest.raises(ValueError, match=r"cluster.cores = 3, but this process may run on 2 core\(s\) \(\[0, 1\]\)"):
+        cores_exist(3, (0, 1))
 
 
 def test_rules_of_sft():

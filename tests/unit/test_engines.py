@@ -50,7 +50,10 @@ def test_flags_pass_through_unchanged_from_cli_and_recipe(tmp_path):
     ([*VLLM_DISK, "--vllm.model", "x"], "vllm.model: verst sets --model itself"),
     (["--cluster.engine", "sglang", "--sglang.model-path", "x"], "sglang.model-path: verst sets"),
     ([*VLLM_DISK, "--vllm.enable-prefix-caching", "false"], "vllm.enable-prefix-caching = false"),
-    (["--cluster.engine", "sglang", "--cluster.placement", "colocated"], "cluster.placement = 'colocated'"),
+    (["--cluster.engine", "sglang", "--lora.enabled", "true", "--sync.transport", "disk"],
+     "lora.enabled = true with cluster.engine = 'sglang' needs sglang.enable-lora = true"),
+    (["--cluster.engine", "sglang", "--cluster.placement", "colocated", "--sync.transport", "tensor"],
+     "cluster.placement = 'colocated' with cluster.engine = 'sglang' needs sglang.enable-memory-saver = true"),
 ])
 def test_what_an_engine_cannot_do_is_refused_at_config_load(overrides, names):
     with pytest.raises(ConfigError, match=names):
@@ -59,6 +62,10 @@ def test_what_an_engine_cannot_do_is_refused_at_config_load(overrides, names):
 
 def test_accepted_engine_configs():
     assert load_config(None, VLLM_DISK).cluster.engine == "vllm"
+    colocated = ["--cluster.placement", "colocated", "--sync.transport", "tensor", "--cluster.device", "cuda"]
+    assert load_config(None, colocated).sync.transport == "tensor"  # the embedded engine takes CUDA-IPC handles
+    sglang = load_config(None, [*colocated, "--cluster.engine", "sglang", "--sglang.enable_memory_saver"])
+    assert sglang.cluster.placement == "colocated"
     for transport in ("distributed", "tensor", "disk"):
         assert load_config(None, ["--cluster.engine", "sglang", "--sync.transport", transport]).sync.transport == transport
 
@@ -87,6 +94,8 @@ def test_engine_commands():
     cmd = sglang_command("/py", "/m", "127.0.0.1", 5, "bfloat16", "0", "cuda", ["--tp-size", "2"])
     assert cmd[:3] == ["/py", "-m", "sglang.launch_server"] and cmd[-2:] == ["--tp-size", "2"]
     assert cmd[cmd.index("--weight-version") + 1] == "0" and cmd[cmd.index("--model-path") + 1] == "/m"
+    assert "--enable-return-routed-experts" not in cmd
+    assert "--enable-return-routed-experts" in sglang_command("/py", "/m", "h", 5, "bfloat16", "0", "cuda", [], True)
 
 
 # ---- preflight -----------------------------------------------------------------------------------------

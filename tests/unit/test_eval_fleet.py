@@ -42,7 +42,7 @@ def stand_in_engine(eos: int, stale_at: set[str], seen: dict) -> FastAPI:
             seen["version"] = body["weight_version"]
         return {"success": True, "weight_version": seen["version"]}
 
-    @app.get("/get_weight_version")
+    @app.get("/model_info")
     async def version() -> dict:
         return {"weight_version": seen["version"]}
 

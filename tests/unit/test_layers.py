@@ -144,3 +144,13 @@ def test_no_package_has_an_import_circle_inside():
 
 def test_the_circle_check_finds_a_circle():
     assert circles({"a.x.m": {"a.x.n"}, "a.x.n": {"a.x.m"}, "a.x.o": set()}) == [["a.x.m", "a.x.n"]]
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_over_450_lines():
+    root = Path(verst.__file__).parent
+    long = {str(path.relative_to(root)): n for path in root.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}

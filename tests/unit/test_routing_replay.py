@@ -73,7 +73,8 @@ def test_train_item_checks_the_routed_experts_length():
 
 
 @pytest.mark.parametrize("override, message", [
-    (["--cluster.engine", "sglang"], "algorithm.routing_replay = 'replay' needs engines .* cluster.engine = 'sglang'"),
+    (["--cluster.engine", "vllm", "--sync.transport", "disk"],
+     "algorithm.routing_replay = 'replay' needs engines .* cluster.engine = 'vllm'"),
     (["--rollout.agent-fn", "pkg.agent:run"], "rollout.agent_fn = 'pkg.agent:run' does not record them"),
 ])
 def test_routing_replay_refusals_name_the_fields(override, message):

@@ -18,6 +18,9 @@ class RecordingClient:
     def __init__(self, url, log, fail):
         self.base_url, self.log, self.fail = url, log, fail
 
+    async def get_server_info(self):
+        return {"tp_size": 1}
+
     async def update_weight_version(self, version):
         self.log.append(("update_weight_version", self.base_url, version))
         return {"success": True, "weight_version": version}
@@ -261,9 +264,7 @@ def test_factory_maps_config_and_device_to_transports(tmp_path):
     dist = build_transport(cfg(transport="distributed"), fleet)
     assert isinstance(dist, DistributedTransport) and dist.backend == "gloo" and dist.bucket_bytes == 2**20
     assert build_transport(cfg(transport="distributed"), fleet, device="cuda").backend == "nccl"
-    assert build_transport(cfg(transport="tensor"), fleet).ipc == "shm"
     assert isinstance(build_transport(cfg(transport="tensor"), fleet, device="cuda"), TensorTransport)
-    assert build_transport(cfg(transport="tensor"), fleet, device="cuda").ipc == "cuda_ipc"
     disk = build_transport(cfg(transport="disk"), fleet, snapshot_dir=tmp_path, keep_snapshots=3)
     assert isinstance(disk, DiskTransport) and disk.keep_last == 3
     with pytest.raises(ValueError, match="needs snapshot_dir"):
@@ -276,14 +277,21 @@ def test_factory_maps_config_and_device_to_transports(tmp_path):
     assert syncer.describe() == {"transport": "tensor", "pause_mode": "abort", "interval": 2, "check_weights": False}
 
 
+def loaded_names(payloads):
+    """What each engine would load: its own entries of SGLang's format, read back as an engine reads them."""
+    from verst.inference_client.tensor_payload import deserialize_named_tensors
+
+    names = {url: [[name for name, _ in deserialize_named_tensors(entry)] for entry in payloads(url)]
+             for url in ("http://a", "http://b")}
+    assert names["http://a"] == names["http://b"] and len(names["http://a"]) == 1  # one entry per engine rank
+    return names["http://a"][0]
+
+
 class LoadingFleet(RecordingFleet):
     """Also takes the tensor transport's loads: records each one's version and reads its tensors back."""
 
-    async def update_weights_from_tensor(self, manifest, weight_version, **adapter):
-        from verst.inference_client.weights import read_shm_bucket
-
-        names = [name for name, _ in read_shm_bucket(manifest)]
-        return await self._all("load", weight_version, names, sorted(adapter))
+    async def update_weights_from_tensor(self, payloads, weight_version, **adapter):
+        return await self._all("load", weight_version, loaded_names(payloads), sorted(adapter))
 
 
 def test_a_transport_with_versioned_loads_flushes_and_versions_with_its_loads():
@@ -307,18 +315,16 @@ def test_a_transport_with_versioned_loads_flushes_and_versions_with_its_loads():
 class SlowLoadingFleet(LoadingFleet):
     """Each load takes 0.2 s; logs when it is sent and when it is done."""
 
-    async def update_weights_from_tensor(self, manifest, weight_version, **adapter):
-        from verst.inference_client.weights import read_shm_bucket
-
-        names = [name for name, _ in read_shm_bucket(manifest)]
+    async def update_weights_from_tensor(self, payloads, weight_version, **adapter):
+        names = loaded_names(payloads)
         self.log.append(("sent", names[0], weight_version))
         await asyncio.sleep(0.2)
         self.log.append(("done", names[0]))
 
 
-def test_shm_loads_are_queued_behind_each_other_and_the_versioned_one_goes_last():
+def test_tensor_loads_are_queued_behind_each_other_and_the_versioned_one_goes_last():
     # a piece's load is sent while the ones before it still run (the engines need not wait a round trip
-    # between copies), at most one per shm file; the last load, which sets the version, only once every
+    # between copies), at most three (each holds a staging buffer); the last load, which sets the version, only once every
     # other is done
     fleet = SlowLoadingFleet()
     transport = TensorTransport(fleet, bucket_bytes=3 * 12)
@@ -339,7 +345,7 @@ def test_shm_loads_are_queued_behind_each_other_and_the_versioned_one_goes_last(
     assert loads[-2:] == [("sent", "e", "4"), ("done", "e")] and in_flight[-3] == 0
 
 
-def test_shm_pieces_are_at_most_a_third_of_a_bucket_and_ipc_piece_bytes(monkeypatch):
+def test_pieces_are_at_most_a_third_of_a_bucket_and_piece_bytes(monkeypatch):
     import verst.sync.tensor as tensor_module
 
     four = [[(name, torch.zeros(2**16)) for name in "abcd"]]  # 256 KiB each
@@ -358,7 +364,7 @@ def test_shm_pieces_are_at_most_a_third_of_a_bucket_and_ipc_piece_bytes(monkeypa
         return [entry[2] for entry in fleet.log if entry[0] == "load"]
 
     assert pieces(3 * 2**19) == [["a", "b"], ["c", "d"]]  # thirds of the bucket
-    monkeypatch.setattr(tensor_module, "IPC_PIECE_BYTES", 2**18)
+    monkeypatch.setattr(tensor_module, "PIECE_BYTES", 2**18)
     assert pieces(3 * 2**19) == [["a"], ["b"], ["c"], ["d"]]
 
 

@@ -1,12 +1,12 @@
 """The weight syncer as the driver sees it when trainer rank 0 runs the pushes (`TrainerWeightSync`), and
-rank 0's bucket source that finishes its gathers when a push stops early (`_DrainOnClose`)."""
+rank 0's bucket source that finishes its gathers when a push stops early (`DrainOnClose`)."""
 
 import asyncio
 
 import pytest
 
 from verst.config import load_config
-from verst.orchestration.trainer_actors import _DrainOnClose
+from verst.orchestration.rank_sync import DrainOnClose
 from verst.orchestration.weight_sync import TrainerWeightSync
 
 
@@ -72,7 +72,7 @@ def test_closing_rank_zeros_source_early_finishes_its_gathers():
             gathered.append(i)
             yield [(f"w{i}", None)]
 
-    source = _DrainOnClose(named_weights())
+    source = DrainOnClose(named_weights())
     assert next(iter(source)) == [("w0", None)]
     source.close()  # a push that failed after its first bucket
     assert gathered == [0, 1, 2, 3, 4]

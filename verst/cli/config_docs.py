@@ -30,9 +30,9 @@ verst train recipes/grpo_addition.toml --rollout.batch-size 8 --trainer.lr 2e-4 
 ```
 
 `--dry-run` prints the resolved tree and the derived batch arithmetic, then exits; `verst train --help`
-and `verst sft --help` list the same fields as this page. `[sft]` is read by `verst sft` only; `verst sft`
-evaluates with `[eval]`, `[reward]` and the response limits (and agent fn) of `[rollout]`, and ignores the
-RL-only sections (`algorithm`, `buffer`, the schedule).
+lists the same fields as this page, `verst sft --help` those SFT reads. `[sft]` is read by `verst sft` only;
+`verst sft` evaluates with `[eval]`, `[reward]` and the response limits (and agent fn) of `[rollout]`, and
+ignores the RL-only sections (`algorithm`, `buffer`, the schedule).
 """
 
 

@@ -20,7 +20,8 @@ from verst.models.loader import load_model
 def build_parser() -> argparse.ArgumentParser:
     from verst.models.gguf import KNOWN_MODELS
 
-    parser = argparse.ArgumentParser(prog="verst model", description="Make or convert models locally.")
+    parser = argparse.ArgumentParser(prog="verst model", description="Make or convert models locally.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{init,get,import}")
     init = commands.add_parser(
         "init",
@@ -51,7 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     imp.add_argument("--gguf", required=True, help="the .gguf file")
     imp.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    parser.epilog = commands_help((init, get, imp))
     return parser
+
+
+def commands_help(commands: tuple[argparse.ArgumentParser, ...]) -> str:
+    """Each subcommand's usage and arguments, for `verst model --help`: argparse lists only their names."""
+    blocks = []
+    for command in commands:
+        usage, *sections = command.format_help().split("\n\n")
+        lines = [" ".join(usage.split()[1:])]  # without "usage:", its wrapped lines joined
+        for section in sections:
+            header, *rows = section.splitlines()
+            if header in ("positional arguments:", "options:"):
+                lines += [row for row in rows if "show this help message" not in row]
+        blocks.append("\n".join(lines))
+    return "commands (verst model COMMAND --help also says what each does):\n\n" + "\n\n".join(blocks)
 
 
 def default_cache() -> Path:

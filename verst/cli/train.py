@@ -21,6 +21,6 @@ def _run(cfg: VerstConfig) -> None:
 
     try:
         asyncio.run(SCHEDULES[cfg.schedule](cfg))
-    except RunFailure as failure:  # its message is the whole story: no traceback
+    except RunFailure as failure:  # its message is the whole story (what failed, what to do): no traceback
         print(f"verst train: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

@@ -1,4 +1,5 @@
-"""Layer 0: the typed config tree, recipe loading with dotted overrides, and batch arithmetic."""
+"""Layer 0: the typed config tree, recipe loading with dotted overrides, the registries of named implementations,
+the cross-field rules and batch arithmetic."""
 
 from verst.config.arithmetic import BatchPlan, batch_plan
 from verst.config.imports import ImportPathError, load_object

@@ -39,12 +39,15 @@ class EngineEntry(Entry):
     transports: tuple[str, ...] = ()  # the sync.transport values it takes
     transport_note: str = ""  # why it takes no others
     lora: bool = False  # loads LoRA adapters
+    lora_flag: str | None = None  # the server flag its adapters need at start-up
     adapter_tensors: bool = False  # loads an adapter from pushed tensors (not only from a directory)
-    colocated: bool = True  # releases its device memory while a colocated trainer steps
+    releases_memory: bool = False  # gives its device memory to a colocated trainer while it steps
+    memory_flag: str | None = None  # the server flag its memory release needs at start-up
     cuda_ipc: bool = False  # takes weights as CUDA-IPC handles (the tensor transport on CUDA)
     routed_experts: bool = False  # returns the routed experts of every token (algorithm.routing_replay)
     true_on_policy: bool = False  # scores with the trainer's own per-sequence forward (algorithm.true_on_policy)
     model_impl: bool = False  # runs verst's model classes (model.impl chooses one)
+    cpu_share: bool = False  # on CPU, takes its cores and torch threads from the run (cluster.cores), also mid-run
     flags_table: str | None = None  # its pass-through table of server flags ([vllm], [sglang])
     owned_flags: tuple[str, ...] = ()  # server flags verst sets from its own config, refused in the table
 
@@ -104,8 +107,8 @@ for _name, _doc in (
 _KINDS = "verst.engine_kinds.kinds"
 ENGINE_KINDS.add("embedded", EngineEntry(
     f"{_KINDS}:EMBEDDED", "verst's own engine (PyTorch, continuous batching, prefix cache)",
-    transports=("distributed", "tensor", "disk"), lora=True, adapter_tensors=True, routed_experts=True,
-    true_on_policy=True, model_impl=True))
+    transports=("distributed", "tensor", "disk"), lora=True, adapter_tensors=True, releases_memory=True,
+    cuda_ipc=True, routed_experts=True, true_on_policy=True, model_impl=True, cpu_share=True))
 ENGINE_KINDS.add("vllm", EngineEntry(
     f"{_KINDS}:VLLM", "vLLM behind verst's gateway (its own environment, `make vllm`)",
     transports=("disk",), transport_note="vLLM takes new weights from disk here (collective_rpc reload_weights); its "
@@ -113,7 +116,8 @@ ENGINE_KINDS.add("vllm", EngineEntry(
     flags_table="vllm", owned_flags=("model", "host", "port", "dtype")))
 ENGINE_KINDS.add("sglang", EngineEntry(
     f"{_KINDS}:SGLANG", "an SGLang server, launched as it is (CUDA)",
-    transports=("distributed", "tensor", "disk"), lora=True, colocated=False, cuda_ipc=True, flags_table="sglang",
+    transports=("distributed", "tensor", "disk"), lora=True, lora_flag="enable-lora", releases_memory=True,
+    memory_flag="enable-memory-saver", cuda_ipc=True, routed_experts=True, flags_table="sglang",
     owned_flags=("model-path", "host", "port", "dtype", "weight-version")))
 
 WEIGHT_TRANSPORTS.add("distributed", TransportEntry(

@@ -1,22 +1,20 @@
 """Every rule that ties config fields together, one named function each, checked when a config loads (`RULES`,
-in order), plus the rules that need what the run finds at start-up (the device, the placement) and the ones
-`verst sft` adds. A rule takes the sections it reads by name (`config`: the whole tree) and raises
-`ValueError` naming each field and its value, and what would work instead.
-"""
+in order; the core budget's in `core_rules`), plus the rules that need what the run finds at start-up (the device,
+the placement) and the ones `verst sft` adds. A rule takes the sections it reads by name (`config`: the whole
+tree) and raises `ValueError` naming each field and its value, and what would work instead."""
 
 from __future__ import annotations
 
+import functools
 import inspect
-import os
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
 from verst.config.adapters import adapter_run_config
 from verst.config.arithmetic import batch_plan
-from verst.config.engine_flags import flag_argv
+from verst.config.core_rules import CORE_RULES
+from verst.config.engine_rules import ENGINE_RULES, engines_with
 from verst.config.inputs import ModelConfig, RewardConfig, RolloutConfig
 from verst.config.registries import ADVANTAGE_ESTIMATORS, ENGINE_KINDS, NO_CORRECTION, WEIGHT_TRANSPORTS
 from verst.config.runtime import (
@@ -188,7 +186,7 @@ def true_on_policy_needs_one_forward(algorithm: AlgorithmConfig, model: ModelCon
     refusals = {
         "model.dtype": (model.dtype, model.dtype != "float32", "float32"),
         "model.impl": (model.impl, model.impl == "transformers", "'native' or 'auto'"),
-        "cluster.engine": (cluster.engine, not engine.true_on_policy, _engines_with("true_on_policy")),
+        "cluster.engine": (cluster.engine, not engine.true_on_policy, engines_with("true_on_policy")),
         "cluster.device": (cluster.device, cluster.device == "cuda", "'cpu' or 'auto'"),
         "lora.enabled": (lora.enabled, lora.enabled, "false"),
         "algorithm.routing_replay": (algorithm.routing_replay, algorithm.routing_replay != "off", "'off'"),
@@ -206,72 +204,11 @@ def routing_replay_needs_routed_experts(algorithm: AlgorithmConfig, cluster: Clu
     if not ENGINE_KINDS.entry(cluster.engine).routed_experts:
         raise ValueError(f"algorithm.routing_replay = {algorithm.routing_replay!r} needs engines that return routed "
                          f"experts on every reply; cluster.engine = {cluster.engine!r} is not wired for it, use "
-                         f"{_engines_with('routed_experts')}")
+                         f"{engines_with('routed_experts')}")
     if rollout.agent_fn:
         raise ValueError(f"algorithm.routing_replay = {algorithm.routing_replay!r} records routed experts in the "
                          f"single-turn generate fn; the multi-turn rollout.agent_fn = {rollout.agent_fn!r} does not "
                          "record them: set algorithm.routing_replay = 'off'")
-
-
-# ---- the engines and the weight sync -----------------------------------------------------------------
-def engine_takes_the_transport(cluster: ClusterConfig, sync: SyncConfig) -> None:
-    engine = ENGINE_KINDS.entry(cluster.engine)
-    if sync.transport not in engine.transports:
-        raise ValueError(f"sync.transport = {sync.transport!r} is not supported with cluster.engine = "
-                         f"{cluster.engine!r}{': ' + engine.transport_note if engine.transport_note else ''}; use one "
-                         f"of {list(engine.transports)}")
-
-
-def engine_colocates(cluster: ClusterConfig) -> None:
-    if cluster.placement == "colocated" and not ENGINE_KINDS.entry(cluster.engine).colocated:
-        raise ValueError(f"cluster.placement = 'colocated' is not supported with cluster.engine = {cluster.engine!r}: "
-                         "verst does not release its device memory while the trainer steps; use cluster.placement = "
-                         "'disaggregated'")
-
-
-def engine_loads_lora(cluster: ClusterConfig, lora: LoraConfig) -> None:
-    if lora.enabled and not ENGINE_KINDS.entry(cluster.engine).lora:
-        raise ValueError(f"lora.enabled = true is not supported with cluster.engine = {cluster.engine!r} (verst does "
-                         f"not load adapters into it); use cluster.engine = {_engines_with('lora')}")
-
-
-def adapter_tensors_need_an_engine_that_loads_them(cluster: ClusterConfig, sync: SyncConfig,
-                                                   lora: LoraConfig) -> None:
-    by_file = WEIGHT_TRANSPORTS.entry(sync.transport).keeps_snapshots
-    if lora.served_adapter and not by_file and not ENGINE_KINDS.entry(cluster.engine).adapter_tensors:
-        raise ValueError(f"lora.sync = 'adapter' with sync.transport = {sync.transport!r}: cluster.engine = "
-                         f"{cluster.engine!r} does not load an adapter from pushed tensors (only "
-                         f"{_engines_with('adapter_tensors')} does); use sync.transport = 'disk' (an adapter directory "
-                         "loaded with /load_lora_adapter) or lora.sync = 'merged'")
-
-
-def model_impl_is_the_embedded_engines(model: ModelConfig, cluster: ClusterConfig) -> None:
-    if model.impl != "auto" and not ENGINE_KINDS.entry(cluster.engine).model_impl:
-        raise ValueError(f"model.impl = {model.impl!r} chooses the embedded engine's model class; cluster.engine = "
-                         f"{cluster.engine!r} runs its own (leave model.impl = 'auto')")
-
-
-def engine_flags_go_to_their_engine(cluster: ClusterConfig, vllm: dict[str, Any], sglang: dict[str, Any]) -> None:
-    own = ENGINE_KINDS.entry(cluster.engine)
-    for table, values in {"vllm": vllm, "sglang": sglang}.items():
-        if values and table != own.flags_table:
-            raise ValueError(f"[{table}] flags ({', '.join(values)}) are given, but cluster.engine = "
-                             f"{cluster.engine!r}; they pass to a {table} server only")
-        for name in values:
-            if name.replace("_", "-") in own.owned_flags:
-                raise ValueError(f"{table}.{name}: verst sets --{name} itself (model.path, model.dtype, a free port on "
-                                 "the engine's node); leave it out")
-        flag_argv(table, values)
-
-
-def cuda_ipc_needs_an_engine_that_takes_it(cluster: ClusterConfig, sync: SyncConfig) -> None:
-    """On CUDA the tensor transport hands the engines CUDA-IPC handles (SGLang's scheme)."""
-    same_machine = WEIGHT_TRANSPORTS.entry(sync.transport).same_machine
-    if same_machine and on_cuda(cluster.device) and not ENGINE_KINDS.entry(cluster.engine).cuda_ipc:
-        raise ValueError(f"sync.transport = {sync.transport!r} with cluster.engine = {cluster.engine!r} on "
-                         f"cluster.device = {cluster.device!r} (CUDA): on CUDA the transport hands the engines CUDA-IPC "
-                         f"handles, which cluster.engine = {cluster.engine!r} does not take; use sync.transport = "
-                         "'distributed' (an NCCL broadcast) or 'disk'")
 
 
 def eval_fleet_or_backend(eval: EvalConfig) -> None:
@@ -380,18 +317,21 @@ RULES: tuple[Callable[..., None], ...] = (
     importance_weighted_kl_needs_a_kl_loss, kl_penalty_needs_a_token_level_estimator, something_to_train_on,
     mismatch_band_is_ordered, critic_settings_need_a_critic, distillation_needs_a_teacher,
     a_teacher_needs_distillation, true_on_policy_needs_one_forward, routing_replay_needs_routed_experts,
-    engine_takes_the_transport, engine_colocates, engine_loads_lora, adapter_tensors_need_an_engine_that_loads_them,
-    model_impl_is_the_embedded_engines, engine_flags_go_to_their_engine, cuda_ipc_needs_an_engine_that_takes_it,
+    *ENGINE_RULES,
     eval_fleet_or_backend, reward_source_has_its_setting, group_rewards_need_a_group_fn, adapters_train_with_lora,
-    adapters_on_a_multi_lora_schedule, adapters_train_one_policy_each, every_adapter_is_a_valid_run,
+    adapters_on_a_multi_lora_schedule, adapters_train_one_policy_each, every_adapter_is_a_valid_run, *CORE_RULES,
 )
-_PARAMETERS = {rule: tuple(inspect.signature(rule).parameters) for rule in RULES}
 
 
-def check_rules(config: Section) -> None:
-    """Every rule over `config`, in order; the first broken one raises."""
-    for rule in RULES:
-        rule(**{name: config if name == "config" else getattr(config, name) for name in _PARAMETERS[rule]})
+def check_rules(config: Section, rules: tuple[Callable[..., None], ...] = RULES) -> None:
+    """Every rule over `config`, in order, each given the sections it names; the first broken one raises."""
+    for rule in rules:
+        rule(**{name: config if name == "config" else getattr(config, name) for name in _parameters(rule)})
+
+
+@functools.cache
+def _parameters(rule: Callable[..., None]) -> tuple[str, ...]:
+    return tuple(inspect.signature(rule).parameters)
 
 
 # ---- rules of what the run finds at start-up, and of `verst sft` --------------------------------------
@@ -428,25 +368,4 @@ SFT_RULES: tuple[Callable[..., None], ...] = (sft_trains_one_policy,)
 
 
 def check_sft_rules(config: Section) -> None:
-    for rule in SFT_RULES:
-        rule(**{name: getattr(config, name) for name in inspect.signature(rule).parameters})
-
-
-# ---- helpers -------------------------------------------------------------------------------------
-def on_cuda(device: str) -> bool:
-    """Whether `cluster.device` means CUDA here: 'cuda', or 'auto' on a machine with an NVIDIA GPU (its device
-    files; torch is not imported to find out)."""
-    if device != "auto":
-        return device == "cuda"
-    return cuda_visible()
-
-
-def cuda_visible() -> bool:
-    """An NVIDIA GPU is visible to this process (the driver's device files), without importing torch."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return Path("/dev/nvidiactl").exists() and any(Path("/dev").glob("nvidia[0-9]*"))
-
-
-def _engines_with(trait: str) -> str:
-    return " or ".join(repr(name) for name in ENGINE_KINDS if getattr(ENGINE_KINDS.entry(name), trait))
+    check_rules(config, SFT_RULES)

@@ -56,6 +56,15 @@ class ClusterConfig(Section):
         "auto", description="sglang-router in front of the engines: auto uses it for two or more engines and calls "
         "a single engine directly (a router hop there costs throughput and routes nothing); always uses it anyway."
     )
+    cores: int | None = Field(
+        None, ge=1, description="CPU: how many of the cores this process may run on the run divides between the "
+        "trainer ranks and the embedded engines, each process pinned to its share (None: all of them). A side "
+        "computing alone (sync) gets every core in turn; one_step_off and fully_async split them, re-split from "
+        "each side's measured work (docs/cluster.md, 'Cores and threads on CPU').")
+    trainer_threads: int | None = Field(
+        None, ge=1, description="CPU: each trainer rank's torch threads, on its planned cores (None: one per core).")
+    engine_threads: int | None = Field(
+        None, ge=1, description="CPU: each embedded engine's torch threads, on its planned cores (None: one per core).")
 
     @field_validator("ray_address")
     @classmethod
@@ -117,7 +126,11 @@ class CheckpointConfig(Section):
     load: str | None = Field(None, description="Resume from this checkpoint: a step directory, or a run "
                              "directory (its latest checkpoint).")
     save: bool = Field(True, description="Save a resumable checkpoint at the end.")
-    keep_last: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0: keep all).")
+    keep_last: int = Field(3, ge=0, description="Keep only the newest N checkpoints, never removing the one "
+                           "`latest` names (0: keep all).")
+    on_signal: bool = Field(True, description="RL: on SIGINT or SIGTERM (Ctrl-C, a preemption), stop at the end of "
+                            "the train step and save a checkpoint first, if both fit in 20 s of the signal (within "
+                            "the 30 s Kubernetes and Slurm wait before SIGKILL); false stops where the run is.")
     export_hf: bool = Field(True, description="Export the final model as a Hugging Face checkpoint (with LoRA: "
                             "the PEFT adapter directory).")
     merge_lora: bool = Field(False, description="With LoRA and export_hf: also export the merged model (base + "

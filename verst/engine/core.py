@@ -15,12 +15,24 @@ from typing import Any
 
 import torch
 
+from verst.engine.admission import plan_admission, preemption_victims
 from verst.engine.config import EngineConfig
+from verst.engine.finishing import (
+    check_true_on_policy,
+    eos_ids,
+    final_text,
+    finish_reason,
+    namespace,
+    row_adapters,
+    row_sampling,
+)
 from verst.engine.lora import LoraAdapter, LoraRegistry, build_adapter, read_adapter
+from verst.engine.memory import device_memory_bytes
 from verst.engine.model_runner import ModelRunner
 from verst.engine.prefix_cache import PrefixCache
-from verst.engine.request import FinishReason, Phase, Request
-from verst.engine.sampling import RowSampling, sample
+from verst.engine.request import FinishReason, Phase, Request, check_request
+from verst.engine.sampling import sample
+from verst.engine.weights import check_weight_names
 from verst.inference_client.protocol import InvalidRequest
 from verst.models.scoring import sequence_logprobs
 
@@ -47,42 +59,27 @@ class EngineCore:
         self.context_length = self.config.context_length or getattr(self.runner.config, "max_position_embeddings", None)
         if not self.context_length:
             raise ValueError("the model config has no max_position_embeddings; set EngineConfig.context_length")
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens)
         self.loras = LoraRegistry(self.config.max_loaded_loras)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # running[i].slot == i
         self.requests: dict[str, Request] = {}
         self.paused = False
+        self.released: set[str] = set()  # memory tags given back to a colocated trainer (`memory.py`)
         self.weight_version = weight_version
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.counters = collections.Counter()
         if self.config.true_on_policy:
-            _check_true_on_policy(self.model)
+            check_true_on_policy(self.model)
 
     # ---- requests ------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
         """Refuse a request the engine cannot serve, naming the field and value (no engine state used)."""
-        if not req.prompt_ids:
-            raise InvalidRequest("input_ids", req.prompt_ids, "the prompt is empty")
-        ids = req.prompt_ids
-        if min(ids) < 0 or max(ids) >= self.vocab_size:  # builtins: a tenth of a generator's cost per request
-            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
-            raise InvalidRequest("input_ids", bad, f"token id outside the vocabulary [0, {self.vocab_size})")
-        if len(req.prompt_ids) >= self.context_length:
-            raise InvalidRequest(
-                "input_ids", f"{len(req.prompt_ids)} tokens",
-                f"the prompt must be shorter than the context length ({self.context_length} tokens)",
-            )
-        bad = next((t for t in req.sampling.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(
-                "sampling_params.stop_token_ids", bad, f"outside the vocabulary [0, {self.vocab_size})"
-            )
-        if req.sampling.stop and self.tokenizer is None:
-            raise InvalidRequest("sampling_params.stop", req.sampling.stop, "stop strings need a tokenizer")
+        check_request(req, self.vocab_size, self.context_length, has_tokenizer=self.tokenizer is not None)
 
     def add_request(self, req: Request) -> None:
+        self._check_resident("a request")
         self.validate(req)
         if req.rid in self.requests:
             raise InvalidRequest("rid", req.rid, "a request with this rid is still in flight")
@@ -97,7 +94,7 @@ class EngineCore:
             req.weight_version = self.weight_version
         if req.sampling.max_new_tokens == 0:
             req.cached_tokens = 0
-            self._finish(req, FinishReason("length", length=0))
+            req.finish = FinishReason("length", length=0)
             self._complete(req)
             return
         self.requests[req.rid] = req
@@ -183,20 +180,14 @@ class EngineCore:
 
     def check_weights(self, named_shapes: list[tuple[str, Any]]) -> dict[str, torch.Tensor]:
         """Every name must be a weight of the model with the same shape; returns the model's tensors."""
-        table = self.model.state_dict(keep_vars=True)
-        for name, shape in named_shapes:
-            if name not in table:
-                known = ", ".join(list(table)[:3])
-                raise InvalidRequest("names", name, f"not a weight of the model (e.g. {known}, ...)")
-            if tuple(shape) != tuple(table[name].shape):
-                raise InvalidRequest("shapes", list(shape), f"{name} has shape {list(table[name].shape)} in the model")
-        return table
+        return check_weight_names(self.model, named_shapes)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: str | None, flush: bool = True,
                      shapes: list[tuple[str, Any]] | None = None) -> int:
         """Copy tensors into the model by name, all validated first; set the version; flush the cache.
         With `shapes` (every name and shape `named` will yield), `named` may be lazy: it is read once, each
         tensor copied as it comes (a checkpoint read a file at a time)."""
+        self._check_resident("a weight load", ("weights",))
         items = named if shapes is not None else list(named)
         table = self.check_weights(shapes if shapes is not None else [(name, t.shape) for name, t in items])
         count = 0
@@ -210,6 +201,12 @@ class EngineCore:
             self.prefix_cache.flush()
         self.counters["weight_updates"] += 1
         return count
+
+    def _check_resident(self, what: str, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        released = sorted(self.released.intersection(tags))
+        if released:
+            raise InvalidRequest("tags", released, f"{what} needs the engine's memory, released by "
+                                 "/release_memory_occupation; /resume_memory_occupation first")
 
     def read_lora(self, name: str, path: str) -> LoraAdapter:
         """Read and check an adapter directory without registering it (any thread: the model is only read)."""
@@ -263,6 +260,9 @@ class EngineCore:
             "prefix_cache_tokens": self.prefix_cache.num_tokens,
             "prefix_cache_sequences": len(self.prefix_cache),
             "kv_cache_bytes": self.runner.cache.nbytes(),
+            "prefix_cache_bytes": self.prefix_cache.nbytes(),
+            "released_memory": sorted(self.released),
+            "device_memory_bytes": device_memory_bytes(self.runner.device),
             "model_impl": self.runner.impl,
             "loaded_loras": [adapter.describe() for adapter in self.loras.adapters.values()],
             **{f"total_{k}": v for k, v in self.counters.items()},
@@ -270,54 +270,22 @@ class EngineCore:
 
     # ---- scheduling ----------------------------------------------------------------------------
     def _admit(self) -> tuple[list[tuple[Request, list[int]]], list[tuple[Request, Request]]]:
-        """Move waiting requests into free slots (prefix-cache KV copied in) within the prefill budget.
-
-        Returns the rows to prefill (request, tokens to feed) and the followers (request, leader): a
-        request whose tokens equal an admitted row's takes a copy of that row's KV and logits instead of
-        a row of its own, so the n samples of one prompt, which arrive together, prefill it once.
-        """
-        fed: list[tuple[Request, list[int]]] = []
-        followers: list[tuple[Request, Request]] = []
-        free = self.config.max_running_requests - len(self.running)
-        urgent = self.waiting and self.running and self.waiting[0].priority > min(r.priority for r in self.running)
-        if self.running and not urgent and free < min(len(self.waiting), self.config.min_prefill_batch):
-            return fed, followers
-        leaders: dict[tuple[tuple[int, ...], Any], Request] = {}
-        hits: list[tuple[Any, int]] = []
-        longest = 0
-        while self.waiting and len(self.running) + len(fed) + len(followers) < self.config.max_running_requests:
-            req = self.waiting[0]
-            tokens = req.tokens()
-            key = (tuple(tokens), req.lora)  # a follower shares its leader's KV: the same adapter too
-            leader = leaders.get(key)
-            if leader is not None:
-                self.waiting.popleft()
-                followers.append((req, leader))
-                continue
-            entry, hit = self.prefix_cache.match(tokens, _namespace(req))
-            hit = min(hit, len(tokens) - 1)  # the last token is always fed: its logits pick the next one
-            pending = tokens[hit:]
-            longest_if_added = max(longest, len(pending))
-            if fed and (len(fed) + 1) * longest_if_added > self.config.max_prefill_tokens:
-                break
-            self.waiting.popleft()
-            leaders[key] = req
-            longest = longest_if_added
-            fed.append((req, pending))
-            hits.append((entry, hit))
+        """Move waiting requests into free slots (`admission.plan_admission`), prefix-cache KV copied in.
+        Returns the rows to prefill (request, tokens to feed) and the followers (request, leader)."""
+        plan = plan_admission(self.waiting, self.running, self.config, self.prefix_cache)
         # Slots: the fed rows first (one forward over contiguous slots), then their followers.
         first = len(self.running)
-        for i, ((req, _), (entry, hit)) in enumerate(zip(fed, hits)):
+        for i, ((req, _), (entry, hit)) in enumerate(zip(plan.fed, plan.hits)):
             req.routed_experts = []
             if entry is not None and hit > 0:
                 self.runner.cache.write_row(first + i, entry.kv, hit)
                 if entry.experts is not None:
                     req.routed_experts.append(entry.experts[:hit])
             self._place(req, first + i, hit, hit)
-        for j, (req, leader) in enumerate(followers):
+        for j, (req, leader) in enumerate(plan.followers):
             # KV filled by `_prefill`; all but the last token count as cached, as for a prefix-cache hit
-            self._place(req, first + len(fed) + j, 0, len(leader.tokens()) - 1)
-        return fed, followers
+            self._place(req, first + len(plan.fed) + j, 0, len(leader.tokens()) - 1)
+        return plan.fed, plan.followers
 
     def _place(self, req: Request, slot: int, kv_len: int, cached: int) -> None:
         req.kv_len, req.slot, req.phase = kv_len, slot, Phase.RUNNING
@@ -336,7 +304,7 @@ class EngineCore:
         # forward ends them with the rest
         self.running.extend(reqs + [req for req, _ in followers])
         pending = [p for _, p in fed]
-        logits, experts = self.runner.forward(first, pending, [r.kv_len for r in reqs], _adapters(reqs))
+        logits, experts = self.runner.forward(first, pending, [r.kv_len for r in reqs], row_adapters(reqs))
         for i, req in enumerate(reqs):
             req.kv_len += len(pending[i])
             if experts is not None:
@@ -356,7 +324,7 @@ class EngineCore:
     def _decode(self) -> int:
         rows = self.running
         logits, experts = self.runner.forward(0, [[r.output_ids[-1]] for r in rows], [r.kv_len for r in rows],
-                                              _adapters(rows))
+                                              row_adapters(rows))
         for i, req in enumerate(rows):
             req.kv_len += 1
             if experts is not None:
@@ -364,7 +332,7 @@ class EngineCore:
         return self._sample_and_append(rows, logits)
 
     def _sample_and_append(self, rows: list[Request], logits: torch.Tensor) -> int:
-        settings = [self._row_sampling(r) for r in rows]
+        settings = [row_sampling(r, self.eos_ids) for r in rows]
         out = sample(logits, settings, self.generator)
         for req, token, logprob, top in zip(rows, out.tokens, out.logprobs, out.top):
             req.output_ids.append(token)
@@ -374,40 +342,12 @@ class EngineCore:
                 req.oldest_weight_version = self.weight_version
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(top)
-            self._check_finish(req)
+            req.finish = finish_reason(req, self.eos_ids, self.context_length, self.tokenizer)
             if req.finish is None:
                 self._notify(req.on_token, req)
         return len(rows)
 
-    def _row_sampling(self, req: Request) -> RowSampling:
-        s = req.sampling
-        banned: tuple[int, ...] = ()
-        if len(req.output_ids) < s.min_new_tokens:
-            banned = tuple(s.stop_token_ids) + (() if s.ignore_eos else tuple(self.eos_ids))
-        return RowSampling(s, len(req.output_ids), banned, req.top_logprobs_num)
-
-    def _check_finish(self, req: Request) -> None:
-        """SGLang's order: the length limit, then stop/eos tokens, then stop strings, then the context."""
-        s, token, n = req.sampling, req.output_ids[-1], len(req.output_ids)
-        if s.max_new_tokens is not None and n >= s.max_new_tokens:
-            self._finish(req, FinishReason("length", length=n))
-        elif token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_ids):
-            self._finish(req, FinishReason("stop", matched=token))
-        elif s.stop and (matched := self._matched_stop_string(req)) is not None:
-            self._finish(req, FinishReason("stop", matched=matched))
-        elif req.num_tokens >= self.context_length:
-            self._finish(req, FinishReason("length", length=n))
-
-    def _matched_stop_string(self, req: Request) -> str | None:
-        longest = max(len(s) for s in req.sampling.stop)
-        # a token decodes to at least a fraction of a character (byte-level: 1/4), so this tail is enough
-        tail = self.tokenizer.decode(req.output_ids[-(4 * longest + 8) :], skip_special_tokens=False)
-        return next((s for s in req.sampling.stop if s in tail), None)
-
     # ---- finishing -------------------------------------------------------------------------------
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        req.finish = reason
-
     def _release_finished(self) -> None:
         """Free the slots of finished requests; fill the holes with rows from the end (one copy each)."""
         done = [r for r in self.running if r.finish is not None]
@@ -432,19 +372,12 @@ class EngineCore:
         self.running = sorted(keep, key=lambda r: r.slot)
 
     def _preempt_for_priority(self) -> None:
-        """Retract running requests of a lower priority than the first waiting one, as many as its
-        priority's waiting requests lack free slots: the most recently admitted of the lowest priority
-        first. They keep their outputs, go back to the front of their priority's queue and continue
-        from the prefix cache once admitted again (the same tokens and logprobs as without preemption)."""
-        if not (self.config.priority_preemption and self.waiting and self.running):
+        """Retract the running requests `admission.preemption_victims` names. They keep their outputs, go back
+        to the front of their priority's queue and continue from the prefix cache once admitted again (the
+        same tokens and logprobs as without preemption)."""
+        if not self.config.priority_preemption:
             return
-        top = self.waiting[0].priority
-        lower = [r for r in self.running if r.priority < top]
-        if not lower:  # the common case (one priority): no scan of the waiting queue
-            return
-        urgent = sum(1 for r in self.waiting if r.priority == top)
-        need = urgent - (self.config.max_running_requests - len(self.running))
-        victims = sorted(lower, key=lambda r: (r.priority, -r.slot))[: max(need, 0)]
+        victims = preemption_victims(self.waiting, self.running, self.config.max_running_requests)
         if not victims:
             return
         for req in victims:
@@ -461,7 +394,7 @@ class EngineCore:
         req.finished_at = time.monotonic()
         if self.config.true_on_policy and req.output_ids and req.finish.type != "abort":
             self._score(req)
-        req.text = self._final_text(req)
+        req.text = final_text(req, self.tokenizer)
         self.requests.pop(req.rid, None)
         self.counters[f"finished_{req.finish.type}"] += 1
         self._notify(req.on_finish, req)
@@ -484,16 +417,6 @@ class EngineCore:
         except Exception:
             self.counters["callback_errors"] += 1
             log.exception("listener of request %s failed", req.rid)
-
-    def _final_text(self, req: Request) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
-        if isinstance(req.finish.matched, str) and not req.sampling.no_stop_trim:
-            cut = [i for i in (text.find(s) for s in req.sampling.stop) if i >= 0]
-            if cut:
-                text = text[: min(cut)]
-        return text
 
     def _abort(self, reqs: list[Request], message: str) -> None:
         for req in reqs:
@@ -522,42 +445,6 @@ class EngineCore:
         slot, length = req.slot, req.kv_len
         self.prefix_cache.insert(
             req.tokens()[:length], lambda: self.runner.cache.read_row(slot, length), req.experts_array(),
-            _namespace(req),
+            namespace(req),
         )
-
-
-def _check_true_on_policy(model: Any) -> None:
-    """True on-policy needs the trainer's own forward in float32 on the CPU: the native model class."""
-    from verst.models.native import NativeCausalLM
-
-    param = next(model.parameters())
-    if not isinstance(model, NativeCausalLM) or param.dtype != torch.float32 or param.device.type != "cpu":
-        raise ValueError(
-            f"EngineConfig.true_on_policy needs the native model class in float32 on the CPU (the trainer's "
-            f"forward); got {type(model).__name__} in {param.dtype} on {param.device.type}")
-
-
-def _namespace(req: Request) -> str | None:
-    """The prefix-cache namespace of a request's KV: its adapter's name and version, or None (the base)."""
-    return None if req.lora is None else req.lora.cache_key
-
-
-def _adapters(reqs: list[Request]) -> list[LoraAdapter | None] | None:
-    """Each row's adapter, or None when no row names one (the plain base forward)."""
-    adapters = [r.lora for r in reqs]
-    return adapters if any(a is not None for a in adapters) else None
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """EOS ids from the generation config, the model config and the tokenizer, as SGLang collects them."""
-    ids: set[int] = set()
-    sources = [getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-               getattr(model.config, "eos_token_id", None),
-               getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None]
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from verst.engine.request import Request as EngineRequest
 from verst.engine.service import ServerState, build_request, error_response, run_to_completion
@@ -71,13 +71,29 @@ class _OpenAIBase(SamplingOptions):
 
 
 class ChatMessage(BaseModel):
-    """One chat message: a role the chat templates know and its content; other OpenAI message fields
-    (name, tool_calls, tool_call_id, reasoning_content) pass through to the template."""
+    """One chat message: a role the chat templates know and what it says, its content or (an assistant's)
+    tool calls; other OpenAI message fields (name, tool_call_id, reasoning_content) pass through to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                            "tool_calls": {"type": "array", "minItems": 1}}},
+    ]})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _says_something(cls, content: Any, info: ValidationInfo) -> Any:
+        """A message without content renders as an empty turn the model never saw in training; only an
+        assistant's tool calls stand without it."""
+        role = info.data.get("role")
+        if content is None and role is not None and not (role == "assistant" and info.data.get("tool_calls")):
+            needs = "content or tool_calls" if role == "assistant" else "content"
+            raise ValueError(f"a message of role {role!r} needs {needs}")
+        return content
 
 
 class CompletionRequest(_OpenAIBase):

@@ -111,6 +111,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def nbytes(self) -> int:
+        """Bytes of the cached KV."""
+        return sum(t.numel() * t.element_size() for e in self._entries for pair in e.kv for t in pair)
+
     def _remove(self, entry: CachedSequence) -> None:
         for h in entry.keys:
             if self._index.get(h) is entry:

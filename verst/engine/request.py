@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from verst.inference_client.protocol import SamplingParams
+from verst.inference_client.protocol import InvalidRequest, SamplingParams
 
 
 class Phase(str, enum.Enum):
@@ -140,3 +140,23 @@ def generate_reply(req: Request, text: str, n_tokens: int | None = None, return_
             else None
         )
     return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+def check_request(req: Request, vocab_size: int, context_length: int, *, has_tokenizer: bool) -> None:
+    """Refuse a request an engine of this vocabulary and context length cannot serve, naming the field and
+    value: an empty prompt, a token id outside the vocabulary, a prompt as long as the context, stop token ids
+    outside the vocabulary, stop strings without a tokenizer to find them with."""
+    if not req.prompt_ids:
+        raise InvalidRequest("input_ids", req.prompt_ids, "the prompt is empty")
+    ids = req.prompt_ids
+    if min(ids) < 0 or max(ids) >= vocab_size:  # builtins: a tenth of a generator's cost per request
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise InvalidRequest("input_ids", bad, f"token id outside the vocabulary [0, {vocab_size})")
+    if len(req.prompt_ids) >= context_length:
+        raise InvalidRequest("input_ids", f"{len(req.prompt_ids)} tokens",
+                             f"the prompt must be shorter than the context length ({context_length} tokens)")
+    bad = next((t for t in req.sampling.stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("sampling_params.stop_token_ids", bad, f"outside the vocabulary [0, {vocab_size})")
+    if req.sampling.stop and not has_tokenizer:
+        raise InvalidRequest("sampling_params.stop", req.sampling.stop, "stop strings need a tokenizer")

@@ -25,7 +25,7 @@ T = TypeVar("T")
 class EngineRunner:
     def __init__(self, core: EngineCore, torch_threads: int | None = 1):
         self.core = core
-        self._torch_threads = torch_threads
+        self.torch_threads = torch_threads  # the forward's threads (`/set_cores` changes them)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -117,10 +117,10 @@ class EngineRunner:
 
     # ---- the thread ----------------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self._torch_threads:
+        if self.torch_threads:
             import torch
 
-            torch.set_num_threads(self._torch_threads)
+            torch.set_num_threads(self.torch_threads)
         while not self._stopping:
             self._wake.clear()
             self._run_commands()

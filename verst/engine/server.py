@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -24,8 +23,9 @@ from starlette.exceptions import HTTPException
 
 from verst.engine.config import IMPLS
 from verst.engine.http_errors import http_error, json_body, validated, validation_error
+from verst.engine.memory import release_memory, resume_memory
 from verst.engine.request import generate_reply
-from verst.engine.schema import ERROR_RESPONSES, PEER_RESPONSES, UNHEALTHY, install_openapi
+from verst.engine.schema import ERROR_RESPONSES, UNHEALTHY, install_openapi
 from verst.engine.service import (
     ServerState,
     build_request,
@@ -33,25 +33,23 @@ from verst.engine.service import (
     invalid_request_response,
     run_all_to_completion,
 )
-from verst.engine.weights import iter_safetensors, safetensors_files, safetensors_shapes
-from verst.inference_client import weights
+from verst.engine.weight_routes import add_lora_routes, add_weight_routes
+from verst.inference_client.ports import listening_socket
 from verst.inference_client.protocol import (
     AbortRequest,
     BatchGenerateRequest,
-    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
-    InitWeightsUpdateGroupRequest,
     InvalidRequest,
-    LoadLoraAdapterRequest,
     PauseRequest,
-    UnloadLoraAdapterRequest,
-    UpdateWeightsFromDiskRequest,
-    UpdateWeightsFromDistributedRequest,
-    UpdateWeightsFromTensorRequest,
-    UpdateWeightVersionRequest,
     is_batch,
 )
+from verst.inference_client.weight_protocol import (
+    MemoryOccupationRequest,
+    SetCoresRequest,
+    UpdateWeightVersionRequest,
+)
 from verst.monitor.stacks import arm_stack_dump
+from verst.types.cores import CoreShare, take_share, usable_cores
 
 log = logging.getLogger(__name__)
 ENGINE_VERSION = "verst-engine-0.1"
@@ -75,8 +73,8 @@ def create_app(state: ServerState) -> FastAPI:
     _add_generate_routes(app, state)
     _add_info_routes(app, state)
     _add_control_routes(app, state)
-    _add_weight_routes(app, state)
-    _add_lora_routes(app, state)
+    add_weight_routes(app, state)
+    add_lora_routes(app, state)
     from verst.engine.openai_api import add_openai_routes
 
     add_openai_routes(app, state)
@@ -137,6 +135,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, f"generation probe failed: {type(exc).__name__}: {exc}")
         return Response(status_code=200) if ok else error_response(503, "the model produced non-finite logits")
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         core = state.core
@@ -161,7 +160,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "return_routed_experts": config.return_routed_experts, "dp_size": 1, "tp_size": 1,
             "weight_version": stats["weight_version"], "step_errors": state.runner.step_errors,
             "busy_seconds": state.runner.busy_seconds, "max_loaded_loras": config.max_loaded_loras,
-            "loaded_loras": stats["loaded_loras"],
+            "loaded_loras": stats["loaded_loras"], "torch_threads": state.runner.torch_threads,
+            "cpu_cores": list(usable_cores()),
             "uptime_seconds": time.monotonic() - state.runner.started_at,
             "internal_states": [stats],
         }
@@ -201,6 +201,30 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
         await state.runner.acall(lambda core: core.resume())
         return {"success": True, "message": "Generation continued."}
 
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
+        tags = (body or MemoryOccupationRequest()).tags
+        freed = await state.runner.acall(lambda core: release_memory(core, tags))
+        return {"success": True, "message": f"Released {', '.join(freed)}.", "freed_bytes": freed}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(body: MemoryOccupationRequest | None = None) -> dict[str, Any]:
+        tags = (body or MemoryOccupationRequest()).tags
+        resumed = await state.runner.acall(lambda core: resume_memory(core, tags))
+        return {"success": True, "message": f"Resumed {', '.join(resumed) or 'nothing'}."}
+
+    @app.post("/set_cores")
+    async def set_cores(body: SetCoresRequest) -> dict[str, Any]:
+        share = CoreShare(tuple(sorted(set(body.cores))), body.threads)
+        if share.cores[-1] >= (os.cpu_count() or 1):
+            raise InvalidRequest("cores", body.cores, f"this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
+        try:  # on the engine thread: torch's thread count is the calling thread's
+            await state.runner.acall(lambda core: take_share(share))
+        except OSError as exc:  # a core this machine does not have, or one the process may not use
+            raise InvalidRequest("cores", body.cores, f"cannot run there: {exc.strerror}") from None
+        state.runner.torch_threads = share.threads
+        return {"success": True, "cores": list(share.cores), "threads": share.threads}
+
     @app.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
         def apply(core):
@@ -210,137 +234,6 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 
         await state.runner.acall(apply)
         return {"success": True, "weight_version": body.new_version}
-
-
-def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
-    async def load(named, version: str | None, flush: bool, abort_all: bool, shapes=None) -> dict[str, Any]:
-        def apply(core):
-            if abort_all:
-                core.abort_all("aborted for a weight update")
-            return core.load_weights(named, version, flush=flush, shapes=shapes)
-
-        n = await state.runner.acall(apply)
-        return {"success": True, "message": f"Loaded {n} tensors.", "weight_version": state.core.weight_version,
-                "num_paused_requests": 0}
-
-    async def load_adapter(body: Any, named: list[tuple[str, Any]]) -> dict[str, Any]:
-        """The pushed tensors are a whole adapter (`AdapterPush`): served under `lora_name`; requests in flight
-        on the adapter it replaces go on with it. The base weights are not touched."""
-        adapter = await asyncio.to_thread(state.core.build_lora, body.lora_name, body.lora_config, dict(named))
-
-        def apply(core):
-            if body.abort_all_requests:
-                core.abort_all("aborted for a weight update")
-            core.add_lora(adapter, update_in_flight=True)
-            if body.weight_version is not None:
-                core.weight_version = body.weight_version
-
-        await state.runner.acall(apply)
-        return {"success": True, "message": f"Loaded adapter {body.lora_name!r} ({len(named)} tensors).",
-                "weight_version": state.core.weight_version, "num_paused_requests": 0}
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
-        files = safetensors_files(body.model_path)
-        shapes = await asyncio.to_thread(safetensors_shapes, files)
-        # read a file at a time on the engine thread, straight from its mapping into the parameters
-        return await load(iter_safetensors(files), body.weight_version, True, body.abort_all_requests, shapes)
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest) -> Response:
-        if body.load_format != "shm":
-            return error_response(400, "load_format must be 'shm' on this engine (tensors in a /dev/shm bucket)",
-                                  "load_format", body.load_format)
-        # views of a file the engine keeps mapped: no copy here (`param.copy_(view)` in the load), so no thread
-        named = weights.read_shm_bucket(body.serialized_named_tensors[0])
-        if body.lora_name is not None:
-            return JSONResponse(await load_adapter(body, named))
-        return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
-
-    @app.post("/init_weights_update_group", responses=PEER_RESPONSES)
-    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> Response:
-        if body.group_name in state.weight_groups:
-            return error_response(400, "a weight update group with this name exists", "group_name", body.group_name)
-        if body.backend == "nccl" and not state.on_cuda:
-            return error_response(400, "nccl needs the engine on a CUDA device; use gloo", "backend", body.backend)
-        try:
-            group = await asyncio.to_thread(
-                weights.open_weight_update_group, body.master_address, body.master_port, body.rank_offset,
-                body.world_size, body.group_name, body.backend, body.timeout_s,
-            )
-        except (RuntimeError, ValueError, OSError) as exc:
-            return _peer_failed(body, exc)
-        for joined in state.weight_groups.values():
-            joined.flat.release()  # a trainer rebuilds its group after a failure: keep one bucket buffer, not one each
-        state.weight_groups[body.group_name] = group
-        return JSONResponse({"success": True, "message": f"Joined {body.group_name!r} as rank {body.rank_offset}."})
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest) -> Response:
-        group = state.weight_groups.get(body.group_name)
-        if group is None:
-            return error_response(400, "no such weight update group; call /init_weights_update_group first",
-                                  "group_name", body.group_name)
-        for dtype in body.dtypes:
-            weights.dtype_of(dtype)
-        flat = body.load_format == weights.FLATTENED
-        if flat and weights.one_dtype(body.dtypes) is None:
-            return error_response(400, f"a {weights.FLATTENED} holds tensors of one dtype", "dtypes",
-                                  sorted(set(body.dtypes)))
-        # refuse before the broadcast starts: a bad name found after it would waste the whole transfer
-        if body.lora_name is None:
-            state.core.check_weights(list(zip(body.names, body.shapes)))
-        else:
-            state.core.loras.check_room(body.lora_name)
-        receive = weights.receive_flat if flat else weights.receive_broadcast
-        named = await asyncio.to_thread(receive, group, body.names, body.dtypes, body.shapes)
-        if body.lora_name is not None:
-            return JSONResponse(await load_adapter(body, named))
-        return JSONResponse(await load(named, body.weight_version, body.flush_cache, body.abort_all_requests))
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupRequest | None = None) -> dict[str, Any]:
-        name = (body or DestroyWeightsUpdateGroupRequest()).group_name
-        state.weight_groups.pop(name, None)
-        return {"success": True, "message": f"Left {name!r}."}
-
-
-def _peer_failed(body: InitWeightsUpdateGroupRequest, exc: Exception) -> Response:
-    """The group's master failed (502) or did not answer in time (504): the peer is named, the engine serves on."""
-    peer = f"{body.master_address}:{body.master_port}"
-    timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc) or "timeout" in type(exc).__name__.lower()
-    if timed_out:
-        return error_response(504, f"weight update group {body.group_name!r}: the master at {peer} did not answer "
-                              f"within timeout_s = {body.timeout_s:g} s ({type(exc).__name__})", "master_address", peer)
-    return error_response(502, f"weight update group {body.group_name!r}: joining the master at {peer} failed "
-                          f"({type(exc).__name__}: {exc})", "master_address", peer)
-
-
-def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
-    """SGLang's dynamic LoRA loading. Loading under a loaded name replaces that adapter: new requests get
-    the new weights, requests in flight finish on the ones they started with."""
-
-    async def update(load: Any) -> Response:
-        """SGLang's LoRAUpdateOutput: success, error_message and the loaded adapters (name: path)."""
-        try:
-            await load()
-        except InvalidRequest as exc:
-            return error_response(400, str(exc), exc.field, exc.value, error_message=str(exc),
-                                  loaded_adapters=state.core.loras.paths())
-        return JSONResponse({"success": True, "error_message": None, "loaded_adapters": state.core.loras.paths()})
-
-    @app.post("/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
-        async def load() -> None:
-            adapter = await asyncio.to_thread(state.core.read_lora, body.lora_name, body.lora_path)
-            await state.runner.acall(lambda core: core.add_lora(adapter, body.update_in_flight))
-
-        return await update(load)
-
-    @app.post("/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
-        return await update(lambda: state.runner.acall(lambda core: core.unload_lora(body.lora_name)))
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report each output's logprobs from the trainer's forward over the whole sequence alone "
                         "(bitwise equal to the trainer's; native model, float32, CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
-    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the forward (CPU)")
+    p.add_argument("--cpu-cores", default=None, metavar="IDS",
+                   help="comma-separated CPU ids every thread of the server runs on (default: where it was started)")
     p.add_argument("--disable-priority-preemption", action="store_true",
                    help="a waiting request of a higher priority waits for free slots instead of retracting "
                    "running lower-priority ones")
@@ -382,19 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_cores(text: str) -> tuple[int, ...]:
+    """`--cpu-cores`: "0,1,4" -> (0, 1, 4)."""
+    try:
+        cores = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise SystemExit(f"--cpu-cores {text!r}: give comma-separated CPU ids, e.g. 0,1") from None
+    if not cores or min(cores) < 0:
+        raise SystemExit(f"--cpu-cores {text!r}: give comma-separated CPU ids, e.g. 0,1")
+    return cores
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound before uvicorn starts so the port is known (port 0: the OS picks).
-
-    TCP_NODELAY (inherited by accepted connections on Linux): without it, Nagle's algorithm and
-    delayed ACKs hold every small JSON reply ~40 ms.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # connections made before uvicorn starts wait in the backlog instead of failing
-    return sock
 
 def uvicorn_config(app: FastAPI, log_level: str = "warning") -> Any:
     """How the engine's app is served: uvloop and httptools, whose request handling costs a fraction of
@@ -418,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("verst").setLevel(min(logging.INFO, logging.getLevelName(args.log_level.upper())))
-    torch.set_num_threads(args.torch_threads)
+    if args.cpu_cores:
+        take_share(CoreShare(parse_cores(args.cpu_cores), args.torch_threads))
+    else:
+        torch.set_num_threads(args.torch_threads)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     model = load_causal_lm(args.model, args.model_impl, args.dtype, args.device, args.trust_remote_code)
     check_vocab(tokenizer, model)

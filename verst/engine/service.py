@@ -35,8 +35,9 @@ class ServerState:
 
     @property
     def on_cuda(self) -> bool:
-        """Whether the model's weights are on a CUDA device (the NCCL weight broadcast needs that)."""
-        return next(self.core.model.parameters()).device.type == "cuda"
+        """Whether the engine serves on a CUDA device (the NCCL weight broadcast needs that); its weights may be
+        in host memory for a while (`memory.py`)."""
+        return self.core.runner.device.type == "cuda"
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:

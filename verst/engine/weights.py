@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,3 +55,15 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     files = safetensors_files(path)
     safetensors_shapes(files)  # a corrupt or unreadable file is refused by name before any tensor is read
     return dict(iter_safetensors(files))
+
+
+def check_weight_names(model: torch.nn.Module, named_shapes: list[tuple[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every name must be a weight of `model` with the same shape; returns the model's tensors by name."""
+    table = model.state_dict(keep_vars=True)
+    for name, shape in named_shapes:
+        if name not in table:
+            known = ", ".join(list(table)[:3])
+            raise InvalidRequest("names", name, f"not a weight of the model (e.g. {known}, ...)")
+        if tuple(shape) != tuple(table[name].shape):
+            raise InvalidRequest("shapes", list(shape), f"{name} has shape {list(table[name].shape)} in the model")
+    return table

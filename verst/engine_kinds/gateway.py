@@ -28,17 +28,16 @@ from pydantic import ValidationError
 
 from verst.engine_kinds.api import EngineAPI
 from verst.engine_kinds.untie import ties_embeddings, untied_view, with_untied_override
-from verst.inference_client.ports import wait_healthy
+from verst.inference_client.ports import listening_socket, wait_healthy
 from verst.inference_client.protocol import (
     AbortRequest,
     BatchGenerateRequest,
     GenerateRequest,
     InvalidRequest,
     PauseRequest,
-    UpdateWeightsFromDiskRequest,
-    UpdateWeightVersionRequest,
     is_batch,
 )
+from verst.inference_client.weight_protocol import UpdateWeightsFromDiskRequest, UpdateWeightVersionRequest
 
 log = logging.getLogger("verst.engine_kinds.gateway")
 _stopping = threading.Event()  # set once the gateway itself stops the vLLM server
@@ -141,9 +140,10 @@ def _add_info_routes(app: FastAPI, engine: EngineAPI, engine_name: str, server_i
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": await engine.get_weight_version()}
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
-        return await engine.get_model_info()
+        return {**await engine.get_model_info(), "weight_version": await engine.get_weight_version()}
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
@@ -243,17 +243,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The gateway's socket, bound first so the port is known (0: the OS picks) and connections made while
-    vLLM starts wait in the backlog."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from verst.config.devices import cuda_visible
 from verst.config.engine_flags import flag_argv
 from verst.config.registries import ENGINE_KINDS
-from verst.config.rules import cuda_visible
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ".venv-vllm"  # `make vllm` creates it

@@ -22,12 +22,15 @@ log = logging.getLogger(__name__)
 
 
 def sglang_command(python: str, model: str, host: str, port: int, dtype: str, version: str, device: str,
-                   flags: list[str]) -> list[str]:
-    """SGLang's command line: verst's flags, then the pass-through ones, unchanged."""
+                   flags: list[str], routed_experts: bool = False) -> list[str]:
+    """SGLang's command line: verst's flags, then the pass-through ones, unchanged. `routed_experts`: replies
+    carry the experts each token was routed to (routing replay)."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port),
            "--dtype", dtype, "--weight-version", str(version)]
     if device != "auto":
         cmd += ["--device", device]
+    if routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return [*cmd, *flags]
 
 
@@ -48,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda")
     p.add_argument("--engine-python", default=sys.executable, help="the Python with sglang installed")
     p.add_argument("--engine-flags", default="[]", help="SGLang's own flags, a JSON list, passed unchanged")
+    p.add_argument("--return-routed-experts", action="store_true",
+                   help="routing replay: SGLang returns the routed experts (--enable-return-routed-experts)")
     return p
 
 
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     port = args.port or free_port(args.host)
     cmd = sglang_command(args.engine_python, args.model, args.host, port, args.dtype, args.weight_version,
-                         args.device, json.loads(args.engine_flags))
+                         args.device, json.loads(args.engine_flags), args.return_routed_experts)
     if args.port_file:  # the caller then polls /health until SGLang serves
         Path(f"{args.port_file}.tmp").write_text(str(port))
         os.replace(f"{args.port_file}.tmp", args.port_file)

@@ -21,7 +21,7 @@ _EXPORTS = {
     "IdleMeter": "verst.inference_client.fleet",
     "free_port": "verst.inference_client.ports",
     "wait_healthy": "verst.inference_client.ports",
-    "write_shm_bucket": "verst.inference_client.weights",
+    "serialize_named_tensors": "verst.inference_client.tensor_payload",
     "open_weight_update_group": "verst.inference_client.weights",
     "broadcast_tensors": "verst.inference_client.weights",
 }

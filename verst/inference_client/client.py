@@ -25,6 +25,7 @@ from verst.inference_client.replies import (  # what callers of the client catch
     error_field,
     error_message,
     json_or_raise,
+    transport_error_text,
 )
 from verst.inference_client.wire import AiohttpWire, HttpxWire, WireError, WireName, WireTimeout
 
@@ -188,7 +189,7 @@ class EngineClient:
         except httpx.TimeoutException as exc:
             raise EngineError(url, None, f"timed out after {self.timeouts.generate:g}s ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:
-            raise EngineError(url, None, f"{type(exc).__name__}: {exc}") from exc
+            raise EngineError(url, None, transport_error_text(exc)) from exc
 
     def _generate_body(
         self, input_ids: list[int] | None, sampling_params: dict[str, Any] | None, *, text: str | None = None,
@@ -252,11 +253,13 @@ class EngineClient:
         body = {"model_path": model_path, "weight_version": weight_version, **extra}
         return await self._post("/update_weights_from_disk", body, self.timeouts.weights)
 
-    async def update_weights_from_tensor(self, manifest: str, weight_version: str, flush_cache: bool = True,
-                                         **adapter: Any) -> dict:
-        """`manifest` from `verst.inference_client.weights.write_shm_bucket` (the sender keeps the file until this
-        returns). `adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter."""
-        body = {"serialized_named_tensors": [manifest], "load_format": "shm", "flush_cache": flush_cache,
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], weight_version: str | None,
+                                         flush_cache: bool = True, **adapter: Any) -> dict:
+        """SGLang's tensor load: one entry per tensor-parallel rank, each from
+        `verst.inference_client.tensor_payload.serialize_named_tensors` (the sender keeps the tensors alive
+        until this returns). `adapter`: `lora_name` and `lora_config` when the tensors are a whole LoRA adapter
+        (the embedded engine's extension)."""
+        body = {"serialized_named_tensors": serialized_named_tensors, "load_format": None, "flush_cache": flush_cache,
                 "weight_version": weight_version, **adapter}
         return await self._post("/update_weights_from_tensor", body, self.timeouts.weights)
 
@@ -292,13 +295,27 @@ class EngineClient:
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         return await self._post("/unload_lora_adapter", {"lora_name": lora_name}, self.timeouts.weights)
 
+    async def set_cores(self, cores: list[int], threads: int) -> Any:
+        """The embedded engine computes on `cores` with `threads` torch threads from now on (verst's route)."""
+        return await self._post("/set_cores", {"cores": cores, "threads": threads}, self.timeouts.control)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        """Give the device memory to a colocated trainer (`tags`: weights, kv_cache; None: both). SGLang answers
+        null, the embedded engine the bytes each tag freed."""
+        return await self._post("/release_memory_occupation", {"tags": tags}, self.timeouts.weights)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        """Take back what `release_memory_occupation` gave (None: every released tag)."""
+        return await self._post("/resume_memory_occupation", {"tags": tags}, self.timeouts.weights)
+
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
         body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
         return await self._post("/update_weight_version", body, self.timeouts.control)
 
     # ---- state (idempotent GETs, retried) ---------------------------------------------------------------
     async def get_weight_version(self) -> str:
-        return str((await self._get("/get_weight_version"))["weight_version"])
+        """From `/model_info`: SGLang 0.5.9 answers `/get_weight_version` with a 404 pointing there."""
+        return str((await self._get("/model_info"))["weight_version"])
 
     async def get_model_info(self) -> dict[str, Any]:
         return await self._get("/get_model_info")

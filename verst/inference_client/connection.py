@@ -7,6 +7,7 @@ import asyncio
 
 import httptools
 
+from verst.inference_client.replies import transport_error_text
 from verst.inference_client.wire import Reply, WireError
 
 
@@ -68,7 +69,7 @@ async def open_connection(host: str, port: int, connect_timeout_s: float) -> Kep
         async with asyncio.timeout(connect_timeout_s):
             _, connection = await asyncio.get_running_loop().create_connection(KeptConnection, host, port)
     except (ConnectionError, OSError) as exc:
-        raise WireError(f"ConnectError: {exc}", refused=True) from exc
+        raise WireError(transport_error_text(exc, "ConnectError"), refused=True) from exc
     except TimeoutError as exc:
         raise WireError(f"ConnectError: no connection within {connect_timeout_s:g}s") from exc
     return connection

@@ -13,14 +13,15 @@ from typing import Any, TypeVar
 
 from verst.inference_client.client import EngineClient, Timeouts
 from verst.inference_client.fanout import HttpFanout
-from verst.inference_client.replies import EngineError, json_or_raise
+from verst.inference_client.replies import EngineError, json_or_raise, transport_error_text
+from verst.types.cores import CoreShare
 
 T = TypeVar("T")
 
 
 class FleetError(RuntimeError):
     def __init__(self, action: str, failures: dict[str, BaseException]):
-        lines = "; ".join(f"{url}: {type(exc).__name__}: {exc}" for url, exc in failures.items())
+        lines = "; ".join(f"{url}: {transport_error_text(exc)}" for url, exc in failures.items())
         super().__init__(f"{action} failed on {len(failures)} engine(s): {lines}")
         self.failures = failures
 
@@ -35,6 +36,7 @@ class EngineFleet:
         self.clients = {url: EngineClient(url, timeouts=timeouts) for url in self.urls}
         self.fanout = HttpFanout(self.urls, (timeouts or Timeouts()).connect)
         self._capture = _RequestCapture(self.urls[0], timeouts=timeouts)
+        self._in_place: dict[str, bool] = {}  # per engine: replaces a loaded LoRA adapter in place
 
     async def __aenter__(self) -> EngineFleet:
         return self
@@ -92,13 +94,24 @@ class EngineFleet:
     async def flush_cache(self) -> dict[str, Any]:
         return await self.same("flush_cache", lambda c: c.flush_cache())
 
+    async def set_cores(self, shares: list[CoreShare]) -> dict[str, Any]:
+        """Engine i computes on `shares[i]` from now on (the embedded engine's `/set_cores`)."""
+        if len(shares) != len(self.urls):
+            raise ValueError(f"{len(shares)} core shares for {len(self.urls)} engines")
+        by_url = dict(zip(self.urls, shares))
+        return await self.each("set_cores", lambda c: c.set_cores(list(by_url[c.base_url].cores),
+                                                                 by_url[c.base_url].threads))
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict[str, Any]:
         return await self.same("update_weights_from_disk",
                                lambda c: c.update_weights_from_disk(model_path, weight_version))
 
-    async def update_weights_from_tensor(self, manifest: str, weight_version: str, **adapter: Any) -> dict[str, Any]:
-        return await self.same("update_weights_from_tensor",
-                               lambda c: c.update_weights_from_tensor(manifest, weight_version, **adapter))
+    async def update_weights_from_tensor(self, payloads: Callable[[str], list[str]], weight_version: str | None,
+                                         **adapter: Any) -> dict[str, Any]:
+        """`payloads(url)`: the `serialized_named_tensors` of the engine at `url`, made for it alone (each
+        entry's unpickling gives back a reference of its own, `verst.inference_client.tensor_payload`)."""
+        return await self.each("update_weights_from_tensor", lambda c: c.update_weights_from_tensor(
+            payloads(c.base_url), weight_version, **adapter))
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, group_name: str = "weight_update_group", backend: str = "gloo"
@@ -120,6 +133,29 @@ class EngineFleet:
     async def load_lora_adapter(self, lora_name: str, lora_path: str, update_in_flight: bool = False) -> dict[str, Any]:
         return await self.same(f"load_lora_adapter({lora_name!r})",
                                lambda c: c.load_lora_adapter(lora_name, lora_path, update_in_flight))
+
+    async def replace_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Serve `lora_path` under `lora_name` on every engine, replacing the adapter loaded there: a verst engine
+        replaces it in place, requests in flight going on with the new one; SGLang refuses a name it holds, so
+        there the old one is unloaded first (an engine that does not hold it, new or restarted, answers 400 and
+        the load follows)."""
+        async def replace(client: EngineClient) -> Any:
+            if await self._replaces_in_place(client):
+                return await client.load_lora_adapter(lora_name, lora_path, update_in_flight=True)
+            try:
+                await client.unload_lora_adapter(lora_name)
+            except EngineError as error:
+                if error.status != 400:
+                    raise
+            return await client.load_lora_adapter(lora_name, lora_path)
+
+        return await self.each(f"replace_lora_adapter({lora_name!r})", replace)
+
+    async def _replaces_in_place(self, client: EngineClient) -> bool:
+        if client.base_url not in self._in_place:
+            info = await client.get_server_info()
+            self._in_place[client.base_url] = info.get("engine") == "verst"  # the embedded engine says so
+        return self._in_place[client.base_url]
 
     async def weight_versions(self) -> dict[str, str]:
         return await self.each("get_weight_version", lambda c: c.get_weight_version())

@@ -39,6 +39,7 @@ class PooledWire:
         data = request_head(method, path, self._netloc, len(content), headers) + content
         swept = self._deadlines.start(timeout_s) if timeout_s >= wire.SWEPT_FROM_S else None
         connection: KeptConnection | None = None
+        reply: Reply | None = None
         try:
             async with self._for_loop():
                 if swept is not None:
@@ -57,8 +58,8 @@ class PooledWire:
         finally:
             if swept is not None:
                 self._deadlines.end(swept, timeout_s)
-            if connection is not None and connection.waiting is not None and not connection.waiting.done():
-                connection.close()  # no reply yet: one coming later would answer the next request
+            if connection is not None and reply is None:  # a reply coming later would answer the next request;
+                connection.close()  # closed, the engine also ends a generation whose caller went away
         if connection.usable:
             self._idle.append(connection)
         return reply

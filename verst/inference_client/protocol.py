@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.json_schema import JsonSchemaValue
 
 from verst.types.sampling import SamplingKnobs
@@ -330,98 +338,3 @@ class PauseRequest(WireModel):
 
 class FlushCacheRequest(WireModel):
     pass
-
-
-class UpdateWeightsFromDiskRequest(WireModel):
-    model_path: str = Field(..., min_length=1)
-    load_format: Literal["auto", "safetensors"] | None = None
-    weight_version: str | None = Field(None, min_length=1)
-    abort_all_requests: bool = False
-
-
-class AdapterPush(WireModel):
-    """verst's extension of the tensor and distributed weight updates: with `lora_name`, the tensors are a
-    whole PEFT LoRA adapter (A and B of each targeted layer, PEFT's names) and `lora_config` its
-    adapter_config.json; the engine serves it under that name, replacing the adapter loaded there, and
-    requests in flight on that adapter go on with the new one, as after a full-weight update."""
-
-    lora_name: str | None = Field(None, min_length=1)
-    lora_config: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _both(self) -> AdapterPush:
-        if (self.lora_name is None) != (self.lora_config is None):
-            raise ValueError("lora_name and lora_config go together: an adapter push needs both")
-        return self
-
-
-class UpdateWeightsFromTensorRequest(AdapterPush):
-    """`serialized_named_tensors`: one manifest per tensor-parallel rank (one here); see `weights.py`."""
-
-    serialized_named_tensors: list[str] = Field(..., min_length=1, max_length=1)
-    load_format: Literal["shm"] | None = Field(None, description="Only the /dev/shm bucket scheme ('shm').")
-    flush_cache: bool = True
-    weight_version: str | None = Field(None, min_length=1)
-    abort_all_requests: bool = False
-
-
-class InitWeightsUpdateGroupRequest(WireModel):
-    master_address: str = Field(..., min_length=1)
-    master_port: int = Field(..., ge=1, le=65535)
-    rank_offset: int = Field(..., ge=1, description="Rank 0 is the trainer that broadcasts.")
-    world_size: int = Field(..., ge=2)
-    group_name: str = Field("weight_update_group", min_length=1)
-    backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(120.0, gt=0)
-
-    @model_validator(mode="after")
-    def _rank(self) -> InitWeightsUpdateGroupRequest:
-        if self.rank_offset >= self.world_size:
-            raise ValueError(f"rank_offset = {self.rank_offset} must be below world_size = {self.world_size}")
-        return self
-
-
-class DestroyWeightsUpdateGroupRequest(WireModel):
-    group_name: str = Field("weight_update_group", min_length=1)
-
-
-class UpdateWeightsFromDistributedRequest(AdapterPush):
-    names: list[str] = Field(..., min_length=1)
-    dtypes: list[str] = Field(..., min_length=1)
-    shapes: list[list[Annotated[int, Field(ge=0)]]] = Field(..., min_length=1)
-    group_name: str = Field("weight_update_group", min_length=1)
-    flush_cache: bool = True
-    weight_version: str | None = Field(None, min_length=1)
-    abort_all_requests: bool = False
-    load_format: Literal["flattened_bucket"] | None = Field(
-        None, description="'flattened_bucket': the tensors (one dtype) come end to end in one broadcast; "
-                          "None: one broadcast per tensor, in the order of names.")
-
-    @model_validator(mode="after")
-    def _aligned(self) -> UpdateWeightsFromDistributedRequest:
-        if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ValueError(
-                f"names, dtypes and shapes must have equal lengths, got {len(self.names)}, "
-                f"{len(self.dtypes)}, {len(self.shapes)}"
-            )
-        return self
-
-
-class LoadLoraAdapterRequest(WireModel):
-    """SGLang `POST /load_lora_adapter`: a PEFT adapter directory served under `lora_name` (replacing an
-    adapter loaded under that name)."""
-
-    lora_name: str = Field(..., min_length=1)
-    lora_path: str = Field(..., min_length=1)
-    pinned: bool = False  # SGLang's GPU-slot pinning; every loaded adapter stays resident here
-    update_in_flight: bool = Field(False, description="verst: requests in flight on the replaced adapter go on "
-                                   "with the new one (a weight sync) instead of finishing on the old one.")
-
-
-class UnloadLoraAdapterRequest(WireModel):
-    lora_name: str = Field(..., min_length=1)
-
-
-class UpdateWeightVersionRequest(WireModel):
-    new_version: str = Field(..., min_length=1)
-    abort_all_requests: bool = False

@@ -76,6 +76,25 @@ class GenerateResult:
         )
 
 
+# What an httpx transport error with no text of its own means (it is named by its type and this).
+_TRANSPORT_MEANINGS = {
+    "ReadError": "the connection was closed or reset before a reply came",
+    "WriteError": "the connection was closed or reset while the request was sent",
+    "RemoteProtocolError": "the server closed the connection without a complete reply",
+    "ConnectError": "nothing accepted the connection",
+}
+
+
+def transport_error_text(error: BaseException, name: str | None = None) -> str:
+    """`ConnectError: All connection attempts failed`, or for an error without text its type and what it
+    means (`ReadError (no message: the connection was closed or reset before a reply came)`). `name`: the
+    name to give it instead of its type's."""
+    name, text = name or type(error).__name__, " ".join(str(error).split())
+    if text:
+        return f"{name}: {text}"
+    return f"{name} (no message: {_TRANSPORT_MEANINGS.get(name, 'the transport failed without a reason')})"
+
+
 def engine_went_away(error: EngineError) -> bool:
     """A lost connection (not a timeout), or a router's reply that its engine could not be reached
     (sglang-router answers 500 "error sending request for url ...")."""
@@ -88,7 +107,7 @@ def error_message(response: httpx.Response) -> str:
     try:
         body = response.json()
     except ValueError:
-        return response.text[:500]
+        return response.text
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and "message" in error:
@@ -96,8 +115,8 @@ def error_message(response: httpx.Response) -> str:
         if "message" in body:
             return str(body["message"])
         if "detail" in body:
-            return str(body["detail"])[:500]
-    return str(body)[:500]
+            return str(body["detail"])
+    return str(body)
 
 
 def error_field(response: httpx.Response) -> str | None:

@@ -14,6 +14,8 @@ import aiohttp
 import httpx
 import orjson
 
+from verst.inference_client.replies import transport_error_text
+
 WireName = Literal["pooled", "aiohttp", "httpx"]
 JSON_HEADERS = {"content-type": "application/json"}
 # httpcore's pool scans every connection for every request it places, which costs O(n^2) at hundreds of
@@ -136,9 +138,9 @@ class AiohttpWire:
         except asyncio.TimeoutError as exc:
             raise WireTimeout(f"timed out after {timeout_s:g}s ({type(exc).__name__})") from exc
         except aiohttp.ClientConnectorError as exc:
-            raise WireError(f"ConnectError: {exc}", refused=True) from exc
+            raise WireError(transport_error_text(exc, "ConnectError"), refused=True) from exc
         except aiohttp.ClientError as exc:
-            raise WireError(f"{type(exc).__name__}: {exc}") from exc
+            raise WireError(transport_error_text(exc)) from exc
         except asyncio.CancelledError:
             if swept is None or not self._deadlines.expired(swept):
                 raise
@@ -190,9 +192,9 @@ class HttpxWire:
         except httpx.TimeoutException as exc:
             raise WireTimeout(f"timed out after {timeout_s:g}s ({type(exc).__name__})") from exc
         except httpx.ConnectError as exc:
-            raise WireError(f"ConnectError: {exc}", refused=True) from exc
+            raise WireError(transport_error_text(exc, "ConnectError"), refused=True) from exc
         except httpx.TransportError as exc:
-            raise WireError(f"{type(exc).__name__}: {exc}") from exc
+            raise WireError(transport_error_text(exc)) from exc
         return Reply(response.status_code, response.content)
 
     async def close(self) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import VerstConfig
+from verst.monitor.diagnosis import NO_SPACE_ERRNOS, cause_text, is_out_of_space
 from verst.monitor.run_dir import CONFIG_FILE, METRICS_FILE
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -20,8 +21,8 @@ MANIFEST_FILE = "manifest.json"
 TRAINER_DIR = "trainer"
 TMP_PREFIX = ".tmp-"
 # The trainer's files (verst.trainer.persistence, which imports torch): its completion marker and the
-# per-rank records of a background write.
-TRAINER_COMPLETE, DONE_PREFIX, FAILED_PREFIX = "COMPLETE", "done_rank", "failed_rank"
+# per-rank records of a background write (`failed_rank<R>.errno<N>`: a rank that could not write its error).
+TRAINER_COMPLETE, DONE_PREFIX, FAILED_PREFIX, ERRNO_MARK = "COMPLETE", "done_rank", "failed_rank", ".errno"
 FORMAT = 1
 # Fields a resumed run may change: they do not touch what the checkpoint restores.
 SAFE_PREFIXES = ("logging.", "eval.", "checkpoint.", "name", "run_dir", "overwrite", "rollout.num_rollouts",
@@ -30,6 +31,24 @@ SAFE_PREFIXES = ("logging.", "eval.", "checkpoint.", "name", "run_dir", "overwri
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be used as asked; the message names the path or the field."""
+
+
+class CheckpointNotSaved(CheckpointError):
+    """A save failed before its commit: `step_dir` was not written, `latest` (None: no checkpoint yet) is
+    still the run's latest checkpoint, `cause` is the error's one line (the OS error behind it, if any)."""
+
+    def __init__(self, step_dir: Path, latest: Path | None, cause: str, out_of_space: bool):
+        kept = f"{latest} is still the latest checkpoint" if latest is not None else "the run has no earlier checkpoint"
+        super().__init__(f"checkpoint {step_dir} not saved: {cause}; {kept}")
+        self.step_dir, self.latest, self.cause, self.out_of_space = step_dir, latest, cause, out_of_space
+
+
+class TrainerWriteError(CheckpointError):
+    """A trainer rank's background write of its shards failed; the message names each rank and its error."""
+
+    def __init__(self, message: str, out_of_space: bool):
+        super().__init__(message)
+        self.out_of_space = out_of_space
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -71,13 +90,20 @@ def commit(tmp: Path, manifest: dict[str, Any], keep_last: int | None = None) ->
     return final
 
 
-def not_saved(final: Path, tmp: Path, error: BaseException) -> CheckpointError:
-    """The error of a save that failed before its rename: it names the checkpoint, the cause and the
-    checkpoint `latest` still names; the temporary directory is removed (a full disk gets its space back)."""
+def not_saved(final: Path, tmp: Path, error: BaseException, what: str | None = None) -> CheckpointNotSaved:
+    """The error of a save that failed before its rename: it names the checkpoint, the part that failed
+    (`what`), the cause (the OS error behind it, whole) and the checkpoint `latest` still names; the temporary
+    directory is removed (a full disk gets its space back)."""
     shutil.rmtree(tmp, ignore_errors=True)
-    latest = read_latest(final.parent.parent)
-    kept = f"{latest} is still the latest checkpoint" if latest is not None else "the run has no earlier checkpoint"
-    return CheckpointError(f"checkpoint {final} not saved: {type(error).__name__}: {error}; {kept}")
+    if isinstance(error, CheckpointNotSaved):  # a part of the save told it already
+        return error
+    if isinstance(error, TrainerWriteError):
+        cause, out_of_space = str(error), error.out_of_space
+    else:
+        cause, out_of_space = cause_text(error), is_out_of_space(error)
+    if what is not None:
+        cause = f"{what} failed: {cause}"
+    return CheckpointNotSaved(final, read_latest(final.parent.parent), cause, out_of_space)
 
 
 def wait_trainer_writes(trainer_dir: Path, ranks: int, step: int, timeout_s: float = 1800.0,
@@ -92,9 +118,8 @@ def wait_trainer_writes(trainer_dir: Path, ranks: int, step: int, timeout_s: flo
             raise CheckpointError(f"{trainer_dir}: not committed, the run stopped before the trainer's write ended")
         failed = sorted(trainer_dir.glob(f"{FAILED_PREFIX}*"))
         if failed:
-            raise CheckpointError(f"{trainer_dir}: the trainer's write failed on "
-                                  + "; ".join(f"rank {p.name[len(FAILED_PREFIX):]}: {p.read_text().strip()}"
-                                              for p in failed))
+            causes = [_rank_failure(path) for path in failed]
+            raise TrainerWriteError("; ".join(text for text, _ in causes), any(full for _, full in causes))
         if all((trainer_dir / f"{DONE_PREFIX}{rank}").exists() for rank in range(ranks)):
             marker.write_text(f"step {step}\n")
             return
@@ -131,6 +156,16 @@ def remove_tmp_dirs(run_dir: Path) -> None:
     if root.is_dir():
         for path in root.glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _rank_failure(record: Path) -> tuple[str, bool]:
+    """A rank's `failed_rank<R>` record as ("trainer rank R's write failed: <error>", out of space)."""
+    rank, _, code = record.name[len(FAILED_PREFIX):].partition(ERRNO_MARK)
+    text = record.read_text().strip() if not code else ""
+    if code.isdigit():  # the rank could not write its error's text: the errno is in the record's name
+        text = f"OSError: [Errno {code}] {os.strerror(int(code))}"
+    full = code.isdigit() and int(code) in NO_SPACE_ERRNOS or any(os.strerror(n) in text for n in NO_SPACE_ERRNOS)
+    return f"trainer rank {rank}'s write failed: {text or '(the rank recorded no error text)'}", full
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -206,10 +241,14 @@ def trim_metrics(run_dir: Path, step: int, drop_eval_at_step: bool = False) -> N
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # cut short by a stop (or a full disk) while it was written
+                continue
+            raise
         is_eval = any(k.startswith("eval/") for k in row)
         if row["step"] < step or (row["step"] == step and not (drop_eval_at_step and is_eval)):
             kept.append(line)

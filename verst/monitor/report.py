@@ -36,7 +36,7 @@ SHOWN_KEYS = frozenset({
     "perf/trainer_wait_s", "time/logprob_s", "time/train_s", "sync/seconds", "time/eval_s", "perf/step_time_s",
     "time/startup_s", "rollout/groups_produced", "rollout/groups_produced_total", "rollout/launched_groups",
     "rollout/kept_groups", "rollout/filtered_groups", "rollout/failed_groups", "rollout/aborted_groups",
-    "buffer/staleness_mean", "buffer/staleness_max",
+    "buffer/staleness_mean", "buffer/staleness_max", "time/engine_outage_s",
 })
 STYLE = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
 header{background:#fff;border-bottom:1px solid #ddd;padding:14px 28px;position:sticky;top:0;z-index:10}
@@ -70,7 +70,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, refresh_par
     too, so that it links forward to this run."""
     run = load_run(run_dir)
     out = Path(out) if out is not None else run.path / REPORT_FILE
-    out.write_text(render([run], out))
+    _write_whole(out, render([run], out))
     parent = parent_run_dir(run.path, run.config)
     if refresh_parent and parent is not None and (parent / REPORT_FILE).exists():
         try:
@@ -88,8 +88,19 @@ def write_compare_report(run_dirs: list[str | Path], out: str | Path = COMPARE_F
         names = [f"{p.parent.name}/{p.name}" for p in paths]
     runs = [load_run(p, n) for p, n in zip(paths, names)]
     out = Path(out)
-    out.write_text(render(runs, out))
+    _write_whole(out, render(runs, out))
     return out
+
+
+def _write_whole(out: Path, text: str) -> None:
+    """`out` whole or not at all: a full disk leaves no half report (nor its space taken)."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def render(runs: list[Run], out: Path) -> str:
@@ -174,7 +185,14 @@ def _cards(run: Run) -> str:
     if isinstance(s.get("time/total_s"), (int, float)):
         start = run.series.get("time/startup_s")
         extra = f" (start-up {start.values[-1]:.0f} s)" if start else ""
+        segments = s.get("segments") or []
+        if len(segments) > 1:  # a resumed or restarted run: the total is over every segment
+            extra = f" over {len(segments)} segments: " + ", ".join(
+                f"{seg['seconds']:.0f} s (steps {seg['from_step']}–{seg['to_step']}, {seg['end'].split(':')[0]})"
+                for seg in segments)
         cards.append((format_value("time/total_s", s["time/total_s"]), f"wall-clock{extra}"))
+    if isinstance(s.get("stopped"), str):
+        cards.append(("stopped early", s["stopped"]))
     if "train/steps" in s:
         cards.append((f"{s['train/steps']:,}", "train steps"))
     for key, what in (("perf/rollout_tokens_per_s", "rollout tokens/s (mean)"),
@@ -188,7 +206,7 @@ def _cards(run: Run) -> str:
 
 
 def _summary_table(runs: list[Run]) -> str:
-    keys = sorted({k for r in runs for k in r.summary})
+    keys = sorted({k for r in runs for k in r.summary} - {"segments"})  # segments: the wall-clock card
     if not keys:
         return ""
     head = "".join(f"<th>{html.escape(r.name)}</th>" for r in runs) if len(runs) > 1 else "<th>value</th>"

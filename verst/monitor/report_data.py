@@ -190,11 +190,16 @@ TIME_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval", ("time/eval_s",)),
 )
 STEP_TIME_KEY = "perf/step_time_s"
+OUTAGE_KEY = "time/engine_outage_s"  # seconds of a step while an engine was out (dead or hung, until it served again)
+# What an engine outage holds up, first to last: the step's unexplained rest, generation, the weight sync.
+OUTAGE_HOLDS = ("other", "generate", "weight sync")
 
 
 def time_breakdown(run: Run) -> dict[str, dict[float, float]]:
-    """Seconds per step of each component of TIME_PARTS the run logged, plus 'other' (the step time not
-    covered by them). `time/train_s` includes the old-logprob pass, so 'train' is the rest of it."""
+    """Seconds per step of each component of TIME_PARTS the run logged, plus 'engine outage' (the step's
+    seconds while an engine was out, taken from what it held up: the unexplained rest of the step, then
+    generation, then the weight sync) and 'other' (the step time not covered by them). `time/train_s`
+    includes the old-logprob pass, so 'train' is the rest of it."""
     parts: dict[str, dict[float, float]] = {}
     for label, keys in TIME_PARTS:
         s = run.get(*keys)
@@ -208,11 +213,48 @@ def time_breakdown(run: Run) -> dict[str, dict[float, float]]:
         # Evaluation runs beside the train steps in the RL schedules, so it is not part of a step's time.
         within = [p for label, p in parts.items() if label != "eval"]
         other = {k: t - sum(p.get(k, 0.0) for p in within) for k, t in zip(total.steps, total.values)}
+        outage = run.get(OUTAGE_KEY)
+        if outage is not None:
+            parts["other"] = other
+            parts["engine outage"] = _carve(parts, dict(zip(outage.steps, outage.values)), OUTAGE_HOLDS)
+            other = parts.pop("other")
         if any(v > 1e-3 for v in other.values()):
             # Without a logged generate, wait or train part (SFT), the rest of the step is the train step.
             rest = "other" if {"generate", "wait for data", "train"} & set(parts) else "train step"
             parts[rest] = {k: max(0.0, v) for k, v in other.items()}
     return parts
+
+
+# Whose threads compute each part of a step (the core budget's perf/*_threads, CPU runs).
+PART_THREADS = {"generate": "perf/engine_threads", "wait for data": "perf/engine_threads",
+                "old logprobs": "perf/trainer_threads", "train": "perf/trainer_threads"}
+
+
+def part_threads(run: Run) -> dict[str, dict[float, float]]:
+    """Per part of `time_breakdown`, the torch threads that computed it at each step (where logged)."""
+    out = {}
+    for label, key in PART_THREADS.items():
+        s = run.get(key)
+        if s is not None:
+            out[label] = dict(zip(s.steps, s.values))
+    return out
+
+
+def _carve(parts: dict[str, dict[float, float]], seconds: dict[float, float],
+           order: tuple[str, ...]) -> dict[float, float]:
+    """Per step, up to `seconds` taken from the parts named in `order` (the first first), which shrink by it."""
+    carved = {}
+    for step, want in seconds.items():
+        taken = 0.0
+        for label in order:
+            part = parts.get(label)
+            if part is None or taken >= want:
+                continue
+            share = min(max(0.0, part.get(step, 0.0)), want - taken)
+            part[step] = part.get(step, 0.0) - share
+            taken += share
+        carved[step] = taken
+    return carved
 
 
 def startup_phases(run: Run) -> dict[str, float]:

@@ -11,6 +11,7 @@ from verst.monitor.report_data import (
     axis_label,
     ema,
     funnel,
+    part_threads,
     samples_per_s,
     startup_phases,
     thin,
@@ -24,7 +25,8 @@ PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8
            "#bcbd22")
 DASHES = ("solid", "dash", "dot", "dashdot")
 TIME_COLOURS = {"generate": "#1f77b4", "wait for data": "#bcbd22", "old logprobs": "#9467bd", "train": "#2ca02c",
-                "weight sync": "#d62728", "eval": "#ff7f0e", "other": "#c7c7c7", "train step": "#2ca02c"}
+                "weight sync": "#d62728", "eval": "#ff7f0e", "other": "#c7c7c7", "train step": "#2ca02c",
+                "engine outage": "#000000"}
 
 
 # Below the plot: the mode bar (zoom, download) takes the top right on hover.
@@ -158,15 +160,23 @@ def time_panels(runs: list[Run]) -> list[Panel]:
     panels = []
     breakdowns = [time_breakdown(r) for r in runs]
     if len(runs) == 1 and breakdowns[0]:
-        traces = []
+        traces, threads = [], part_threads(runs[0])
         for label, per_step in breakdowns[0].items():
             xs = sorted(per_step)
-            traces.append({"type": "bar", "x": xs, "y": [per_step[x] for x in xs], "name": label,
-                           "marker": {"color": TIME_COLOURS.get(label, "#999")}})
+            trace = {"type": "bar", "x": xs, "y": [per_step[x] for x in xs], "name": label,
+                     "marker": {"color": TIME_COLOURS.get(label, "#999")}}
+            if label in threads:  # the threads that computed this part, on hover and, when fixed, in the legend
+                counts = [threads[label].get(x) for x in xs]
+                trace["hovertext"] = [f"{label}: {c:.0f} threads" if c is not None else label for c in counts]
+                if len(set(counts)) == 1 and counts[0] is not None:
+                    trace["name"] = f"{label} ({counts[0]:.0f} threads)"
+            traces.append(trace)
         panels.append(Panel("time-steps", "Seconds per step, by part", {"data": traces, "layout": layout(
             "step", "s", barmode="stack", bargap=0.1, legend={**LEGEND, "traceorder": "normal"})},
-            "time/rollout_s, perf/trainer_wait_s, time/logprob_s, time/train_s, sync/seconds, time/eval_s; other: "
-            "the rest of perf/step_time_s. Evaluation runs beside the steps in the RL schedules", wide=True))
+            "time/rollout_s, perf/trainer_wait_s, time/logprob_s, time/train_s, sync/seconds, time/eval_s; engine "
+            "outage: time/engine_outage_s, taken from what it held up (other, generate, weight sync); other: the "
+            "rest of perf/step_time_s. Evaluation runs beside the steps in the RL schedules. Threads (CPU): "
+            "perf/engine_threads for generation, perf/trainer_threads for the trainer's parts", wide=True))
     labels = list(dict.fromkeys(label for b in breakdowns for label in b))
     if labels:
         names = [r.name for r in runs]

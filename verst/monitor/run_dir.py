@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import yaml
 
 from verst.config import VerstConfig
 
+log = logging.getLogger(__name__)
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -60,17 +63,35 @@ def prepare_run_dir(cfg: VerstConfig) -> Path:
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> Path:
+    """RUN/summary.json, replaced whole (a full disk leaves the previous one, not half a file)."""
     out = Path(path) / SUMMARY_FILE
-    out.write_text(json.dumps(_json_safe(summary), indent=2, sort_keys=True) + "\n")
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(_json_safe(summary), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return out
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl, in order."""
+    """All records of a run's metrics.jsonl, in order. A last line cut short (a run stopped, or a disk that
+    filled, while it was written) is left out with a warning; a bad line before it is an error."""
     file = Path(path) / METRICS_FILE
     if not file.exists():
         return []
-    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number < len(lines):
+                raise ValueError(f"{file}, line {number}: not a JSON record ({error})") from None
+            log.warning("%s: its last line is cut short (%d characters; the run stopped while writing it); "
+                        "left out", file, len(line))
+    return records
 
 
 def _json_safe(value: Any) -> Any:

@@ -18,9 +18,27 @@ from pathlib import Path
 DUMP_SIGNAL = signal.SIGUSR1
 
 
-def arm_stack_dump() -> None:
-    """Print every thread's stack to stderr on SIGUSR1 (a C-level handler: works while Python is blocked)."""
+def arm_stack_dump(log_path: str | Path | None = None) -> None:
+    """Print every thread's stack to stderr on SIGUSR1 (a C-level handler: works while Python is blocked).
+    With `log_path`, this process's output goes there first (`keep_output_in`), and so do its stacks."""
+    if log_path is not None:
+        keep_output_in(Path(log_path))
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+def keep_output_in(path: Path) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2: Python's, C libraries', Ray's own
+    worker messages) to `path`, appended: a log in the run directory outlives the run, where Ray's files in the
+    run's temporary directory do not. Its lines then do not reach the driver's terminal."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
 
 
 def process_state(pid: int) -> str:

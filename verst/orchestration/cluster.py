@@ -30,6 +30,7 @@ from verst.orchestration.placement import BundlePlan, Placement, Role, plan_bund
 from verst.orchestration.ray_session import RaySession
 from verst.rollout.manager import PartsFactory, RolloutManager, RouterSpec
 from verst.types import Group
+from verst.types.cores import CoreShare
 
 
 class Orchestration:
@@ -89,22 +90,26 @@ class Orchestration:
         self.shutdown()
 
     # ---- the actor groups ----------------------------------------------------------------
-    def start_trainer(self, factory: Callable[[], Any], *, wait: bool = True):
+    def start_trainer(self, factory: Callable[[], Any], *, wait: bool = True, shares: list[CoreShare] | None = None):
         """`cluster.trainer_ranks` rank actors hosting `factory()` (see `TrainerActorGroup`). With
-        `wait=False` they start in the background until the group's first call or `wait_ready()`."""
+        `wait=False` they start in the background until the group's first call or `wait_ready()`. `shares`:
+        on CPU, each rank's cores and threads."""
         from verst.orchestration.trainer_actors import TrainerActorGroup
 
         group = TrainerActorGroup(factory, self._placed(), device=self.device, timeout_s=self.timeout_s,
-                                  start_timeout_s=self.start_timeout_s, wait=wait)
+                                  start_timeout_s=self.start_timeout_s, wait=wait, shares=shares,
+                                  log_dir=self.log_dir)
         self._stack.append(group)
         return group
 
-    def start_engines(self, model: str | Path, *, args: list[str] | None = None, wait: bool = True) -> EngineActorGroup:
+    def start_engines(self, model: str | Path, *, args: list[str] | None = None, wait: bool = True,
+                      shares: list[CoreShare] | None = None) -> EngineActorGroup:
         """`cluster.num_engines` engine actors serving `model`; `args` go to the server command line.
-        With `wait=False` the servers start in the background until `group.wait_ready()`."""
+        With `wait=False` the servers start in the background until `group.wait_ready()`. `shares`: on CPU,
+        each engine's cores and threads (an engine kind that takes them)."""
         if not self.engines:
             raise RuntimeError("this orchestration was planned without engines (engines=False)")
-        return self._engine_group(model, args, wait, "engine")
+        return self._engine_group(model, args, wait, "engine", shares)
 
     def start_teacher_engines(self, model: str | Path, *, args: list[str] | None = None,
                               wait: bool = True) -> EngineActorGroup:
@@ -122,10 +127,11 @@ class Orchestration:
             raise RuntimeError("this orchestration was planned without evaluation engines (eval_engines=0)")
         return self._engine_group(model, args, wait, "eval")
 
-    def _engine_group(self, model: str | Path, args: list[str] | None, wait: bool, role: Role) -> EngineActorGroup:
+    def _engine_group(self, model: str | Path, args: list[str] | None, wait: bool, role: Role,
+                      shares: list[CoreShare] | None = None) -> EngineActorGroup:
         """The engine actors of the placement's `role` bundles, stopped with the orchestration."""
         group = EngineActorGroup(self.cluster.engine, model, self._placed(), device=self.device, args=args,
-                                 plugins=self.plugins,
+                                 plugins=self.plugins, shares=shares,
                                  startup_timeout_s=self.start_timeout_s, log_dir=self.log_dir, wait=wait, role=role)
         self._stack.append(group)
         return group
@@ -137,8 +143,11 @@ class Orchestration:
         """The rollout manager actor in front of `engine_urls`, started (router up, parts built). With
         `engine_urls=None` the actor only starts its process (imports, `prepare()`) until `handle.start(urls)`."""
         self._placed()
+        index = sum(isinstance(part, RolloutManagerHandle) for part in self._stack)  # multi-LoRA: one per adapter
+        log_path = self.log_dir / f"rollout-manager{f'-{index}' if index else ''}.log" if self.log_dir else None
         handle = RolloutManagerHandle(engine_urls, parts_factory, router=router, prepare=prepare,
-                                      timeout_s=self.timeout_s, start_timeout_s=self.start_timeout_s)
+                                      timeout_s=self.timeout_s, start_timeout_s=self.start_timeout_s,
+                                      log_path=log_path)
         self._stack.append(handle)
         return handle
 
@@ -194,10 +203,11 @@ class Orchestration:
 
 
 class _RolloutManagerActor(RolloutManager):
-    """The manager as an actor process: its stacks can be read by a hang report."""
+    """The manager as an actor process: its stacks can be read by a hang report; its output goes to
+    `log_path` (RUN/logs/rollout-manager.log) when given."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        arm_stack_dump()
+    def __init__(self, *args: Any, log_path: str | None = None, **kwargs: Any):
+        arm_stack_dump(log_path)
         super().__init__(*args, **kwargs)
 
 
@@ -211,7 +221,8 @@ class RolloutManagerHandle:
     `handle.actor.<method>.remote(...)` instead from an asyncio driver."""
 
     def __init__(self, engine_urls: list[str] | None, parts_factory: PartsFactory, *, router: RouterSpec | None,
-                 prepare: Callable[[], Any] | None = None, timeout_s: float = 600.0, start_timeout_s: float = 300.0):
+                 prepare: Callable[[], Any] | None = None, timeout_s: float = 600.0, start_timeout_s: float = 300.0,
+                 log_path: str | Path | None = None):
         self.timeout_s = timeout_s
         self._closed = False
         # On the driver's node: the driver calls the router it starts, and surveys its processes, there.
@@ -219,7 +230,8 @@ class RolloutManagerHandle:
         self.node = ray.util.get_node_ip_address()
         here = NodeAffinitySchedulingStrategy(self.node_id, soft=False)
         self.actor = _RemoteRolloutManager.options(num_cpus=MANAGER_CPUS, scheduling_strategy=here).remote(
-            list(engine_urls) if engine_urls is not None else None, parts_factory, router=router, prepare=prepare)
+            list(engine_urls) if engine_urls is not None else None, parts_factory, router=router, prepare=prepare,
+            log_path=str(log_path) if log_path else None)
         self.router_url: str | None = None
         self.pids: dict[str, int | None] = {}
         self._start_timeout_s = start_timeout_s

@@ -5,6 +5,7 @@ health; `EngineActorGroup` is the driver's handle.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -16,8 +17,11 @@ import ray
 from verst.config.imports import import_plugins
 from verst.engine.process import EngineProcess
 from verst.engine_kinds.kinds import engine_kind
+from verst.inference_client.client import EngineClient
+from verst.monitor.diagnosis import headline
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, Role, current_bundle
+from verst.types.cores import CoreShare
 
 
 def check_engine_type(engine: str) -> None:
@@ -32,7 +36,8 @@ class EngineServer:
     def __init__(self, index: int, model: str, device: str, args: list[str], startup_timeout_s: float,
                  log_dir: str | None, port: int = 0, role: str = "engine", engine: str = "embedded",
                  plugins: tuple[str, ...] = ()):
-        arm_stack_dump()  # a hang report can read this actor's stacks
+        # A hang report can read this actor's stacks; its output goes beside its server's log.
+        arm_stack_dump(Path(log_dir) / f"{role}-{index}-actor.log" if log_dir else None)
         import_plugins(list(plugins))  # an engine kind of the run's own is registered there
         self.index = index
         # Bind where the router (perhaps on another node) can reach it: this node's Ray address,
@@ -92,25 +97,34 @@ class EngineServer:
             return False
 
     def release_memory(self) -> bool:
-        """Colocated placement: give the device memory back while the trainer steps. Returns whether
-        anything was released.
-
-        On CPU there is nothing to release: the engine's KV blocks are ordinary process memory and the
-        trainer and engine share the machine's RAM anyway. The embedded engine has no GPU release
-        either; an SGLang engine will call `release_memory_occupation` here. Generation is not running
-        while the trainer steps in the schedules that colocate (the loop's pause/flush does that).
-        """
-        return False
+        """Colocated placement: the server gives its memory to the trainer while it steps (weights and KV
+        cache: SGLang's `/release_memory_occupation`); generation has finished when the sync schedule calls
+        this (the run decides whether to: `verst.run.training.DeviceShare`)."""
+        asyncio.run(_call_server(self.server.url, lambda client: client.release_memory_occupation()))
+        return True
 
     def resume_memory(self) -> bool:
-        """Undo `release_memory` (reload weights and KV cache onto the device); see there."""
-        return False
+        """Undo `release_memory`: weights back on the device, the KV cache grown again as requests need it."""
+        asyncio.run(_call_server(self.server.url, lambda client: client.resume_memory_occupation()))
+        return True
 
     def stop(self) -> None:
         self.server.stop()
 
 
+async def _call_server(url: str, call: Any) -> Any:
+    async with EngineClient(url) as client:
+        return await call(client)
+
+
 _RemoteEngineServer = ray.remote(max_restarts=0, max_task_retries=0)(EngineServer)
+
+
+def share_args(share: CoreShare | None) -> list[str]:
+    """The embedded engine's arguments for its share of the cores (none: one thread, unpinned)."""
+    if share is None:
+        return []
+    return ["--torch-threads", str(share.threads), "--cpu-cores", ",".join(map(str, share.cores))]
 
 
 def with_weight_version(args: list[str], version: int) -> list[str]:
@@ -144,6 +158,7 @@ class EngineActorGroup:
         wait: bool = True,
         role: Role = "engine",
         plugins: tuple[str, ...] = (),
+        shares: list[CoreShare] | None = None,
     ):
         check_engine_type(engine)
         self.engine, self.startup_timeout_s, self.role, self.plugins = engine, startup_timeout_s, role, tuple(plugins)
@@ -154,8 +169,8 @@ class EngineActorGroup:
         count = len(placement.plan.bundles_of(role))
         self._actors = [
             _RemoteEngineServer.options(**placement.actor_options(role, i)).remote(
-                i, str(model), device, list(args or []), startup_timeout_s, str(log_dir) if log_dir else None,
-                role=role, engine=engine, plugins=self.plugins)
+                i, str(model), device, [*(args or []), *share_args(shares[i] if shares else None)], startup_timeout_s,
+                str(log_dir) if log_dir else None, role=role, engine=engine, plugins=self.plugins)
             for i in range(count)
         ]
         self._starting = [actor.start.remote() for actor in self._actors]
@@ -198,6 +213,8 @@ class EngineActorGroup:
         return dict(zip(self.urls, self._all("health", 30.0)))
 
     def release_memory(self) -> list[bool]:
+        """Colocated: each engine gives its memory to the trainer while it steps (the run asks only where the
+        engines are idle then and their kind releases memory); per engine, whether it did."""
         return self._all("release_memory", 120.0)
 
     def resume_memory(self) -> list[bool]:
@@ -246,7 +263,7 @@ class EngineActorGroup:
             try:
                 out.append(ray.get(ref))
             except ray.exceptions.RayError as error:
-                out.append({"index": index, "actor_error": str(error).splitlines()[0][:200]})
+                out.append({"index": index, "actor_error": headline(error)})
         return out
 
     def shutdown(self, grace_s: float = 15.0) -> None:

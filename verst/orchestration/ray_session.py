@@ -9,8 +9,10 @@ import logging
 import math
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -88,12 +90,15 @@ class RaySession:
             # A cluster started on loopback (`ray start --head --node-ip-address 127.0.0.1`): without the
             # switch, Ray on Linux rewrites the address to the machine's outward one, where nothing listens.
             self._use_loopback()
+        kept = _SigtermKept()
         try:
             ray.init(address=self.address, namespace=self.namespace, logging_level=logging.WARNING,
                      log_to_driver=self.log_to_driver)
         except BaseException:
             self._restore_env()
             raise
+        finally:
+            kept.restore()
 
     def _start_local(self) -> None:
         """A new one-node Ray of this run's own. `address="local"` is what makes it new: without it
@@ -112,6 +117,7 @@ class RaySession:
         notice = logging.getLogger(_AUTH_NOTICE_LOGGER)
         level = notice.level
         notice.setLevel(logging.ERROR)
+        kept = _SigtermKept()
         try:
             ray.init(
                 address="local",
@@ -133,6 +139,7 @@ class RaySession:
             raise
         finally:
             notice.setLevel(level)
+            kept.restore()
 
     def shutdown(self) -> None:
         """Shut Ray down if this session started it (every actor and placement group goes with it); a joined
@@ -143,6 +150,12 @@ class RaySession:
         ray.shutdown()
         self._stop_reaper()
         self._restore_env()
+
+    def watch_run(self, run_dir: Path | None) -> None:
+        """Name the run in progress (None: none) to the reaper, which writes its summary.json and report.html
+        if this driver is killed. Without a reaper (a joined cluster, a Ray started before) nothing is told."""
+        if self._reaper is not None:
+            self._reaper.watch_run(run_dir)
 
     def resources(self) -> dict[str, float]:
         """The cluster's total logical resources."""
@@ -209,6 +222,20 @@ class RaySession:
 
             constants.ENABLE_RAY_CLUSTER = self._saved_loopback
             del self._saved_loopback
+
+
+class _SigtermKept:
+    """The driver's SIGTERM handler across `ray.init`, whose core worker installs one of its own that prints a
+    C++ stack and aborts the driver (exit -6, no cleanup): the one before it (the command line's, which stops
+    the run as Ctrl-C does, or Python's default) is put back. Only the main thread can set handlers."""
+
+    def __init__(self) -> None:
+        self.main = threading.current_thread() is threading.main_thread()
+        self.handler = signal.getsignal(signal.SIGTERM) if self.main else None
+
+    def restore(self) -> None:
+        if self.main and self.handler is not None:
+            signal.signal(signal.SIGTERM, self.handler)
 
 
 def socket_safe_temp_root() -> str:

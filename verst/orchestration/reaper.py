@@ -1,8 +1,10 @@
 """The reaper: a small process, in a session of its own, that ends every process a run started and
-removes the run's temporary directory when the driver goes away, even when it is killed (SIGKILL).
+removes the run's temporary directory when the driver goes away, even when it is killed (SIGKILL); then it
+writes the killed run's summary.json and report.html (`verst.monitor.postmortem`).
 
-The driver holds the write end of the reaper's stdin: end of file without "done" means the driver died.
-Meanwhile the reaper records the driver's descendants (pid and start time, from /proc) every half second.
+The driver holds the write end of the reaper's stdin: end of file without "done" means the driver died;
+"run RUN_DIR" names the run in progress ("run -": none). Meanwhile the reaper records the driver's
+descendants (pid and start time, from /proc) every half second.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 POLL_S = 0.5
+POSTMORTEM_TIMEOUT_S = 120.0  # its imports (plotly) and a long run's report take seconds, not minutes
 
 
 class Reaper:
@@ -35,13 +38,26 @@ class Reaper:
                                 start_new_session=True)
         return cls(proc, tmp_dir)
 
+    def watch_run(self, run_dir: Path | None) -> None:
+        """The run in progress (None: none), whose summary and report the reaper writes if the driver dies."""
+        self._send(f"run {run_dir if run_dir is not None else '-'}\n".encode())
+
+    def _send(self, line: bytes) -> None:
+        if self.proc.stdin is None or self.proc.stdin.closed:
+            return
+        try:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # the reaper is gone: nothing to tell
+
     def done(self, timeout_s: float = 30.0) -> None:
         """The run ended cleanly: the reaper ends what is left that names the temporary directory, removes
         it, and exits."""
         if self.proc.stdin is None or self.proc.stdin.closed:
             return
+        self._send(b"done\n")
         try:
-            self.proc.stdin.write(b"done\n")
             self.proc.stdin.close()
         except OSError:
             pass
@@ -90,21 +106,44 @@ def watch(driver: int, tmp_dir: Path) -> None:
     started = table.get(driver, (0, 0))[1]
     existing = descendants({driver}, table)  # the driver's children from before the run are not its own
     tracked: dict[int, int] = {}  # pid -> start time
+    run_dir: str | None = None  # the run in progress
+    pending = b""  # read from stdin, not yet a whole line
+    stdin = sys.stdin.fileno()
     while True:
-        readable, _, _ = select.select([sys.stdin.buffer], [], [], POLL_S)
+        readable, _, _ = select.select([stdin], [], [], POLL_S)
         table = process_table()
         for pid in descendants({driver} | set(tracked), table) - existing - {me}:
             tracked.setdefault(pid, table[pid][1])
         if readable:
-            line = sys.stdin.buffer.readline()
-            if line.strip() == b"done":
-                finish(tracked, tmp_dir, only_naming=str(tmp_dir))
-                return
-            if not line:  # end of file: the driver is gone
+            chunk = os.read(stdin, 4096)  # unbuffered: several lines may come in one read
+            if not chunk:  # end of file: the driver is gone
                 break
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if line.strip() == b"done":
+                    finish(tracked, tmp_dir, only_naming=str(tmp_dir))
+                    return
+                if line.startswith(b"run "):
+                    named = line[4:].strip().decode()
+                    run_dir = None if named == "-" else named
         if table.get(driver, (0, -1))[1] != started:  # gone (or its pid reused)
             break
     finish(tracked, tmp_dir)
+    if run_dir is not None:
+        postmortem(run_dir)
+
+
+def postmortem(run_dir: str) -> None:
+    """The killed run's summary.json and report.html, written by `verst.monitor.postmortem` (which imports
+    verst: the reaper itself stays on the standard library), its output in RUN_DIR/logs/postmortem.log."""
+    log = Path(run_dir) / "logs" / "postmortem.log"
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            subprocess.run([sys.executable, "-m", "verst.monitor.postmortem", run_dir], stdout=out,
+                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=POSTMORTEM_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        pass  # nobody is left to tell; `verst report RUN_DIR` writes the report by hand
 
 
 def finish(tracked: dict[int, int], tmp_dir: Path, only_naming: str | None = None) -> None:

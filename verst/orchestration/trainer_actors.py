@@ -12,12 +12,12 @@ killed (its collectives are in an unknown state), so the driver never hangs on a
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -27,9 +27,11 @@ from verst.config.schema import SyncConfig
 from verst.inference_client.ports import free_port
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, current_bundle
+from verst.orchestration.rank_sync import DrainOnClose, SyncerLoop
 from verst.sync.syncer import SyncFailure, WeightSyncError
 from verst.trainer.backend import CollectiveCalls, RankError, TrainBackend
 from verst.types import WeightBucket
+from verst.types.cores import CoreShare, take_share
 
 # Buckets rank 0 may have produced ahead of the driver: bounds the object store's share of weights.
 STREAM_AHEAD_BUCKETS = 2
@@ -38,13 +40,14 @@ STREAM_AHEAD_BUCKETS = 2
 class TrainerRank:
     """The body of one trainer rank actor. Methods are called by `TrainerActorGroup` only."""
 
-    def __init__(self, rank: int, world_size: int, device: str):
+    def __init__(self, rank: int, world_size: int, device: str, log_dir: str | None = None):
         from verst.orchestration.tensor_wire import register_tensor_serializer  # imports torch: ranks only
 
-        arm_stack_dump()  # a hang report can read this rank's stacks
+        # A hang report can read this rank's stacks; its output goes to RUN/logs/trainer-<rank>.log.
+        arm_stack_dump(Path(log_dir) / f"trainer-{rank}.log" if log_dir else None)
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend: TrainBackend | None = None
-        self.weight_sync: _SyncerLoop | None = None  # rank 0, after open_weight_sync
+        self.weight_sync: SyncerLoop | None = None  # rank 0, after open_weight_sync
         self.ready_at: float | None = None
         register_tensor_serializer()  # logprobs and weight buckets back to the driver
         # Ray shows a GPU actor only its own device (CUDA_VISIBLE_DEVICES), which is then cuda:0.
@@ -55,21 +58,30 @@ class TrainerRank:
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    def setup(self, rendezvous: tuple[str, int], factory: Callable[[], TrainBackend], timeout_s: float) -> dict:
-        """`rendezvous`: rank 0's (address, port), which Ray hands over once rank 0 has answered."""
+    def setup(self, rendezvous: tuple[str, int], factory: Callable[[], TrainBackend], timeout_s: float,
+              share: CoreShare | None = None) -> dict:
+        """`rendezvous`: rank 0's (address, port), which Ray hands over once rank 0 has answered. `share`: on
+        CPU, the cores and threads this rank computes on (None: one thread, unpinned)."""
         import torch
 
         from verst.trainer.distributed import init_process_group, resolve_device
 
         device = resolve_device(self.device)
         if device.type == "cpu":
-            torch.set_num_threads(1)  # one thread per rank; see PLATFORM.md
+            if share is not None:
+                take_share(share)
+            else:
+                torch.set_num_threads(1)
         _quiet_transformers()
         # Rank 0 serves the rendezvous store itself (the torchrun arrangement); the others connect.
         init_process_group(self.rank, self.world_size, *rendezvous, device, timeout_s)
         self.backend = factory()
         self.ready_at = time.time()  # wall clock: when the backend was built (the driver's start-up metric)
         return self.info()
+
+    def set_cores(self, share: CoreShare) -> None:
+        """Compute on `share`'s cores with its threads from now on (between steps: the run's core budget)."""
+        take_share(share)
 
     def info(self) -> dict[str, Any]:
         placement_group, bundle = current_bundle()
@@ -117,12 +129,12 @@ class TrainerRank:
             from verst.sync.transport import AdapterSpec
 
             options["adapter"] = AdapterSpec(*adapter)
-        self.weight_sync = _SyncerLoop(sync, engine_urls, options)
+        self.weight_sync = SyncerLoop(sync, engine_urls, options)
 
     def sync_weights(self, version: int, bucket_bytes: int, reconnect: bool = False,
                      first: bool = False) -> dict[str, float]:
         """Rank 0: push the backend's weights as `version` and return the `sync/` metrics; the other ranks
-        only take part in the gathers. A push that stops early still finishes them (`_DrainOnClose`).
+        only take part in the gathers. A push that stops early still finishes them (`DrainOnClose`).
         `first`: a LoRA run's step-0 adapter, pushed under the version the engines serve (`WeightSyncer.sync`)."""
         if self.rank:
             self.drain_weights(bucket_bytes)
@@ -134,7 +146,7 @@ class TrainerRank:
             from verst.sync.transport import AdapterSpec
 
             self.weight_sync.syncer.use_adapter(AdapterSpec(*adapter))
-        buckets = _DrainOnClose(self._synced_weights(bucket_bytes))
+        buckets = DrainOnClose(self._synced_weights(bucket_bytes))
         try:
             if reconnect:
                 self.weight_sync.run(self.weight_sync.syncer.reconnect())
@@ -160,6 +172,7 @@ class TrainerActorGroup(CollectiveCalls):
     picklable (e.g. `functools.partial(FSDP2Backend, model_cfg, trainer_cfg, device=...)`) and agree
     with `device`. Every method runs on all ranks; results come from rank 0 (they are identical).
     With `wait=False` the ranks start in the background: the first call (or `wait_ready()`) waits for them.
+    `shares`: on CPU, rank i's cores and threads (the run's core budget; None: one thread each, unpinned).
     """
 
     def __init__(
@@ -172,7 +185,10 @@ class TrainerActorGroup(CollectiveCalls):
         start_timeout_s: float = 300.0,
         failure_grace_s: float = 2.0,
         wait: bool = True,
+        shares: list[CoreShare] | None = None,
+        log_dir: str | Path | None = None,
     ):
+        """`log_dir`: where each rank writes its output (`trainer-<rank>.log`); None: Ray's worker files."""
         self.world_size = len(placement.plan.trainer_bundles)
         self.timeout_s, self.failure_grace_s, self.start_timeout_s = timeout_s, failure_grace_s, start_timeout_s
         self._closed = False
@@ -182,11 +198,12 @@ class TrainerActorGroup(CollectiveCalls):
         # each is submitted to every rank under this lock, so all ranks run them in the same order.
         self._submit_lock = threading.Lock()
         self._actors = [
-            _RemoteTrainerRank.options(**placement.actor_options("trainer", rank)).remote(rank, self.world_size, device)
+            _RemoteTrainerRank.options(**placement.actor_options("trainer", rank)).remote(
+                rank, self.world_size, device, str(log_dir) if log_dir else None)
             for rank in range(self.world_size)
         ]
         rendezvous = self._actors[0].rendezvous.remote()  # each setup starts once rank 0 has answered
-        self._setups = {actor.setup.remote(rendezvous, factory, timeout_s): rank
+        self._setups = {actor.setup.remote(rendezvous, factory, timeout_s, shares[rank] if shares else None): rank
                         for rank, actor in enumerate(self._actors)}
         if wait:
             self.wait_ready()
@@ -241,6 +258,13 @@ class TrainerActorGroup(CollectiveCalls):
         with self._submit_lock:
             refs = {actor.apply.remote(fn, payload): rank for rank, actor in enumerate(self._actors)}
         return self._gather(refs, self.timeout_s, getattr(fn, "__name__", "apply"))
+
+    def set_cores(self, shares: list[CoreShare]) -> None:
+        """Rank i computes on `shares[i]` from now on (call between steps)."""
+        self._check_open("set_cores")
+        with self._submit_lock:
+            refs = {actor.set_cores.remote(shares[rank]): rank for rank, actor in enumerate(self._actors)}
+        self._gather(refs, self.timeout_s, "set_cores")
 
     def open_weight_sync(self, sync: SyncConfig, engine_urls: list[str], **transport_options: Any) -> None:
         """Build the weight syncer in rank 0 (`transport_options` go to `verst.sync.build_transport`)."""
@@ -364,70 +388,6 @@ def _describe(error: BaseException, what: str) -> str:
     if isinstance(error, RayActorError):
         return f"its process died during {what!r}: {error}"
     return f"{what!r} raised: {error}"
-
-
-class _SyncerLoop:
-    """Rank 0's `WeightSyncer` on an event loop thread of its own: its HTTP clients and transport (a
-    process group, shared-memory files) live across syncs, while the actor's calls stay synchronous."""
-
-    def __init__(self, sync: SyncConfig, engine_urls: list[str], options: dict[str, Any]):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="verst-weight-sync", daemon=True)
-        self.thread.start()
-        try:
-            self.fleet, self.syncer = self.run(self._open(sync, engine_urls, options))
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    @staticmethod
-    async def _open(sync: SyncConfig, engine_urls: list[str], options: dict[str, Any]) -> tuple[Any, Any]:
-        from verst.inference_client.client import Timeouts
-        from verst.inference_client.fleet import EngineFleet
-        from verst.sync.factory import build_syncer
-
-        options = dict(options)
-        control = options.pop("control_timeout_s", None)  # fault.engine_call_timeout_s
-        timeouts = Timeouts(control=control) if control else None
-        fleet = EngineFleet(engine_urls, timeouts=timeouts)  # its clients belong to this loop
-        return fleet, build_syncer(sync, fleet, **options)
-
-    def sync(self, buckets: Iterator[WeightBucket], version: int, first: bool = False) -> dict[str, float]:
-        return self.run(self.syncer.sync(buckets, version, first=first))
-
-    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def close(self) -> None:
-        try:
-            self.run(self.syncer.close())
-            self.run(self.fleet.close())
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10.0)
-        if not self.thread.is_alive():
-            self.loop.close()
-
-
-class _DrainOnClose:
-    """A bucket source whose `close()` reads what is left instead of abandoning it: every rank takes part
-    in every gather of `named_weights`, so a push that stops early must still finish them on rank 0."""
-
-    def __init__(self, buckets: Iterator[WeightBucket]):
-        self._buckets = buckets
-
-    def __iter__(self) -> _DrainOnClose:
-        return self
-
-    def __next__(self) -> WeightBucket:
-        return next(self._buckets)
-
-    def close(self) -> None:
-        for _ in self._buckets:
-            pass
 
 
 def _quiet_transformers() -> None:

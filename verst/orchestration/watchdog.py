@@ -19,6 +19,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from verst.monitor.diagnosis import headline
 from verst.monitor.stacks import dump_own_stacks, dump_process_stacks, log_tail, process_state, stderr_path
 
 T = TypeVar("T")
@@ -197,7 +198,8 @@ class Watchdog:
         """Dump every process's stacks and describe the hang of `phase` (past `limit_s`, set by `field`)."""
         dump_dir = await asyncio.to_thread(self.dump, phase)
         lines = [f"run stopped: {phase} made no progress within {limit_s:g} s ({field})",
-                 f"  stacks of every verst process: {dump_dir}"]
+                 f"  stacks of every verst process: {dump_dir} (they show where it waits; if it is only slow, "
+                 f"raise {field})"]
         if self.processes is not None:
             statuses = await asyncio.to_thread(self.processes.survey)
             lines += [f"  {status.line()}" for status in statuses]
@@ -234,8 +236,7 @@ def failure_report(processes: RunProcesses, error: BaseException, phase: str | N
         if status.log:
             lines.append(f"  {status.name}: log {status.log}" + (f", last {len(tail)} lines:" if tail else ""))
             lines += [f"    | {line}" for line in tail]
-    cause = " ".join(f"{type(error).__name__}: {error}".split())
-    lines.append(f"  what the run saw{f' in {phase}' if phase else ''}: {cause[:300]}")
+    lines.append(f"  what the run saw{f' in {phase}' if phase else ''}: {headline(error)}")
     latest = processes.run_dir / "checkpoints" / "latest"
     if latest.exists():
         lines.append(f"  last checkpoint: {latest}")

@@ -20,6 +20,7 @@ from typing import Any
 from verst.config import VerstConfig
 from verst.models.loader import drop_chat_template
 from verst.monitor import checkpoint_dirs as layout
+from verst.monitor.diagnosis import cause_text
 from verst.monitor.run_dir import resumes_here, run_dir_of
 from verst.run.rollouts import Rollouts
 from verst.trainer.backend import MERGED_LORA_DIR, TrainerRanks, export_backend, load_backend, save_backend
@@ -60,6 +61,7 @@ class Checkpointer:
         self.cfg, self.run_dir, self.ranks, self.rollouts = cfg, Path(run_dir), ranks, rollouts
         self.steps_per_rollout = steps_per_rollout
         self.last_step: int | None = None
+        self.last_save_s: float | None = None  # the last committed save's seconds, from its start
         self._committing: concurrent.futures.Future | None = None
         self._abandoned = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verst-checkpoint")
@@ -67,19 +69,33 @@ class Checkpointer:
 
     def due(self, version: int) -> bool:
         interval = self.cfg.checkpoint.interval
-        at_boundary = self.cfg.schedule == "fully_async" or version % self.steps_per_rollout == 0
-        return bool(interval) and version % interval == 0 and at_boundary and version != self.last_step
+        return bool(interval) and version % interval == 0 and self.at_boundary(version) and version != self.last_step
+
+    def at_boundary(self, version: int) -> bool:
+        """Whether a checkpoint of `version` may be taken: at a rollout-batch boundary (any step, fully async)."""
+        return self.cfg.schedule == "fully_async" or version % self.steps_per_rollout == 0
 
     async def save(self, version: int, history: list[tuple[int, float]], eval_in_flight: bool) -> float:
         """Save the run at `version` with its evaluation `history` (and whether an evaluation of `version`
         is in flight, which a resumed run makes again); returns the pause before the run may go on."""
         await self.wait()
         start = time.perf_counter()
-        tmp = layout.new_tmp_dir(self.run_dir, version)
-        _, rollout_counts = await asyncio.gather(
-            asyncio.to_thread(self.ranks.apply, save_backend, str(tmp / layout.TRAINER_DIR), True),
-            self.rollouts.save(tmp),
-        )
+        final = layout.checkpoints_dir(self.run_dir) / layout.step_dir_name(version)
+        try:
+            tmp = layout.new_tmp_dir(self.run_dir, version)
+        except OSError as error:
+            raise layout.not_saved(final, final.with_name(layout.TMP_PREFIX + final.name), error) from error
+        parts = {"the trainer ranks' save": asyncio.to_thread(self.ranks.apply, save_backend,
+                                                              str(tmp / layout.TRAINER_DIR), True),
+                 "the rollout manager's save": self.rollouts.save(tmp)}
+        # Both parts end before a failure removes the directory: the other would write into it again.
+        outcomes = dict(zip(parts, await asyncio.gather(*parts.values(), return_exceptions=True)))
+        for what, outcome in outcomes.items():
+            if isinstance(outcome, Exception):
+                raise layout.not_saved(final, tmp, outcome, what) from outcome
+            if isinstance(outcome, BaseException):  # an interrupt stays one
+                raise outcome
+        rollout_counts = outcomes["the rollout manager's save"]
         manifest = {
             "step": version, "version": version, "schedule": self.cfg.schedule,
             "eval_history": [list(entry) for entry in history],
@@ -89,12 +105,13 @@ class Checkpointer:
         if self.rollouts.multi_lora:  # each adapter's steps and scores
             manifest["adapters"] = {lane.adapter: {"steps": lane.steps, "eval_history": [list(e) for e in lane.eval_history]}
                                     for lane in self.rollouts.lanes}
-        self._committing = self._pool.submit(self._commit, tmp, manifest)
+        self._committing = self._pool.submit(self._commit, tmp, manifest, start)
         self.last_step = version
         return time.perf_counter() - start
 
-    def _commit(self, tmp: Path, manifest: dict[str, Any]) -> None:
-        """In the background: once the ranks' writes have ended, the atomic commit."""
+    def _commit(self, tmp: Path, manifest: dict[str, Any], start: float) -> None:
+        """In the background: once the ranks' writes have ended, the atomic commit; `last_save_s` is then
+        the whole save's time (pause, writes, commit)."""
         try:
             layout.wait_trainer_writes(tmp / layout.TRAINER_DIR, self.cfg.cluster.trainer_ranks, manifest["step"],
                                        abandoned=self._abandoned)
@@ -104,6 +121,7 @@ class Checkpointer:
             raise layout.not_saved(self.run_dir / layout.CHECKPOINTS_DIR / layout.step_dir_name(manifest["step"]),
                                    tmp, error) from error
         layout.commit(tmp, manifest, self.cfg.checkpoint.keep_last)
+        self.last_save_s = time.perf_counter() - start
 
     async def restore(self, point: ResumePoint) -> None:
         """The trainer's state on the ranks, the rollout side's, and each lane's steps (multi-LoRA: with each
@@ -154,6 +172,18 @@ class Checkpointer:
         """The run failed: a commit still waiting for the ranks' writes gives up (its temporary directory
         stays until the next run in this directory removes it; `latest` keeps the previous checkpoint)."""
         self._abandoned.set()
+
+    async def settle(self, timeout_s: float = 10.0) -> None:
+        """After `abandon`: the commit in flight ends, committed or given up, so `latest` is final when the
+        run's error names it. Its own error is logged: the run's error is the one raised."""
+        committing, self._committing = self._committing, None
+        if committing is None:
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.wrap_future(committing)
+        except Exception as error:  # TimeoutError too: a commit stuck on its disk is left to its thread
+            log.warning("the checkpoint commit in flight when the run stopped did not end: %s", cause_text(error))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

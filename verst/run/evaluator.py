@@ -141,7 +141,10 @@ class Evaluator:
         `eval/skipped_<reason>` (raised under `eval.on_error = "stop"`)."""
         start = time.perf_counter()
         try:
-            metrics = await asyncio.wait_for(self.evaluate(step), self.cfg.fault.eval_timeout_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel (Ctrl-C, a signal's stop) that
+            # comes as the evaluation ends, and the run waiting on it would go on.
+            async with asyncio.timeout(self.cfg.fault.eval_timeout_s):
+                metrics = await self.evaluate(step)
             accept(metrics, step)
         except Exception as error:
             return self._skip_or_raise(step, error)

@@ -17,6 +17,7 @@ from verst.run.evaluator import Evaluator
 from verst.run.lanes import Lane
 from verst.run.monitor import RunMonitor
 from verst.run.rollouts import Rollouts
+from verst.run.signals import STOP, STOP_GRACE_S, StoppedBySignal
 from verst.run.training import TrainerGroup
 from verst.run.weights import WeightPush
 
@@ -86,7 +87,9 @@ class RLRun:
     # ---- the loop's steps -------------------------------------------------------------------------
     async def begin(self) -> None:
         """The start of the loop: the step-0 evaluation (with the start-up metrics), or, resumed, the
-        evaluation the checkpoint's step had in flight."""
+        evaluation the checkpoint's step had in flight. From here a signal stops the run at a step's end."""
+        self.monitor.begin(self.version)
+        STOP.stop_at_steps(self.cfg.checkpoint.on_signal)
         if self.version == 0:
             await self.evaluator.start(0, self.startup_metrics)
         elif self.resumed_pending_eval:
@@ -122,6 +125,8 @@ class RLRun:
             await self.evaluator.start(self.version)
         if self.checkpointer.due(self.version):
             await self.save_checkpoint()
+        if STOP.requested and self.checkpointer.at_boundary(self.version):
+            await self.stop_on_signal()
 
     async def sync_weights(self, lane: Lane | None = None) -> dict[str, float]:
         """Push the trainer's weights as `version` when `sync.interval` says so; an evaluation in flight on the
@@ -130,6 +135,21 @@ class RLRun:
             return {}
         await self.evaluator.settle_on_engines()
         return await self.weights.push(self.version, lane)
+
+    async def stop_on_signal(self) -> None:
+        """A signal asked the run to stop (`checkpoint.on_signal`): save a checkpoint of this step unless one
+        is saved or the last save's time does not fit in the grace left, wait for its commit, and stop."""
+        signum, left, expected = STOP.signum, STOP.seconds_left(), self.checkpointer.last_save_s
+        if self.checkpointer.last_step == self.version:
+            saved = f"checkpoint of step {self.version} saved"
+        elif expected is not None and expected > left:
+            saved = (f"no checkpoint of step {self.version}: the last save took {expected:.1f} s, {left:.1f} s of "
+                     f"the {STOP_GRACE_S:g} s after {signum.name} were left")
+        else:
+            await self.save_checkpoint()
+            saved = f"checkpoint of step {self.version} saved"
+        await self.checkpointer.wait()
+        raise StoppedBySignal(signum, saved)
 
     async def save_checkpoint(self) -> None:
         pause = await self.checkpointer.save(self.version, self.evaluator.history, self.evaluator.in_flight())

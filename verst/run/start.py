@@ -19,19 +19,23 @@ from typing import Any
 
 from verst.config import BatchPlan, VerstConfig, batch_plan
 from verst.config.adapters import adapter_names, adapter_run_config
+from verst.config.registries import ENGINE_KINDS
 from verst.eval.fleet import EvalFleet, open_eval_fleet
 from verst.eval.local import run_tokenizer
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.models.loader import check_same_tokenizer
-from verst.monitor import MetricsLogger, prepare_run_dir
+from verst.monitor import MetricsLogger, prepare_run_dir, run_dir_of
 from verst.monitor.progress import RunProgress
 from verst.orchestration import EngineActorGroup, Orchestration, RolloutManagerHandle, TrainerActorGroup
 from verst.orchestration.health import EngineSupervisor
-from verst.orchestration.watchdog import RunFailure, RunProcesses, Watchdog, failure_report
+from verst.orchestration.watchdog import RunProcesses, Watchdog, failure_report
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.rollout.from_config import build_rollout_parts, prepare_rollout_parts
+from verst.rollout.manager import RouterSpec
 from verst.run.checkpointer import Checkpointer, prepare_resume
+from verst.run.cores import CoreBudget, CorePlan, core_layout
+from verst.run.ending import end_early
 from verst.run.evaluator import Evaluator
 from verst.run.guard import Guard
 from verst.run.lanes import Lane
@@ -47,6 +51,7 @@ from verst.run.setup import (
     router_spec,
     weight_checker,
 )
+from verst.run.signals import STOP
 from verst.run.snapshots import EvalSnapshots
 from verst.run.training import DeviceShare, TrainerGroup
 from verst.run.weights import RestartSource, WeightPush
@@ -77,6 +82,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     engines serve: the trainer, usually the slowest to start, is first needed by the first train step.
     `restarts`: the times this run has restarted after a trainer rank died (`fault/trainer_restarts`)."""
     started, started_at = time.perf_counter(), time.time()  # the summary's time/total_s includes start-up
+    STOP.attach()  # a signal cancels the run until its loop runs (see `RLRun.begin`)
     cfg = absolute_paths(cfg)
     resume = prepare_resume(cfg)  # refused before anything starts
     if cfg.teacher.model_path is not None:
@@ -91,8 +97,10 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     with logger, Orchestration(cfg.cluster, schedule=cfg.schedule, log_dir=run_dir / "logs", teacher_engines=teachers,
                                eval_engines=cfg.eval.num_engines, plugins=cfg.plugins) as orch:
         clock.lap("ray")
+        _watched_by_reaper(orch, run_dir)
         orch.check_transport(cfg.sync.transport)
-        actors = start_actors(orch, cfg, plan)
+        layout = core_layout(cfg, orch.device)
+        actors = start_actors(orch, cfg, plan, None if layout is None else layout.plan())
         urls = actors.engines.wait_ready().urls
         teacher_urls = actors.teacher.wait_ready().urls if actors.teacher is not None else []
         if actors.evaluators is not None:
@@ -105,6 +113,9 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                                  run_dir / "logs", node=orch.node)
         async with EngineFleet(urls, timeouts=Timeouts(control=cfg.fault.engine_call_timeout_s)) as fleet, \
                 open_eval_fleet(cfg, actors.evaluators, run_dir / "logs", eval_router(cfg)) as eval_fleet:
+            cores = None if layout is None else CoreBudget(layout, actors.trainer, fleet if layout.engines else None)
+            if cores is not None:
+                log.info("cores: %s", cores.plan.describe())
             syncer = TrainerWeightSync(
                 actors.trainer, cfg.sync, urls, fleet=fleet, device=orch.device, snapshot_dir=str(run_dir / "weights"),
                 checker=weight_checker(cfg, actors.trainer, sampling_temperature(cfg)),
@@ -113,10 +124,11 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
             supervisor = EngineSupervisor(
                 cfg.fault, actors.engines, list(actors.managers.values()), urls, processes, watchdog,
                 RestartSource(cfg, syncer, actors.trainer, run_dir / "weights"),
-                served_version=lambda: syncer.version or 0, on_restart=syncer.engine_replaced)
+                served_version=lambda: syncer.version or 0, on_restart=functools.partial(
+                    engine_replaced, syncer, cores))
             run = assemble(cfg, plan, run_dir, actors, syncer, supervisor, watchdog, eval_fleet, logger,
                            idle_meter=IdleMeter(fleet), router_url=urls[0], restarts=restarts, started=started,
-                           started_at=started_at)
+                           started_at=started_at, cores=cores)
             try:
                 if resume is not None:
                     await run.resume(resume)  # before any rollout: the engines serve its weights
@@ -129,22 +141,24 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                 async with supervisor:
                     with run.monitor.progress:
                         yield run
-            except Exception as error:
-                run.checkpointer.abandon()  # a commit waiting for a dead rank's write must not hold the exit
-                await run.evaluator.drop()
-                await syncer.close_within(10.0)  # a dead or stuck part must not hold the report back
-                report = None if isinstance(error, RunFailure) else \
-                    await asyncio.to_thread(failure_report, processes, error)
-                if report is not None:
-                    raise report from None  # one screen: what died, how, and its log
-                raise
+            except BaseException as error:  # a failure, or an interrupt (a signal, a cancel)
+                if isinstance(error, GeneratorExit):
+                    raise
+                stopped = await end_early(run, error, functools.partial(asyncio.to_thread, failure_report,
+                                                                        processes))
+                if stopped is error:
+                    raise
+                raise stopped from None  # one screen: what failed, how, its log, and what to do
             finally:
                 await run.stop()  # a run stopped early (an error, cancelled) has an evaluation in flight
+                STOP.detach()
+                _watched_by_reaper(orch, None)  # its summary is written: a kill from here leaves it as it is
 
 
-def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan) -> Actors:
+def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan, cores: CorePlan | None = None) -> Actors:
     """Every process of the run, started without waiting. The trainer ranks, the slowest to start, come first:
-    they get the worker processes Ray has already started. The backend factory imports torch in the ranks."""
+    they get the worker processes Ray has already started. The backend factory imports torch in the ranks.
+    `cores`: on CPU, the cores and threads of each rank and policy engine."""
     lane_cfgs = {name: absolute_paths(adapter_run_config(cfg, name)) for name in adapter_names(cfg)}  # multi-LoRA
     adapter_steps = {name: batch_plan(own).total_train_steps for name, own in lane_cfgs.items()}
     trainer = orch.start_trainer(functools.partial(
@@ -154,23 +168,33 @@ def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan) -> Acto
         critic=cfg.critic if cfg.algorithm.needs_critic else None,
         per_sequence=cfg.algorithm.true_on_policy, routing=cfg.algorithm.routing_replay,
         adapter_steps=adapter_steps or None, plugins=cfg.plugins,
-    ), wait=False)  # its start-up is logged with the first train step (time/startup/trainer_s)
-    engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False)
+    ), wait=False, shares=list(cores.trainer) if cores else None)  # its start-up: time/startup/trainer_s
+    engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False,
+                                 shares=list(cores.engines) if cores and cores.engines else None)
     teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=engine_server_args(cfg), wait=False) \
         if orch.teacher_engines else None
     evaluators = orch.start_eval_engines(cfg.model.path, args=engine_server_args(cfg), wait=False) \
         if cfg.eval.num_engines else None
     managers = {name: orch.start_rollout_manager(None, functools.partial(build_rollout_parts, own),
-                                                 router=router_spec(own, cfg.cluster.num_engines),
+                                                 router=_logged_router(own, cfg, name),
                                                  prepare=functools.partial(prepare_rollout_parts, own))
                 for name, own in (lane_cfgs or {None: cfg}).items()}
     return Actors(trainer, engines, teacher, evaluators, managers, lane_cfgs)
 
 
+def _logged_router(own: VerstConfig, cfg: VerstConfig, adapter: str | None) -> RouterSpec | None:
+    """The router of a lane (multi-LoRA: `adapter`'s), writing its output to RUN/logs/router[-<adapter>].log."""
+    spec = router_spec(own, cfg.cluster.num_engines)
+    if spec is None:
+        return None
+    name = f"router-{adapter}.log" if adapter else "router.log"
+    return dataclasses.replace(spec, log_path=str(run_dir_of(cfg) / "logs" / name))
+
+
 def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, syncer: TrainerWeightSync,
              supervisor: EngineSupervisor | None, watchdog: Watchdog | None, eval_fleet: EvalFleet | None,
              logger: MetricsLogger, *, idle_meter: IdleMeter | None, router_url: str, restarts: int, started: float,
-             started_at: float) -> RLRun:
+             started_at: float, cores: CoreBudget | None = None) -> RLRun:
     """The run's parts over its started processes, each given only what it uses."""
     guard, version = Guard(cfg.fault, watchdog), TrainerVersion()
     first = next(iter(actors.managers.values()))
@@ -180,20 +204,42 @@ def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, s
     weights = WeightPush(syncer, guard, transport=cfg.sync.transport, weights_dir=run_dir / "weights",
                          ranks=actors.trainer, supervisor=supervisor)
     total_steps = sum(lane.plan.total_train_steps for lane in lanes)
-    monitor = RunMonitor(cfg, run_dir, logger, RunProgress(
-        cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off"), guard, idle_meter=idle_meter,
-        fault_metrics=supervisor.metrics if supervisor is not None else dict, restarts=restarts, started=started)
+    progress = RunProgress(cfg.schedule, total_steps, mode="auto" if cfg.logging.progress else "off")
+    monitor = RunMonitor(cfg, run_dir, logger, progress, guard, idle_meter=idle_meter, restarts=restarts,
+                         started=started, started_at=started_at, cores=cores,
+                         **({"fault_metrics": supervisor.metrics} if supervisor is not None else {}))
     snapshots = EvalSnapshots(run_dir, actors.trainer, guard, lora=cfg.lora.enabled,
                               pushed=functools.partial(weights.model_snapshot, lora=cfg.lora.enabled))
     evaluator = Evaluator(cfg, lanes, rollouts.router_url, served_version=lambda: weights.version,
                           trainer_version=version.get, record=monitor.log_evaluation, snapshots=snapshots,
                           fleet=eval_fleet)
-    colocated = actors.engines if cfg.cluster.placement == "colocated" else None
-    trainer = TrainerGroup(actors.trainer, guard, DeviceShare(colocated, evaluator.settle_on_engines), started_at)
+    trainer = TrainerGroup(actors.trainer, guard, DeviceShare(shared_engines(cfg, actors.engines),
+                                                              evaluator.settle_on_engines), started_at)
     checkpointer = Checkpointer(cfg, run_dir, actors.trainer, rollouts,
                                 1 if actors.lane_cfgs else plan.train_steps_per_rollout)
     return RLRun(cfg, plan, rollouts=rollouts, trainer=trainer, weights=weights, evaluator=evaluator,
                  checkpointer=checkpointer, monitor=monitor, version=version)
+
+
+def engine_replaced(syncer: TrainerWeightSync, cores: CoreBudget | None) -> None:
+    """An engine was restarted: the next push reconnects to it, and the next step's end gives it its cores."""
+    syncer.engine_replaced()
+    if cores is not None:
+        cores.engine_replaced()
+
+
+def shared_engines(cfg: VerstConfig, engines: Any) -> Any:
+    """The engines that give their device memory to the trainer around each step: colocated, under the sync
+    schedule (one-step-off generates while the trainer steps, so its engines keep theirs), of a kind that
+    releases memory; None otherwise."""
+    colocated = cfg.cluster.placement == "colocated" and cfg.schedule == "sync"
+    return engines if colocated and ENGINE_KINDS.entry(cfg.cluster.engine).releases_memory else None
+
+
+def _watched_by_reaper(orch: Orchestration, run_dir: Path | None) -> None:
+    """The reaper of the run's Ray session writes `run_dir`'s summary and report if the driver is killed."""
+    if orch.session is not None:
+        orch.session.watch_run(run_dir)
 
 
 def sampling_temperature(cfg: VerstConfig) -> float:

@@ -5,6 +5,7 @@ success through the session server) before, during and after; save, export, summ
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -19,10 +20,14 @@ from verst.eval.agentic import evaluate_agentic_local, score_key
 from verst.models import load_model, load_tokenizer
 from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
+from verst.monitor.diagnosis import cause_text
+from verst.monitor.postmortem import summary_of, write_stopped
 from verst.monitor.progress import RunProgress
 from verst.monitor.report import write_report
-from verst.run.checkpointer import prepare_resume
+from verst.monitor.segments import FINISHED, Segments
+from verst.run.checkpointer import ResumePoint, prepare_resume
 from verst.run.sft_checkpoints import finish_sft, restore_sft, save_sft
+from verst.run.signals import STOP
 from verst.run.trainer_setup import load_weights_into, open_trainer
 from verst.trainer import sft_loss_fn
 from verst.types import Sample, Status
@@ -34,6 +39,20 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
     check_sft_rules(cfg)
     resume = prepare_resume(cfg)  # refused before anything starts
     run_dir = prepare_run_dir(cfg)
+    segments = Segments(run_dir, time.perf_counter(), time.time())
+    try:
+        return _run_sft(cfg, resume, run_dir, segments)
+    except BaseException as error:  # a failure or an interrupt: summary.json and the report tell what ran
+        end = f"interrupted by {STOP.signum.name if STOP.signum else 'SIGINT'}" if isinstance(
+            error, KeyboardInterrupt) else f"failed: {cause_text(error)}"
+        with contextlib.suppress(OSError):
+            segments.close(end)
+        log.info("%s; %s", end, "; ".join(write_stopped(run_dir, summary_of(run_dir, segments.all, end, rl=False))))
+        raise
+
+
+def _run_sft(cfg: VerstConfig, resume: ResumePoint | None, run_dir: Path,
+             segments: Segments) -> tuple[dict[str, Any], Path]:
     tokenizer = load_tokenizer(cfg.model.path)
     source = PromptSource.from_config(cfg.data, "train")
     test_prompts = load_prompts_from_config(cfg.data, "test")[: cfg.eval.max_prompts]
@@ -51,7 +70,7 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
         generate = hf_greedy_generate(eval_model, tokenizer, max_new, cfg.eval.batch_size)
         return evaluate_greedy(test_prompts, generate, tokenizer, cfg.reward, cfg.data, max_new)
 
-    start = time.perf_counter()
+    segments.begin(resume.version if resume is not None else 0)
     logger = MetricsLogger.for_run(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                    wandb_project=cfg.logging.wandb_project, name=cfg.name)
     # Off a terminal, a line every 5% of the run (and at each evaluation).
@@ -80,6 +99,7 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
                 if score in metrics:
                     history.append((step, metrics[score]))
                 logger.log(metrics, step=step)
+                segments.update(step)
                 progress.step(step, metrics)
                 if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step != cfg.sft.num_steps:
                     seconds = save_sft(trainer, source, cfg, run_dir, step, history)
@@ -93,8 +113,10 @@ def run_sft(cfg: VerstConfig) -> tuple[dict[str, Any], Path]:
         f"{score}_after": after[score],
         "train/loss": metrics.get("train/loss", float("nan")),  # nan: resumed at its last step
         "train/steps": cfg.sft.num_steps,
-        "time/total_s": time.perf_counter() - start,
     }
+    segments.update(cfg.sft.num_steps)
+    segments.close(FINISHED)
+    summary |= {"time/total_s": segments.total_s, "segments": [segment.row() for segment in segments.all]}
     write_summary(run_dir, summary)
     log.info("held-out greedy %s %.1f%% -> %.1f%% in %.0f s; run directory %s", scored_by, 100 * before[score],
              100 * after[score], summary["time/total_s"], run_dir)

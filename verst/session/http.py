@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from verst.inference_client.ports import listening_socket
 from verst.session.errors import SessionError
 from verst.session.manager import SessionManager
 from verst.session.openai_wire import model_card, parse_request
@@ -194,14 +194,3 @@ class SessionServer:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.stop()
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket (port 0: the OS picks), so the port is known before uvicorn starts."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Nagle's algorithm plus delayed ACKs would hold every small JSON reply ~40 ms
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    return sock

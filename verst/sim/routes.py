@@ -143,7 +143,7 @@ def engine_routes(engine_of: Any, model_path: str, vocab_size: int, faults: SimF
         "/init_weights_update_group": joined, "/destroy_weights_update_group": joined,
         "/pause_generation": pause, "/continue_generation": resume, "/flush_cache": flush,
         "/abort_request": abort, "/update_weight_version": set_version, "/get_weight_version": version,
-        "/health": ok, "/health_generate": ok, "/get_model_info": model_info, "/get_server_info": server_info,
-        "/get_load": load_report,
+        "/health": ok, "/health_generate": ok, "/get_model_info": model_info, "/model_info": model_info,
+        "/get_server_info": server_info, "/get_load": load_report,
     }
     return {path: guarded(fn) for path, fn in handlers.items()}

@@ -18,7 +18,7 @@ from typing import Any
 
 from verst.config import SyncConfig, VerstConfig, batch_plan
 from verst.monitor.checkpoint_dirs import TRAINER_COMPLETE
-from verst.orchestration.trainer_actors import _DrainOnClose, _SyncerLoop
+from verst.orchestration.rank_sync import DrainOnClose, SyncerLoop
 from verst.sim.accounting import LEDGER
 from verst.sim.clock import SimClock
 from verst.sim.latency import TrainerCosts
@@ -94,7 +94,7 @@ class SimTrainerRanks:
 
     def __init__(self, backend: SimBackend, costs: TrainerCosts, clock: SimClock):
         self.backend, self.costs, self.clock = backend, costs, clock
-        self.weight_sync: _SyncerLoop | None = None
+        self.weight_sync: SyncerLoop | None = None
         self.step_seconds: list[float] = []  # the modelled seconds of each step (simulated)
         self._kept: list[Group] = []
         self._lock = threading.Lock()  # one collective call at a time, as on real ranks
@@ -127,13 +127,13 @@ class SimTrainerRanks:
 
     # ---- rank 0's weight sync -------------------------------------------------------------------
     def open_weight_sync(self, sync: SyncConfig, engine_urls: list[str], **transport_options: Any) -> None:
-        self.weight_sync = _SyncerLoop(sync, engine_urls, transport_options)
+        self.weight_sync = SyncerLoop(sync, engine_urls, transport_options)
 
     def sync_weights(self, version: int, bucket_bytes: int, reconnect: bool = False,
                      first: bool = False) -> dict[str, float] | SyncFailure:
         if self.weight_sync is None:
             raise RuntimeError("sync_weights before open_weight_sync")
-        buckets = _DrainOnClose(self.backend.synced_weights(bucket_bytes))
+        buckets = DrainOnClose(self.backend.synced_weights(bucket_bytes))
         try:
             if reconnect:
                 self.weight_sync.run(self.weight_sync.syncer.reconnect())

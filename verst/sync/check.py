@@ -9,8 +9,10 @@ tensor until engines serve per-tensor checksums.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,8 +107,14 @@ class LogprobChecker:
 
 
 async def _vocab_size(fleet: EngineFleet) -> int:
+    """From the engine's model info (verst engines), else from the config.json of the checkpoint it names
+    (SGLang's model info carries no vocabulary size)."""
     url = fleet.urls[0]
     info = await fleet.clients[url].get_model_info()
-    if not isinstance(info.get("vocab_size"), int):
-        raise ValueError(f"{url}/get_model_info has no vocab_size ({sorted(info)}); pass probes= to LogprobChecker")
-    return info["vocab_size"]
+    if isinstance(info.get("vocab_size"), int):
+        return info["vocab_size"]
+    config = Path(str(info.get("model_path"))) / "config.json"
+    if config.is_file():
+        return int(json.loads(config.read_text())["vocab_size"])
+    raise ValueError(f"{url}/get_model_info has no vocab_size ({sorted(info)}) and names no readable checkpoint "
+                     f"({config}); pass probes= to LogprobChecker")

@@ -123,7 +123,7 @@ class DiskTransport:
     and tokenizer files, making each snapshot a complete checkpoint. Keeps the newest `keep_last` (older
     ones are deleted in the background after a push; the next push and `close()` wait for that). With
     `adapter`, each snapshot is a PEFT adapter directory, which every engine loads under the adapter's name
-    (`/load_lora_adapter`, requests in flight on it going on with it).
+    (`/load_lora_adapter`; `EngineFleet.replace_lora_adapter`).
     """
 
     snapshot_of = staticmethod(snapshot_path)  # where the push of a version leaves its snapshot
@@ -167,7 +167,7 @@ class DiskTransport:
             await stream.aclose()
         self.last_snapshot = path
         if adapter is not None:
-            await self.fleet.load_lora_adapter(adapter.name, str(path), update_in_flight=True)
+            await self.fleet.replace_lora_adapter(adapter.name, str(path))
         else:
             await self.fleet.update_weights_from_disk(str(path), None)  # type: ignore[arg-type]
         # Deleting a snapshot's files takes about as long as a tenth of writing them: done while the engines

@@ -33,7 +33,7 @@ from verst.inference_client.weights import (
     open_weight_update_group,
 )
 from verst.sync.buckets import BucketStream
-from verst.sync.transport import AdapterSpec, PushStats, TransportOptions
+from verst.sync.transport import VERSIONED_UNLESS_ADAPTER, AdapterSpec, PushStats, TransportOptions
 from verst.types import WeightBucket
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,7 @@ class DistributedTransport:
                    device=options.device, master_address=options.master_address, timeout_s=options.timeout_s,
                    adapter=options.adapter)
 
-    @property
-    def versioned_loads(self) -> bool:
-        """Full weights: each load flushes the cache and the last sets the version (`WeightTransport`);
-        an adapter's load leaves the base model's cache alone, so the syncer flushes for it."""
-        return self.adapter is None
+    versioned_loads = VERSIONED_UNLESS_ADAPTER
 
     def use_adapter(self, adapter: AdapterSpec | None) -> None:
         self.adapter = adapter

@@ -1,6 +1,6 @@
 """`SyncConfig` → a transport and a syncer: `sync.transport` names a registered transport class
-(`verst.config.registries.WEIGHT_TRANSPORTS`), which builds itself for the device (gloo or NCCL, shared memory
-or CUDA IPC).
+(`verst.config.registries.WEIGHT_TRANSPORTS`), which builds itself for the device (gloo or NCCL for the
+broadcast).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def build_transport(
     timeout_s: float = 60.0, adapter: AdapterSpec | None = None,
 ) -> WeightTransport:
     """The registered transport `cfg.transport`, built from the options it uses (`TransportOptions`).
-    `device` is where the trainer's full weights live: "cuda" selects NCCL / CUDA IPC."""
+    `device` is where the trainer's full weights live: "cuda" selects NCCL for the broadcast (the tensor
+    transport follows the tensors: CUDA-IPC handles for CUDA tensors, shared memory for CPU ones)."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"weight sync device must be 'cpu' or 'cuda', got {device!r}")
     options = TransportOptions(cfg.bucket_bytes, device=device, snapshot_dir=snapshot_dir,

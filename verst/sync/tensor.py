@@ -1,5 +1,6 @@
-"""The `tensor` transport for colocated engines: each bucket is handed over in memory, written once and
-read by every engine. CPU: three reused /dev/shm files (`verst.inference_client.weights`); GPU: CUDA IPC (SGLang).
+"""The `tensor` transport for colocated engines: each bucket is handed over in memory as SGLang's
+`serialized_named_tensors` (`verst.inference_client.tensor_payload`), the one format the embedded engine and
+SGLang take: CUDA tensors as CUDA-IPC handles, CPU tensors as shared-memory storages.
 """
 
 from __future__ import annotations
@@ -7,83 +8,59 @@ from __future__ import annotations
 import asyncio
 import collections
 import sys
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from verst.inference_client.fleet import EngineFleet
-from verst.inference_client.weights import SHM_DIR, ShmSlot
+from verst.inference_client.tensor_payload import SharedStaging, serialize_named_tensors
 from verst.sync.buckets import BucketStream
-from verst.sync.transport import AdapterSpec, PushStats, TransportOptions
+from verst.sync.transport import VERSIONED_UNLESS_ADAPTER, AdapterSpec, PushStats, TransportOptions
 from verst.types import WeightBucket
 
-IPC_MODES = ("shm", "cuda_ipc")
-
-
-IPC_PIECE_BYTES = 64 * 2**20  # shm: the most one file holds (a bigger tensor goes alone)
-SHM_FILES = 3  # shm files written in turn (the engine keeps as many mapped: `ShmReader`)
+PIECE_BYTES = 64 * 2**20  # the most one piece holds (a bigger tensor goes alone)
+STAGES = 3  # pieces in flight at once; on CPU, the shared-memory buffers written in turn
 
 
 class TensorTransport:
-    """`ipc="shm"`: the push goes in pieces of at most a third of a bucket and `IPC_PIECE_BYTES`, through
-    three shared-memory files written in turn: the trainer writes the next piece while the engines copy
-    the ones before it straight into their parameters (engines on this host; the embedded engine and
-    `load_format="shm"`), so an engine finds the next piece waiting when it is done with one. Together
-    the files hold at most one bucket, which bounds what an engine maps. They are kept and rewritten by
-    every push, and deleted by `close()`. `ipc="cuda_ipc"`: SGLang's own scheme. With `adapter`, each
-    push is the adapter in one shm file, which the engines serve under its name.
+    """The push goes in pieces of at most a third of a bucket and `PIECE_BYTES`, up to three loads in flight:
+    each piece's load is sent as soon as it is ready, queued behind the ones before it, so an engine finds
+    the next piece waiting when it is done with one. On CPU each piece is copied into one of three
+    shared-memory buffers kept from push to push (`SharedStaging`), the trainer writing the next while the
+    engines copy the ones before it straight into their parameters; together they hold at most one bucket.
+    On CUDA the engines copy straight from the trainer's tensors, which stay alive until their loads reply.
+    With `adapter`, each push is the adapter as one piece, which the engines serve under its name (the
+    embedded engine's extension of the load).
     """
 
-    def __init__(self, fleet: EngineFleet, *, bucket_bytes: int, ipc: str = "shm", shm_dir: str = SHM_DIR,
-                 adapter: AdapterSpec | None = None):
-        if ipc not in IPC_MODES:
-            raise ValueError(f"tensor transport ipc must be one of {IPC_MODES}, got {ipc!r}")
-        if adapter is not None and ipc != "shm":
-            raise ValueError("tensor transport: a LoRA adapter push goes through ipc='shm' only (the embedded "
-                             "engine); use sync.transport = 'disk' or lora.sync = 'merged' with CUDA IPC")
-        self.fleet, self.bucket_bytes, self.ipc, self.shm_dir = fleet, bucket_bytes, ipc, shm_dir
-        self.adapter = adapter
+    def __init__(self, fleet: EngineFleet, *, bucket_bytes: int, adapter: AdapterSpec | None = None):
+        self.fleet, self.bucket_bytes, self.adapter = fleet, bucket_bytes, adapter
         self._push_bytes = self._piece_bytes()
-        self._slots = [ShmSlot(shm_dir) for _ in range(SHM_FILES)]
+        self._staging = [SharedStaging() for _ in range(STAGES)]
         self._tp_sizes: dict[str, int] = {}
 
     @classmethod
     def build(cls, fleet: EngineFleet, options: TransportOptions) -> TensorTransport:
-        """Shared memory on CPU, CUDA IPC on CUDA."""
-        return cls(fleet, bucket_bytes=options.bucket_bytes, ipc="cuda_ipc" if options.device == "cuda" else "shm",
-                   adapter=options.adapter)
+        """The same on CPU and CUDA: each tensor goes as its device allows (see the class)."""
+        return cls(fleet, bucket_bytes=options.bucket_bytes, adapter=options.adapter)
 
-    @property
-    def versioned_loads(self) -> bool:
-        """Full weights: each load flushes the cache and the last sets the version (`WeightTransport`);
-        an adapter's load leaves the base model's cache alone, so the syncer flushes for it."""
-        return self.adapter is None
+    versioned_loads = VERSIONED_UNLESS_ADAPTER
 
     def use_adapter(self, adapter: AdapterSpec | None) -> None:
         self.adapter = adapter
         self._push_bytes = self._piece_bytes()
 
     def _piece_bytes(self) -> int:
-        """An adapter goes as one bucket: the engines build it from all of its tensors at once; shared memory
-        goes in pieces, one written while the engines copy the others."""
-        if self.adapter is not None:
-            return sys.maxsize
-        return max(1, min(self.bucket_bytes // SHM_FILES, IPC_PIECE_BYTES)) if self.ipc == "shm" else self.bucket_bytes
+        """An adapter goes as one piece: the engines build it from all of its tensors at once; full weights go
+        in pieces, one staged while the engines copy the others."""
+        return sys.maxsize if self.adapter is not None else max(1, min(self.bucket_bytes // STAGES, PIECE_BYTES))
 
     async def push(self, buckets: Iterable[WeightBucket], version: int) -> dict[str, float]:
         stats, stream = PushStats(), BucketStream(buckets, self._push_bytes)
         try:
-            if self.ipc == "shm":
-                try:
-                    await self._push_shm(stream, stats, version)
-                except BaseException:
-                    # an engine may still be copying from a slot it was abandoned on: the next push writes
-                    # into new files instead of under its copy
-                    await self.close()
-                    raise
-            else:
-                async for bucket in stream:
-                    await self._push_cuda_ipc(bucket, await self._version_with(stream, version))
-                    stats.add(bucket)
+            await self._push(stream, stats, version)
+        except BaseException:
+            # an engine may still be copying from a buffer it was abandoned on: the next push stages into new ones
+            await self.close()
+            raise
         finally:
             await stream.aclose()
         return stats.metrics()
@@ -92,95 +69,59 @@ class TensorTransport:
         """The version to send with the load of the bucket `stream` returned last: set by the last load."""
         return str(version) if self.versioned_loads and await stream.at_end() else None
 
-    async def _push_shm(self, stream: BucketStream, stats: PushStats, version: int) -> None:
-        """Each piece's load is sent as soon as it is written, queued behind the loads before it, so the
-        engines go from one copy to the next without a round trip between. A slot is rewritten only once
-        every engine has replied for the piece it held; the load that sets the version waits for every
-        other to be done."""
-        loads: collections.deque[asyncio.Future] = collections.deque()  # in flight, oldest first, one per slot
+    async def _push(self, stream: BucketStream, stats: PushStats, version: int) -> None:
+        """A piece's buffer is rewritten only once every engine has replied for the piece it held; the load
+        that sets the version waits for every other to be done."""
+        loads: collections.deque[asyncio.Future] = collections.deque()  # in flight, oldest first
         adapter = {} if self.adapter is None else {"lora_name": self.adapter.name, "lora_config": self.adapter.config}
         try:
             async for bucket in stream:
-                if len(loads) == len(self._slots):
-                    await _done(loads)  # the slot this bucket goes into is free
-                manifest = await self._write(self._slots[stats.buckets % len(self._slots)], bucket)
+                if len(loads) == STAGES:
+                    await _done(loads)  # the buffer this piece goes into is free
+                named = await self._stage(self._staging[stats.buckets % STAGES], bucket)
                 weight_version = await self._version_with(stream, version)
                 while weight_version is not None and loads:
                     await _done(loads)
-                call = self.fleet.update_weights_from_tensor(manifest, weight_version, **adapter)  # type: ignore[arg-type]
-                loads.append(asyncio.ensure_future(call))
+                payloads = await self._payloads(named)
+                loads.append(asyncio.ensure_future(
+                    self.fleet.update_weights_from_tensor(payloads, weight_version, **adapter)))  # type: ignore[arg-type]
                 stats.add(bucket)
             while loads:
                 await _done(loads)
         finally:
-            for load in loads:  # an error elsewhere: stop waiting for these buckets' loads
+            for load in loads:  # an error elsewhere: stop waiting for these pieces' loads
                 load.cancel()
             await asyncio.gather(*loads, return_exceptions=True)
 
     @staticmethod
-    async def _write(slot: ShmSlot, bucket: WeightBucket) -> str:
-        write = asyncio.ensure_future(asyncio.to_thread(slot.write, bucket))
+    async def _stage(staging: SharedStaging, bucket: WeightBucket) -> WeightBucket:
+        """CPU tensors copied into a shared-memory buffer; CUDA tensors as they are (IPC shares them)."""
+        devices = {tensor.device.type for _, tensor in bucket}
+        if devices == {"cuda"}:
+            return [(name, tensor.detach().contiguous()) for name, tensor in bucket]
+        if devices != {"cpu"}:
+            raise ValueError(f"tensor transport: a bucket's tensors must all be on the CPU or all on CUDA, got "
+                             f"{sorted(devices)}")
+        copy = asyncio.ensure_future(asyncio.to_thread(staging.stage, bucket))
         try:
-            return await asyncio.shield(write)
+            return await asyncio.shield(copy)
         except asyncio.CancelledError:
-            await asyncio.gather(write, return_exceptions=True)  # the thread finishes with the slot regardless
+            await asyncio.gather(copy, return_exceptions=True)  # the thread finishes with the buffer regardless
             raise
 
-    # ---- GPU: CUDA IPC -------------------------------------------------------------------------------
-    # UNTESTED HERE (no GPU, no sglang on the build machines). Written to SGLang's documented
-    # `/update_weights_from_tensor`: `serialized_named_tensors` holds one entry per tensor-parallel rank of
-    # the engine, each `MultiprocessingSerializer.serialize([(name, cuda_tensor), ...], output_str=True)`
-    # after `monkey_patch_torch_reductions()` (devices travel as UUIDs, so engines with other
-    # CUDA_VISIBLE_DEVICES map them right); `load_format` None. The engine copies out of the handles
-    # before it replies, so the tensors only have to outlive the call.
-    async def _push_cuda_ipc(self, bucket: WeightBucket, weight_version: str | None) -> None:
-        serialize = _sglang_serializer()
-        import torch
-
-        tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
-        off_gpu = [name for name, t in tensors if t.device.type != "cuda"]
-        if off_gpu:
-            raise ValueError(f"tensor transport ipc='cuda_ipc' needs CUDA tensors; {off_gpu[0]!r} is on the CPU")
-        torch.cuda.synchronize()  # the engines read the memory as soon as they get the handles
-        payload = serialize(tensors)
-        tp_sizes = await self._engine_tp_sizes()
-
-        async def send(client: Any) -> Any:
-            body = {"serialized_named_tensors": [payload] * tp_sizes[client.base_url], "load_format": None,
-                    "flush_cache": True, "weight_version": weight_version}
-            # EngineClient has no public call for a raw serialized payload yet (reported); same POST path.
-            return await client._post("/update_weights_from_tensor", body, client.timeouts.weights)
-
-        await self.fleet.each("update_weights_from_tensor(cuda_ipc)", send)
-        del tensors
-
-    async def _engine_tp_sizes(self) -> dict[str, int]:
+    async def _payloads(self, named: WeightBucket) -> Callable[[str], list[str]]:
+        """Each engine's own pickles of the piece, one per tensor-parallel rank of it."""
         if not self._tp_sizes:
             infos = await self.fleet.each("get_server_info", lambda c: c.get_server_info())
             self._tp_sizes = {url: int(info.get("tp_size", 1)) for url, info in infos.items()}
-        return self._tp_sizes
+        return lambda url: [serialize_named_tensors(named) for _ in range(self._tp_sizes[url])]
 
     async def close(self) -> None:
-        for slot in self._slots:
-            slot.close()
+        for staging in self._staging:
+            staging.close()
 
 
 async def _done(loads: collections.deque[asyncio.Future]) -> None:
     """Wait for the oldest load, then drop it (an error leaves it there for the caller's clean-up)."""
     await loads[0]
     loads.popleft()
-
-
-def _sglang_serializer():
-    """SGLang's serializer with its torch reduction patch applied; sglang must be installed here."""
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer
-    except ImportError as exc:
-        raise RuntimeError("tensor transport ipc='cuda_ipc' needs sglang installed in the trainer process "
-                           "(its CUDA-IPC serializer); on CPU use ipc='shm'") from exc
-    try:
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    except ImportError:  # older sglang releases keep it one level up
-        from sglang.srt.patch_torch import monkey_patch_torch_reductions
-    monkey_patch_torch_reductions()
-    return lambda named: MultiprocessingSerializer.serialize(named, output_str=True)

@@ -76,6 +76,16 @@ class AdapterSpec:
     config: dict[str, Any]
 
 
+def _full_weights(transport: Any) -> bool:
+    """Full weights: each load flushes the cache and the last sets the version (`WeightTransport`); an
+    adapter's load leaves the base model's cache alone, so the syncer flushes for it."""
+    return transport.adapter is None
+
+
+# `versioned_loads` of a transport whose loads carry SGLang's `flush_cache` and `weight_version` fields
+VERSIONED_UNLESS_ADAPTER = property(_full_weights)
+
+
 @dataclasses.dataclass
 class PushStats:
     """Counts of one push, reported as `sync/` metrics."""

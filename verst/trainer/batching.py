@@ -12,6 +12,7 @@ cost grows with the square of the row); `packed=True` puts the whole micro-batch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 
 import torch
@@ -208,3 +209,29 @@ def dummy_micro_batch(like: TrainItem) -> MicroBatch:
 def pad_right(rows: list[torch.Tensor]) -> torch.Tensor:
     """[n][len_i] -> [n, max_len], zero-padded on the right."""
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0.0)
+
+
+def kept_outputs(model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
+    """The model's outputs (logits, or a value head's values) at `batch.logits_to_keep`'s positions, [kept, out]:
+    the head runs on those positions only where the model takes a boolean mask, else on every position and
+    the kept rows are selected here."""
+    if _takes_logit_masks(model):
+        return model(input_ids=batch.input_ids, position_ids=batch.position_ids, logits_to_keep=batch.logits_to_keep,
+                     use_cache=False).logits
+    return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[batch.logits_to_keep]
+
+
+def _takes_logit_masks(model: torch.nn.Module) -> bool:
+    """verst's native models take a [rows, width] boolean `logits_to_keep`; transformers' since the release
+    that added `slice_logits_to_keep` (before it, a tensor indexes the sequence axis, e.g. in 5.17)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PEFT wrapper
+    # FSDP2 subclasses the model's class: its bases tell what it is
+    transformers_model = any(cls.__module__.startswith("transformers.") for cls in type(base).__mro__)
+    return not transformers_model or _transformers_slices_by_mask()
+
+
+@functools.cache
+def _transformers_slices_by_mask() -> bool:
+    from transformers import modeling_utils
+
+    return hasattr(modeling_utils, "slice_logits_to_keep")

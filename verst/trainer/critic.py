@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from verst.config.schema import CriticConfig, TrainerConfig
-from verst.trainer.batching import ForwardOutputs, MicroBatch
+from verst.trainer.batching import ForwardOutputs, MicroBatch, kept_outputs
 from verst.trainer.optim import build_optimizer
 
 
@@ -60,9 +60,7 @@ def critic_optimizer(model: torch.nn.Module, trainer: TrainerConfig, critic: Cri
 
 def value_forward(model: torch.nn.Module, batch: MicroBatch) -> ForwardOutputs:
     """The value model's forward over one micro-batch -> `ForwardOutputs.values` [n_seq, max_resp]."""
-    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, logits_to_keep=batch.logits_to_keep,
-                use_cache=False)
-    values = out.logits.float().reshape(-1)  # [n_resp_tokens]: the head's one output per kept position
+    values = kept_outputs(model, batch).float().reshape(-1)  # [n_resp_tokens]: the head's one output per kept position
     if values.numel() != batch.targets.numel():
         raise RuntimeError(f"the value head gave {values.numel()} values for {batch.targets.numel()} response tokens")
     return ForwardOutputs(values=batch.pad_responses(values))

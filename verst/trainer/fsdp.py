@@ -30,6 +30,7 @@ from verst.trainer.batching import (
     balance_across_ranks,
     collate,
     dummy_micro_batch,
+    kept_outputs,
     pack_micro_batches,
     pad_right,
     split_to_count,
@@ -99,8 +100,6 @@ class FSDP2Backend:
         self.device = resolve_device(device)
         ensure_single_process_group(self.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if self.device.type == "cpu":
-            torch.set_num_threads(1)  # one thread per rank process; see PLATFORM.md
         torch.manual_seed(trainer.seed + self.rank)
         self._step = 0
         self._writing: persistence.BackgroundSave | None = None  # a background save in progress
@@ -181,14 +180,9 @@ class FSDP2Backend:
         routing = self._routing.forward(batch.routed_experts) if self._routing and model is self.model \
             else contextlib.nullcontext()
         with routing:
-            out = model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                logits_to_keep=batch.logits_to_keep,
-                use_cache=False,
-            )
+            logits = kept_outputs(model, batch)  # [n_resp_tokens, vocab]
         # [n_resp_tokens], [n_resp_tokens, vocab]
-        chosen, log_probs = token_logprobs(out.logits, batch.targets, self.temperature)
+        chosen, log_probs = token_logprobs(logits, batch.targets, self.temperature)
         entropy = None
         if with_entropy:
             entropy = batch.pad_responses(-(log_probs.exp() * log_probs).sum(-1))

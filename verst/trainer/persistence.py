@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import random
 import shutil
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from verst.monitor.diagnosis import cause_text, error_text, os_error_in
+
 if TYPE_CHECKING:
     from verst.trainer.critic import Critic
 
@@ -31,6 +34,8 @@ SHARDS_DIR = "dcp"
 STATE_FILE = "trainer_state.pt"
 COMPLETE_MARKER = "COMPLETE"
 DONE_PREFIX, FAILED_PREFIX = "done_rank", "failed_rank"  # a background write's end, per rank
+ERRNO_MARK = ".errno"  # failed_rank<R>.errno<N>: the record of a rank that could not write its error's text
+log = logging.getLogger(__name__)
 # Files of a Hugging Face checkpoint that export_hf writes itself; everything else (tokenizer,
 # chat template, generation config, remote code) is copied from the source model directory.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -110,11 +115,29 @@ def mark_complete(directory: Path, step: int) -> None:
 
 
 def _record_write(directory: Path, rank: int, writing: Future) -> None:
+    """Record the end of rank `rank`'s background write for the driver, which waits for it: `done_rank<R>`,
+    or `failed_rank<R>` holding the error's one line (the OS error behind it, when there is one). Never
+    raises: it runs as a future's callback, where an error would only be printed."""
     error = writing.exception()
     if error is None:
-        (directory / f"{DONE_PREFIX}{rank}").write_text("")
+        record, text = directory / f"{DONE_PREFIX}{rank}", ""
     else:
-        (directory / f"{FAILED_PREFIX}{rank}").write_text(f"{error!r}\n")
+        record, text = directory / f"{FAILED_PREFIX}{rank}", cause_text(error)
+        log.error("trainer rank %d: the checkpoint write into %s failed: %s", rank, directory, text)
+    written = directory / f".{record.name}.tmp"  # renamed when whole: the driver never reads half a record
+    try:
+        written.write_text(text)
+        written.rename(record)
+    except OSError as failed:
+        # A full disk may refuse the record's text too; the errno goes into its name, which needs no data block.
+        found = os_error_in(error) if error is not None else failed
+        code = found.errno if found is not None else failed.errno
+        log.error("trainer rank %d: could not record the end of its checkpoint write in %s: %s", rank, directory,
+                  error_text(failed))
+        try:
+            written.rename(directory / f"{FAILED_PREFIX}{rank}{ERRNO_MARK}{code}")
+        except OSError:
+            (directory / f"{FAILED_PREFIX}{rank}{ERRNO_MARK}{code}").touch()
 
 
 def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -35,7 +35,7 @@ def build_sharded(path: str, model_cfg: ModelConfig, mesh: DeviceMesh, *, traina
     if value_head:
         model = add_value_head(model)
     if trainable and gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if lora is not None:
         model = lora_mod.add_adapters(model, lora, adapters or {})  # the base frozen; FSDP2 shards it
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[model_cfg.dtype], reduce_dtype=torch.float32)
@@ -66,3 +66,13 @@ def full_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
         size += nbytes
     if bucket:
         yield bucket
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in backward (non-reentrant). transformers names the switch
+    `activation_checkpointing_enable` since 5.2x and `gradient_checkpointing_enable` before (5.17, the floor)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
