@@ -49,11 +49,11 @@ def engine_client_send(client: EngineClient, reply_tokens: int) -> Any:
     return send
 
 
-BEFORE_REV = "874016a"  # main before this work: the httpx client with sharded pools and stdlib JSON
+BEFORE_REV = "874016a"  # the httpx client with sharded pools and stdlib JSON, the baseline of the wires
 
 
 def client_of(variant: str, router_url: str, concurrency: int) -> Any:
-    """`before`: the client as it was at `BEFORE_REV`, loaded from git; otherwise today's with that wire."""
+    """`before`: the client as it was at `BEFORE_REV`, loaded from git; otherwise the client with that wire."""
     if variant != "before":
         return EngineClient(router_url, max_connections=concurrency, wire=variant)
     import subprocess

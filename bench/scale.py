@@ -1,7 +1,8 @@
 """The control plane at scale, on simulated engines (docs/scale.md). Subcommands:
 
     client  the engine client's CPU per /generate through sglang-router to N simulated engines, per client variant
-            (`before`: the client at main before this work; `httpx`, `aiohttp`: today's wires)
+            (`before`: the httpx client with sharded pools of commit 874016a, loaded from git; `pooled`,
+            `aiohttp`, `httpx`: the wires of the client)
     run     a `verst sim` run at N engines and K trajectories in flight per engine: control-plane CPU per trajectory
             (per agentic turn with --turns), engine utilisation, weight pushes, driver memory, accounting
     sync    one weight push at a time fanned out to N simulated engines by the real syncer: wall seconds beyond
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--concurrency", type=int, default=1000)
     p.add_argument("--reply-tokens", type=int, default=16)
-    p.add_argument("--variants", nargs="+", default=["before", "httpx", "aiohttp"])
+    p.add_argument("--variants", nargs="+", default=["before", "httpx", "aiohttp", "pooled"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out")
     p = sub.add_parser("run")

@@ -52,6 +52,12 @@ def test_a_simulated_run_refuses_the_parts_it_does_not_simulate_by_field(registr
             simulated_config(load_config(None, overrides), SimConfig())
 
 
+def test_a_parameter_width_other_than_a_dtype_is_refused_by_field():
+    with pytest.raises(ValueError, match=r"sim.bytes_per_param = 3 is not 1, 2 or 4"):
+        SimConfig(bytes_per_param=3)
+    assert SimConfig(bytes_per_param=1).model().weight_bytes == SimConfig().total_params
+
+
 def test_the_simulated_config_names_the_simulated_parts(tmp_path, registries_restored):
     cfg = simulated_config(load_config(None, ["--run-dir", str(tmp_path / "run"), "--schedule", "fully_async"]),
                            SimConfig(agent_turns=3))

@@ -13,21 +13,27 @@ from collections.abc import Callable, Collection
 from verst.config import ConfigError, VerstConfig, batch_plan, iter_fields, load_config
 
 
-def help_text(prog: str, description: str, fields: Collection[str] | None = None) -> str:
+def help_text(prog: str, description: str, fields: Collection[str] | None = None, *, resumes: bool = True) -> str:
     """The command's help; its config fields are those named in `fields` (a field, or a section and all
-    in it), or every field when None."""
+    in it), or every field when None. `resumes`: the command takes --resume and --dry-run."""
     listed = "config fields" if fields is None else f"config fields verst {prog} reads"
     every = "" if fields is None else "; verst train --help lists every field"
+    options = " [--resume RUN_DIR] [--dry-run]" if resumes else ""
     lines = [
-        f"usage: verst {prog} [RECIPE.toml|.yaml] [--resume RUN_DIR] [--dry-run] [--section.field VALUE ...]",
+        f"usage: verst {prog} [RECIPE.toml|.yaml]{options} [--section.field VALUE ...]",
         "",
         description,
         "",
         "options:",
         "  -h, --help     show this help and exit",
-        "  --dry-run      print the resolved config and batch arithmetic, check its files, then exit (no torch import)",
-        "  --resume RUN_DIR  continue the run in RUN_DIR from its latest checkpoint; its config.yaml is the",
-        "                 base unless a RECIPE is given (only logging, eval, checkpoint and step-count fields may change)",
+    ]
+    if resumes:
+        lines += [
+            "  --dry-run      print the resolved config and batch arithmetic, check its files, then exit (no torch import)",
+            "  --resume RUN_DIR  continue the run in RUN_DIR from its latest checkpoint; its config.yaml is the",
+            "                 base unless a RECIPE is given (only logging, eval, checkpoint and step-count fields may change)",
+        ]
+    lines += [
         "  --overwrite    empty an existing run directory first (the config field `overwrite`); without it a",
         "                 run directory that holds files is refused",
         "",

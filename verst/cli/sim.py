@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from verst.sim.config import SimConfig
 
-        print(help_text("sim", DESCRIPTION))
+        print(help_text("sim", DESCRIPTION, resumes=False))
         print("\nsimulation fields (--sim.field VALUE):")
         for name, info in SimConfig.model_fields.items():
             print(f"  --sim.{name.replace('_', '-')}  (default: {info.default!r})\n      {info.description}")

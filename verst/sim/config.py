@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from verst.config.section import Section
 from verst.sim.latency import HARDWARE, EngineCosts, ModelShape, TrainerCosts
@@ -23,7 +23,8 @@ class SimConfig(Section):
                                  "experts' active ones; the total for a dense model).")
     kv_bytes_per_token: float = Field(131072, gt=0, description="KV cache bytes of one token over every layer "
                                       "(Llama-3-8B: 2 · 32 layers · 8 KV heads · 128 · 2 bytes).")
-    bytes_per_param: float = Field(2.0, gt=0, description="Bytes of one served and pushed parameter (bf16: 2).")
+    bytes_per_param: float = Field(2.0, gt=0, description="Bytes of one served and pushed parameter: 1, 2 or 4 "
+                                   "(fp8, bf16, fp32).")
     bandwidth_efficiency: float = Field(0.7, gt=0, le=1, description="Fraction of HBM bandwidth a decode step reaches.")
     prefill_mfu: float = Field(0.5, gt=0, le=1, description="Fraction of peak FLOP/s a prefill reaches.")
     decode_mfu: float = Field(0.3, gt=0, le=1, description="Fraction of peak FLOP/s a compute-bound decode reaches.")
@@ -51,10 +52,17 @@ class SimConfig(Section):
     kill_fraction: float = Field(0.0, ge=0, le=1, description="Share of the engines killed during the run.")
     stall_fraction: float = Field(0.0, ge=0, le=1, description="Share of the engines that stop answering.")
     slow_fraction: float = Field(0.0, ge=0, le=1, description="Share of the engines that slow down.")
-    slow_factor: float = Field(3.0, ge=1, description="How much slower a slowed engine's steps and loads are.")
+    slow_factor: float = Field(3.0, ge=1, description="How much slower a slowed engine's decode steps, prefills and weight loads are.")
     refuse_load_fraction: float = Field(0.0, ge=0, le=1, description="Share of the engines that refuse weight loads.")
     fault_after_steps: int = Field(2, ge=0, description="Train steps after which the faults strike.")
     warmup_steps: int = Field(0, ge=0, description="Train steps before scale.json's measurement window opens.")
+
+    @field_validator("bytes_per_param")
+    @classmethod
+    def _a_dtype_width(cls, value: float) -> float:
+        if value not in (1, 2, 4):
+            raise ValueError(f"sim.bytes_per_param = {value:g} is not 1, 2 or 4 (fp8, bf16, fp32)")
+        return value
 
     def model(self) -> ModelShape:
         return ModelShape(self.total_params, self.active_params, self.kv_bytes_per_token, self.bytes_per_param)
