@@ -51,7 +51,8 @@ def test_a_control_call_whose_engine_closes_the_connection_names_it_whole():
     message = str(caught.value)
     assert message.startswith("pause_generation(retract) failed on 1 engine(s): http://127.0.0.1:"), message
     reason = message.split("/pause_generation: no reply: ", 1)[1]
-    assert reason.split(":")[0] in ("RemoteProtocolError", "ReadError") and len(reason) > len("ReadError: "), message
+    name, _, text = reason.partition(": ")
+    assert name in ("ServerDisconnectedError", "RemoteProtocolError", "ReadError") and text.strip(), message
     check_screen(message, names=["pause_generation(retract)", "http://127.0.0.1:"], todo="no reply")
 
 

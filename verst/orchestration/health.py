@@ -126,7 +126,7 @@ class EngineSupervisor:
             pass  # a restart in progress finishes first
         probed = time.perf_counter()
         for index, verdict in enumerate(await self._probe_all()):
-            if verdict == "dead" and self._recovered.get(index, 0.0) < probed:  # not replaced since the probe
+            if verdict == "dead" and self._replaced_at.get(index, 0.0) < probed:  # not replaced since the probe
                 await self._recover(index, "its server is not running")
 
     # ---- polling -------------------------------------------------------------------------------
