@@ -10,8 +10,10 @@ the threads each side had, and the engine idle fraction of each (`perf/engine_id
 the fully async worker's idle slot fraction. The fully async worker keeps two batches of trajectories in
 flight by default (the sync schedule has one batch in flight by construction): while a straggler runs, the
 engine's batches stay full of the next groups instead of shrinking to the straggler.
+With `--max-staleness K` the fully async side drops groups older than K versions, and prints the share of the
+groups it produced that were dropped as stale (`--admission fill` starts groups regardless of their staleness).
 Usage: .venv/bin/python bench/async_vs_sync.py [--rollouts 48] [--batch 8] [--n 4] [--max-in-flight 64]
-    [--cores N] [--out results.json]
+    [--cores N] [--max-staleness K] [--admission auto|staleness|fill] [--out results.json]
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ async def long_tailed_generate(ctx, sample):
     return await generate(dataclasses.replace(ctx, rollout=rollout, sampling_params=params), sample)
 
 
+def fully_async_args(args) -> list[str]:
+    staleness = ["--buffer.max-staleness", str(args.max_staleness)] if args.max_staleness is not None else []
+    return ["--rollout.admission", args.admission, *staleness]
+
+
 def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str, float]:
     from verst.config import load_config
     from verst.monitor import read_metrics
@@ -69,7 +76,7 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
         "--rollout.generate-fn", "async_vs_sync:long_tailed_generate",
         "--trainer.lr", "1e-5", "--eval.max-prompts", "4", "--logging.tensorboard", "false",
         "--logging.progress", "false",
-        "--rollout.max-in-flight", str(args.max_in_flight),
+        "--rollout.max-in-flight", str(args.max_in_flight), *(fully_async_args(args) if schedule == "fully_async" else []),
     ])
     asyncio.run(SCHEDULES[schedule](cfg))
     steps = [r for r in read_metrics(Path(cfg.run_dir)) if "train/loss" in r][1:]
@@ -78,8 +85,11 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
     slots = statistics.fmean(1.0 - r["rollout/slot_occupancy"] for r in steps) if schedule == "fully_async" else None
     tokens = statistics.fmean(r["rollout/response_length_mean"] for r in steps)
     threads = {side: sorted({r[f"perf/{side}_threads"] for r in steps}) for side in ("trainer", "engine")}
+    last = steps[-1]
+    produced, stale = last.get("rollout/groups_produced_total"), last.get("buffer/dropped_stale_total", 0.0)
     return {"step_s": step_s, "idle": idle, "idle_slots": slots, "response_length_mean": tokens,
-            "steps": len(steps), "threads": threads}
+            "steps": len(steps), "threads": threads, "groups_produced": produced,
+            "stale_dropped": stale if produced is not None else None}
 
 
 def main() -> int:
@@ -92,6 +102,10 @@ def main() -> int:
                         help="fully async: trajectories in flight (default: 2 × batch × n)")
     parser.add_argument("--keep", type=Path, default=None, help="write the two runs here instead of a temp dir")
     parser.add_argument("--cores", type=int, default=None, help="CPU cores both schedules get (default: all)")
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="fully async: buffer.max_staleness (default: unset, no group is stale)")
+    parser.add_argument("--admission", choices=("auto", "staleness", "fill"), default="auto",
+                        help="fully async: rollout.admission (auto: staleness-aware when --max-staleness is set)")
     parser.add_argument("--out", type=Path, default=None, help="write the measurements as JSON here")
     args = parser.parse_args()
     cores = bench_cores(args.cores)
@@ -118,8 +132,10 @@ def main() -> int:
     for schedule, r in results.items():
         slots = f"   idle slot fraction {r['idle_slots']:.2f}" if r["idle_slots"] is not None else ""
         threads = ", ".join(f"{side} {'/'.join(f'{t:.0f}' for t in ts)}" for side, ts in r["threads"].items())
+        stale = f"   stale drops {r['stale_dropped']:.0f} of {r['groups_produced']:.0f} groups produced " \
+            f"({r['stale_dropped'] / max(r['groups_produced'], 1):.1%})" if r["stale_dropped"] is not None else ""
         print(f"{schedule:<12} step {r['step_s']:.2f} s   engine idle fraction {r['idle']:.2f}{slots}   "
-              f"mean response {r['response_length_mean']:.1f} tokens   threads: {threads}")
+              f"mean response {r['response_length_mean']:.1f} tokens   threads: {threads}{stale}")
     ratio = results["sync"]["step_s"] / results["fully_async"]["step_s"]
     print(f"ratio sync / fully async step time: {ratio:.2f}x  (target >= {TARGET}x)")
     if args.out:

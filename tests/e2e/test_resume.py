@@ -30,7 +30,7 @@ from verst.monitor.checkpoint_dirs import CheckpointError, read_latest, read_man
 
 SEEDED = ("--rollout.sampling.seed", "7", "--schedule", "sync", "--sync.transport", "disk")
 ACCOUNTED = ("--schedule", "fully_async", "--sync.transport", "disk", "--buffer.max-staleness", "0",
-             "--buffer.capacity-factor", "3", "--buffer.unused", "drop",
+             "--rollout.admission", "fill", "--buffer.capacity-factor", "3", "--buffer.unused", "drop",
              "--buffer.path", "tests.e2e.rl_plugins:AccountingBuffer", "--checkpoint.export-hf", "false")
 COMPARED = ("train/loss", "train/grad_norm", "rollout/reward_mean", "train/advantage_abs_mean")
 
@@ -226,7 +226,7 @@ def check_accounting(events_file: Path, run_dir: Path, resumed_at: int, steps: i
     assert len(trained) == steps * 4  # four groups a step
     assert len(set(trained)) == len(trained) and len(set(dropped)) == len(dropped)
     assert not set(trained) & set(dropped)
-    assert any(e["event"] == "stale" for e in kept)  # max_staleness 0 with a full buffer drops some
+    assert any(e["event"] == "stale" for e in kept)  # max_staleness 0 filling the buffer drops some
     records = read_metrics(run_dir)
     assert [r["step"] for r in records if "train/loss" in r] == list(range(1, steps + 1))
     last = [r for r in records if "buffer/dropped_stale_total" in r][-1]

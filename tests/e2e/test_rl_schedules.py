@@ -177,10 +177,12 @@ def test_sync_two_ranks_two_engines_with_weight_check(ray_session, tiny_model_di
 
 
 def test_fully_async_staleness_drops_and_return_to_source(ray_session, tiny_model_dir, addition_data_dir, tmp_path):
-    """max_staleness 0 with a full buffer: groups made before a train step are stale after it."""
+    """max_staleness 0 with the buffer filled regardless (admission fill): groups made before a train step are
+    stale after it."""
     cfg = rl_config(tmp_path, tiny_model_dir, addition_data_dir, "--schedule", "fully_async",
                     "--sync.transport", "distributed", "--rollout.num-rollouts", "3",
-                    "--buffer.max-staleness", "0", "--buffer.capacity-factor", "3", "--buffer.unused", "return",
+                    "--buffer.max-staleness", "0", "--rollout.admission", "fill", "--buffer.capacity-factor", "3",
+                    "--buffer.unused", "return",
                     "--buffer.path", "tests.e2e.rl_plugins:RecordingBuffer",
                     "--data.source", "tests.e2e.rl_plugins:counting_source")
     records = check_run(cfg, run_schedule(cfg), steps=3)

@@ -107,6 +107,42 @@ def test_the_budget_keeps_a_split_that_would_gain_little_and_alone_never_resplit
     assert budget.resplits == alone.resplits == 0 and not ranks.given and not engines.given
 
 
+@pytest.mark.parametrize("lent_step_s, kept", [(7.0, True), (9.5, False)])
+def test_idle_engines_lend_their_cores_to_the_trainer_while_steps_end_sooner(lent_step_s, kept):
+    """Two cores, one each: the trainer busy the whole 10 s step, the engine idle 80%. No split helps (each
+    side keeps a core), so the trainer is tried on both cores; kept when its steps end 10% sooner."""
+    ranks, engines = Ranks(), Engines()
+    budget = CoreBudget(CoreLayout((0, 1), 1, 1, concurrent=True), ranks, engines)
+
+    async def main():
+        for _ in range(2):
+            await budget.observe(step(10.0, 10.0, 0.8))
+        assert budget.plan.lent and ranks.given[-1] == [CoreShare((0, 1), 2)] and engines.given[-1] == [
+            CoreShare((1,), 1)]
+        assert budget.plan.metrics()["perf/trainer_cores"] == 2.0 and "lent" in budget.plan.describe()
+        for _ in range(2):
+            await budget.observe(step(lent_step_s - 0.5, lent_step_s, 0.8))
+        for _ in range(4):  # tried once: the verdict stands
+            await budget.observe(step(lent_step_s - 0.5, lent_step_s, 0.8))
+
+    asyncio.run(main())
+    assert budget.plan.lent is kept and budget.resplits == 0
+    assert ranks.given[-1] == ([CoreShare((0, 1), 2)] if kept else [CoreShare((0,), 1)])
+    assert len(ranks.given) == (1 if kept else 2)
+
+
+def test_busy_engines_keep_their_cores():
+    ranks = Ranks()
+    budget = CoreBudget(CoreLayout((0, 1), 1, 1, concurrent=True), ranks, Engines())
+
+    async def main():
+        for _ in range(4):
+            await budget.observe(step(10.0, 10.0, 0.3))  # the engine busy 70% of the step
+
+    asyncio.run(main())
+    assert not budget.plan.lent and not ranks.given
+
+
 def test_a_restarted_engine_gets_its_share_at_the_next_step():
     engines = Engines()
     budget = CoreBudget(CoreLayout((0, 1), 1, 1, concurrent=True), Ranks(), engines)

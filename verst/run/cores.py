@@ -5,7 +5,9 @@ A side that runs alone (the sync schedule generates, then trains) gets every cor
 split all of them, and so do the engines, since the two never compute at once. Schedules that generate while
 the trainer steps (one-step-off, fully async) split the cores between the two sides, each pinned to its own,
 in proportion to the work each side measured (its busy seconds times its cores): a side that waits gives a
-core to the one it waits for. `cluster.trainer_threads` / `cluster.engine_threads` set the threads and keep
+core to the one it waits for. When no split helps (the engines already on one core and mostly idle, the
+trainer the slower side), the trainer is lent the engines' cores too, its threads on every core, and keeps
+them only if steps measured that way end sooner. `cluster.trainer_threads` / `cluster.engine_threads` set the threads and keep
 the planned cores. The driver and rollout managers are not pinned (they mostly wait), nor are teacher and
 evaluation engines (one thread each).
 """
@@ -30,15 +32,19 @@ CONCURRENT_SCHEDULES = ("one_step_off", "fully_async")
 MIN_GAIN = 0.1
 # Steps measured before the first re-split, and between two re-splits.
 SETTLE_STEPS = 2
+# The engines' idle share from which the trainer is tried on their cores too.
+LEND_IDLE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
 class CorePlan:
-    """The shares by trainer rank and by policy engine; `concurrent`: the two sides compute at once."""
+    """The shares by trainer rank and by policy engine; `concurrent`: the two sides compute at once; `lent`:
+    the trainer's shares cover the engines' cores too (it computes on them while they idle)."""
 
     trainer: tuple[CoreShare, ...]
     engines: tuple[CoreShare, ...]
     concurrent: bool
+    lent: bool = False
 
     @property
     def trainer_cores(self) -> tuple[int, ...]:
@@ -63,6 +69,8 @@ class CorePlan:
             return f"{len(shares)} {what} on cores {core_ranges(_union(shares))}, {each}"
 
         how = "split while both compute" if self.concurrent else "each side alone on every core"
+        if self.lent:
+            how += "; the trainer lent the engines' cores"
         return f"{side(self.trainer, 'trainer rank(s)')}; {side(self.engines, 'engine(s)')} ({how})"
 
 
@@ -100,17 +108,19 @@ class CoreLayout:
         if not self.cores:
             raise ValueError("the core budget needs at least one core")
 
-    def plan(self, trainer_cores: int | None = None) -> CorePlan:
+    def plan(self, trainer_cores: int | None = None, lend: bool = False) -> CorePlan:
         """Alone: each side splits every core among its processes. Concurrent: the first `trainer_cores` cores
-        (default: half) are the trainer's and the rest the engines', each side keeping at least one."""
+        (default: half) are the trainer's and the rest the engines', each side keeping at least one; `lend`:
+        the trainer splits every core, the engines keeping theirs."""
+        lend = lend and self.concurrent and len(self.cores) > 1
         if not self.concurrent or len(self.cores) == 1:
             ours = theirs = self.cores
         else:
             k = len(self.cores) // 2 if trainer_cores is None else trainer_cores
             k = min(max(k, 1), len(self.cores) - 1)
             ours, theirs = self.cores[:k], self.cores[k:]
-        return CorePlan(split_among(ours, self.trainer_ranks, self.trainer_threads),
-                        split_among(theirs, self.engines, self.engine_threads), self.concurrent)
+        return CorePlan(split_among(self.cores if lend else ours, self.trainer_ranks, self.trainer_threads),
+                        split_among(theirs, self.engines, self.engine_threads), self.concurrent, lend)
 
 
 def core_layout(cfg: VerstConfig, device: str) -> CoreLayout | None:
@@ -165,13 +175,16 @@ class EngineCores(Protocol):
 
 class CoreBudget:
     """The run's core plan, applied to its trainer ranks and policy engines, re-split between the two sides
-    from each step's measured work while both compute at once (`observe` at every step's end)."""
+    from each step's measured work while both compute at once (`observe` at every step's end), and the
+    engines' cores lent to the trainer while that makes steps shorter (tried once, kept if measured so)."""
 
     def __init__(self, layout: CoreLayout, ranks: RankCores, engines: EngineCores | None):
         self.layout, self.ranks, self.engines = layout, ranks, engines
         self.plan = layout.plan()
         self._trainer_work: list[float] = []
         self._engine_work: list[float] = []
+        self._step_s: list[float] = []
+        self._lend: Lending | None = None  # the trial of lent cores, once begun
         self._reapply = False
         self.resplits = 0
 
@@ -190,25 +203,44 @@ class CoreBudget:
         if self.layout.concurrent and None not in (trainer_s, step_s, idle):
             self._trainer_work.append(trainer_s * len(self.plan.trainer_cores))
             self._engine_work.append((1.0 - idle) * step_s * len(self.plan.engine_cores))
-            if len(self._trainer_work) >= SETTLE_STEPS:
-                await self._maybe_resplit()
+            self._step_s.append(step_s)
+            if len(self._step_s) >= SETTLE_STEPS:
+                await self._next_plan(idle)
 
-    async def _maybe_resplit(self) -> None:
+    async def _next_plan(self, idle: float) -> None:
+        """A lending trial's verdict once it has its steps; else a re-split when one helps; else, once, the
+        trial of lending the engines' cores to the trainer when they idle and the trainer is the slower."""
+        step_s = sum(self._step_s[-SETTLE_STEPS:]) / SETTLE_STEPS
+        if self._lend is not None and self._lend.lent_s is None:
+            self._lend.lent_s = step_s
+            if not self._lend.kept:
+                await self._switch(self._lend.split, "lending the engines' cores made steps no shorter")
+            else:
+                log.info("cores: the trainer keeps the engines' cores (%.2f s a step, %.2f s without)",
+                         step_s, self._lend.split_s)
+            return
+        if self.plan.lent:
+            return
         trainer_work = sum(self._trainer_work[-SETTLE_STEPS:]) / SETTLE_STEPS
         engine_work = sum(self._engine_work[-SETTLE_STEPS:]) / SETTLE_STEPS
         total, now = len(self.layout.cores), len(self.plan.trainer_cores)
         best = balanced_trainer_cores(total, trainer_work, engine_work)
-        if best == now:
-            return
         before, after = (busier_seconds(trainer_work, engine_work, k, total) for k in (now, best))
-        if after > before * (1 - MIN_GAIN):
-            return
-        await self.apply(self.layout.plan(best))
-        log.info("cores re-split from the measured work (trainer %.1f, engines %.1f core-seconds a step): %s",
-                 trainer_work, engine_work, self.plan.describe())
-        self.resplits += 1
+        if best != now and after <= before * (1 - MIN_GAIN):
+            await self._switch(self.layout.plan(best), f"re-split from the measured work (trainer {trainer_work:.1f}, "
+                               f"engines {engine_work:.1f} core-seconds a step)")
+            self.resplits += 1
+        elif self._lend is None and total > 1 and idle >= LEND_IDLE and trainer_work / now > engine_work / (total - now):
+            self._lend = Lending(self.plan, step_s)
+            await self._switch(self.layout.plan(now, lend=True), f"the engines idle {idle:.0%} of a step: the "
+                               "trainer is lent their cores on trial")
+
+    async def _switch(self, plan: CorePlan, why: str) -> None:
+        await self.apply(plan)
+        log.info("cores %s: %s", why, self.plan.describe())
         self._trainer_work.clear()
         self._engine_work.clear()
+        self._step_s.clear()
 
     async def apply(self, plan: CorePlan | None = None) -> None:
         """Give every rank and engine its share of `plan` (default: the current one)."""
@@ -216,6 +248,21 @@ class CoreBudget:
         await asyncio.to_thread(self.ranks.set_cores, list(self.plan.trainer))
         if self.engines is not None:
             await self.engines.set_cores(list(self.plan.engines))
+
+
+@dataclasses.dataclass
+class Lending:
+    """A trial of the engines' cores lent to the trainer: the `split` plan it left and its seconds a step, and
+    once measured, the seconds a step with the cores lent."""
+
+    split: CorePlan
+    split_s: float
+    lent_s: float | None = None
+
+    @property
+    def kept(self) -> bool:
+        """Lent steps shorter by at least MIN_GAIN."""
+        return self.lent_s is not None and self.lent_s <= self.split_s * (1 - MIN_GAIN)
 
 
 def _union(shares: tuple[CoreShare, ...]) -> tuple[int, ...]:
