@@ -204,6 +204,8 @@ class CoreBudget:
             self._trainer_work.append(trainer_s * len(self.plan.trainer_cores))
             self._engine_work.append((1.0 - idle) * step_s * len(self.plan.engine_cores))
             self._step_s.append(step_s)
+            for kept in (self._trainer_work, self._engine_work, self._step_s):
+                del kept[:-SETTLE_STEPS]  # only the last steps are ever read
             if len(self._step_s) >= SETTLE_STEPS:
                 await self._next_plan(idle)
 
