@@ -52,3 +52,23 @@ def registries_restored():
     for name in set(sys.modules) - modules:
         if name.startswith(("examples.plugins", "tests.")):  # a plug-in module registers again when imported
             del sys.modules[name]
+
+
+@pytest.fixture(autouse=True)
+def cores_given_back():
+    """Every test leaves this process on the cores it had: a run in this process pins its threads to its core
+    share, and a run started later plans its core budget from the cores the process may use. A test that
+    leaves it pinned is named in a warning, and the cores are given back."""
+    if not hasattr(os, "sched_getaffinity"):
+        yield
+        return
+    before = tuple(sorted(os.sched_getaffinity(0)))
+    yield
+    after = tuple(sorted(os.sched_getaffinity(0)))
+    if after != before:
+        from verst.types.cores import pin_process
+
+        pin_process(before)
+        import warnings
+
+        warnings.warn(f"the test left this process pinned to cores {list(after)} (it had {list(before)})", stacklevel=1)
