@@ -10,7 +10,6 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from verst.inference_client import wire
 from verst.inference_client.connection import KeptConnection, open_connection, request_head
 from verst.inference_client.wire import Reply, SweptDeadlines, WireError, WireTimeout
 
@@ -37,27 +36,16 @@ class PooledWire:
                       headers: dict[str, str] | None = None) -> Reply:
         content = orjson.dumps(body) if body is not None else b""
         data = request_head(method, path, self._netloc, len(content), headers) + content
-        swept = self._deadlines.start(timeout_s) if timeout_s >= wire.SWEPT_FROM_S else None
         connection: KeptConnection | None = None
         reply: Reply | None = None
         try:
-            async with self._for_loop():
-                if swept is not None:
+            with self._deadlines.bound(timeout_s) as swept:
+                async with self._for_loop(), asyncio.timeout(None if swept else timeout_s):
                     connection = await self._connection()
                     reply = await connection.send(data)
-                else:
-                    async with asyncio.timeout(timeout_s):
-                        connection = await self._connection()
-                        reply = await connection.send(data)
         except TimeoutError as exc:
             raise WireTimeout(f"timed out after {timeout_s:g}s (ReadTimeout)") from exc
-        except asyncio.CancelledError:
-            if swept is None or not self._deadlines.expired(swept):
-                raise
-            raise WireTimeout(f"timed out after {timeout_s:g}s (swept)") from None
         finally:
-            if swept is not None:
-                self._deadlines.end(swept, timeout_s)
             if connection is not None and reply is None:  # a reply coming later would answer the next request;
                 connection.close()  # closed, the engine also ends a generation whose caller went away
         if connection.usable:

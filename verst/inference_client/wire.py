@@ -7,7 +7,9 @@ mock and ASGI transports) and the streamed generations. Bodies are encoded and d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import aiohttp
@@ -64,24 +66,33 @@ class SweptDeadlines:
         self._expired: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
 
-    def start(self, timeout_s: float) -> asyncio.Task:
+    @contextlib.contextmanager
+    def bound(self, timeout_s: float) -> Iterator[bool]:
+        """Bounds the request made inside by `timeout_s` through the sweep when it is `SWEPT_FROM_S` or more
+        (yields True: the caller sets no timer of its own), else yields False. A sweep's cancel leaves as
+        `WireTimeout`; any other cancel goes on as it came."""
+        if timeout_s < SWEPT_FROM_S:
+            yield False
+            return
+        task = self._start(timeout_s)
+        try:
+            yield True
+        except asyncio.CancelledError:
+            if task not in self._expired:
+                raise
+            self._expired.discard(task)
+            task.uncancel()
+            raise WireTimeout(f"timed out after {timeout_s:g}s (swept)") from None
+        finally:
+            self._by_timeout.get(timeout_s, {}).pop(task, None)
+
+    def _start(self, timeout_s: float) -> asyncio.Task:
         task = asyncio.current_task()
         assert task is not None
         self._by_timeout.setdefault(timeout_s, {})[task] = asyncio.get_running_loop().time() + timeout_s
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.ensure_future(self._sweep())
         return task
-
-    def end(self, task: asyncio.Task, timeout_s: float) -> None:
-        self._by_timeout.get(timeout_s, {}).pop(task, None)
-
-    def expired(self, task: asyncio.Task) -> bool:
-        """Whether `task` was cancelled by the sweep (its cancel request is then withdrawn)."""
-        if task not in self._expired:
-            return False
-        self._expired.discard(task)
-        task.uncancel()
-        return True
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
@@ -126,28 +137,21 @@ class AiohttpWire:
         session = self._open()
         data = orjson.dumps(body) if body is not None else None
         merged = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
-        swept = self._deadlines.start(timeout_s) if timeout_s >= SWEPT_FROM_S else None
-        # sock_connect bounds making a connection; waiting for a free one in the pool is bounded by the total only
-        timeout = aiohttp.ClientTimeout(total=None if swept else timeout_s, sock_connect=self.connect_timeout_s)
-        try:
-            async with session.request(method, self.base_url + path, data=data, headers=merged,
-                                       timeout=timeout) as response:
-                return Reply(response.status, await response.read())
-        except aiohttp.ConnectionTimeoutError as exc:  # no connection made: the server is not there (now)
-            raise WireError(f"ConnectError: no connection within {self.connect_timeout_s:g}s") from exc
-        except asyncio.TimeoutError as exc:
-            raise WireTimeout(f"timed out after {timeout_s:g}s ({type(exc).__name__})") from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise WireError(transport_error_text(exc, "ConnectError"), refused=True) from exc
-        except aiohttp.ClientError as exc:
-            raise WireError(transport_error_text(exc)) from exc
-        except asyncio.CancelledError:
-            if swept is None or not self._deadlines.expired(swept):
-                raise
-            raise WireTimeout(f"timed out after {timeout_s:g}s (swept)") from None
-        finally:
-            if swept is not None:
-                self._deadlines.end(swept, timeout_s)
+        with self._deadlines.bound(timeout_s) as swept:
+            # sock_connect bounds making a connection; waiting for a free one in the pool is bounded by the total only
+            timeout = aiohttp.ClientTimeout(total=None if swept else timeout_s, sock_connect=self.connect_timeout_s)
+            try:
+                async with session.request(method, self.base_url + path, data=data, headers=merged,
+                                           timeout=timeout) as response:
+                    return Reply(response.status, await response.read())
+            except aiohttp.ConnectionTimeoutError as exc:  # no connection made: the server is not there (now)
+                raise WireError(f"ConnectError: no connection within {self.connect_timeout_s:g}s") from exc
+            except asyncio.TimeoutError as exc:
+                raise WireTimeout(f"timed out after {timeout_s:g}s ({type(exc).__name__})") from exc
+            except aiohttp.ClientConnectorError as exc:
+                raise WireError(transport_error_text(exc, "ConnectError"), refused=True) from exc
+            except aiohttp.ClientError as exc:
+                raise WireError(transport_error_text(exc)) from exc
 
     async def close(self) -> None:
         self._deadlines.close()
