@@ -4,6 +4,8 @@ Every served group is accounted for exactly, faults are survived, and the scale 
 
 import json
 
+import pytest
+
 from tests.metrics_doc import undocumented
 from verst.monitor.run_dir import read_metrics
 from verst.sim.command import load_sim, run_sim
@@ -62,3 +64,20 @@ def test_agentic_turns_through_the_session_server_on_the_sync_schedule(tmp_path,
     # every episode ran its three turns: 12 sampled tokens each, and the environment's 64 between them
     assert samples and all(s["response_tokens"] >= 3 * 12 + 2 * 64 for s in samples)
     assert scale["engine_requests"] >= 3 * accounting["trained"] * 4
+    # the control plane's CPU is shared over the trajectories the agents finished: three requests each here
+    assert 2.5 < scale["engine_requests"] / scale["trajectories_in_window"] < 3.5
+
+
+def test_agentic_trajectories_that_end_at_their_first_reply_are_counted_as_trajectories(tmp_path, tiny_model_dir,
+                                                                                          registries_restored):
+    cfg, sim = load_sim(None, sim_args(
+        tmp_path, tiny_model_dir, "--schedule", "sync", "--cluster.num-engines", "4", "--rollout.batch-size", "4",
+        "--rollout.n-samples-per-prompt", "4", "--rollout.num-rollouts", "3", "--rollout.max-response-tokens", "8",
+        "--sim.speedup", "50", "--sim.agent-turns", "3", "--sim.response-tokens-mean", "12",
+        "--sim.response-tokens-sigma", "0", "--sim.prompts", "256"))
+    _, scale = run_sim(cfg, sim)
+
+    # every reply hits max_response_tokens, so each episode ends after one request of its three allowed turns
+    assert 0.8 < scale["engine_requests"] / scale["trajectories_in_window"] < 1.2
+    assert scale["control_ms_per_trajectory"] == pytest.approx(
+        scale["control_ms_per_request"] * scale["engine_requests"] / scale["trajectories_in_window"])

@@ -41,7 +41,7 @@ from verst.sim.measure import CpuMeter, engine_window, rss_bytes
 from verst.sim.setup import fleet_spec
 from verst.sim.summary import scale_summary
 from verst.sim.trainer import SimBackend, SimTrainerRanks
-from verst.sim.workload import write_data
+from verst.sim.workload import AGENTS, write_data
 
 log = logging.getLogger(__name__)
 SCALE_FILE = "scale.json"
@@ -152,6 +152,7 @@ class ScaleRecorder:
 
     def begin(self) -> None:
         self.cpu_start, self.engines_start = self._meter().mark(), self.engines.stats()
+        self.agents_start = AGENTS.finished
         self.rss_start = self.rss_peak = rss_bytes(os.getpid())
 
     def end(self, faults: FaultInjector, supervisor: EngineSupervisor) -> None:
@@ -162,6 +163,7 @@ class ScaleRecorder:
         self.result = {"cpu_s": CpuMeter.between(self.cpu_start, end),
                        "load_average": [self.cpu_start.load, end.load],
                        "engines": engine_window(self.engines_start, self.engines.stats()),
+                       "agent_trajectories": AGENTS.finished - self.agents_start,
                        "faults": {**faults.summary(), "engine_restarts": supervisor.restarts},
                        "driver_rss_bytes": {"start": self.rss_start, "peak": self.rss_peak,
                                             "end": rss_bytes(os.getpid())},

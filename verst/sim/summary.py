@@ -35,16 +35,16 @@ def scale_summary(cfg: VerstConfig, sim: SimConfig, measured: dict[str, Any], ru
     cpu, engines = measured["cpu_s"], measured["engines"]
     control = sum(cpu.get(part, 0.0) for part in CONTROL)
     requests = max(engines["requests"], 1.0)
-    # in the window: an agentic trajectory makes `agent_turns` requests, a single-turn one makes one
-    trajectories = requests / max(sim.agent_turns, 1)
+    # in the window: a single-turn trajectory makes one request; agentic ones are counted as their agents end
+    trajectories = max(measured["agent_trajectories"], 1) if sim.agent_turns else requests
     steps = [r["perf/step_time_s"] * sim.speedup for r in rows if "perf/step_time_s" in r]
     return {
         "engines": cfg.cluster.num_engines, "fleet_processes": sim.fleet_processes,
         "trainer_ranks": cfg.cluster.trainer_ranks, "schedule": cfg.schedule, "speedup": sim.speedup,
         "max_in_flight": cfg.rollout.max_in_flight, "agent_turns": sim.agent_turns,
-        "trajectories": groups * n, "engine_requests": engines["requests"],
+        "trajectories": groups * n, "engine_requests": engines["requests"], "trajectories_in_window": trajectories,
         "cpu_s": cpu, "load_average": measured["load_average"],
-        "control_ms_per_trajectory": 1000 * control / trajectories,  # counted by the engines' requests
+        "control_ms_per_trajectory": 1000 * control / trajectories,
         "control_ms_per_request": 1000 * control / requests,
         "cpu_ms_per_request": {part: 1000 * seconds / requests for part, seconds in cpu.items() if part != "wall"},
         "engine_busy_fraction": engines["busy_fraction"], "engine_paused_fraction": engines["paused_fraction"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,22 @@ from verst.types import Sample
 
 SIM_KEY = "sim"  # a row's metadata: the agent's turns, environment time (wall seconds) and observation
 _clients: dict[int, httpx.AsyncClient] = {}  # one client per event loop for the simulated agents
+
+
+class AgentTally:
+    """The simulated agents' trajectories finished in this process (the driver's, where a simulated run keeps its
+    rollout manager): trajectories end after fewer turns than `sim.agent_turns` when a reply hits its length."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.finished = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.finished += 1
+
+
+AGENTS = AgentTally()
 
 
 def write_data(sim: SimConfig, train: Path, test: Path) -> None:
@@ -63,6 +80,7 @@ async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], meta
             break
         await asyncio.sleep(spec["env_wall_s"])
         messages.append({"role": "user", "content": spec["observation"]})
+    AGENTS.add()
     return {"sim_turns": len(messages) // 2}
 
 
