@@ -81,3 +81,15 @@ def test_agentic_trajectories_that_end_at_their_first_reply_are_counted_as_traje
     assert 0.8 < scale["engine_requests"] / scale["trajectories_in_window"] < 1.2
     assert scale["control_ms_per_trajectory"] == pytest.approx(
         scale["control_ms_per_request"] * scale["engine_requests"] / scale["trajectories_in_window"])
+
+
+def test_the_runs_config_file_holds_the_sim_settings_and_reloads_to_the_same_run(tmp_path, tiny_model_dir,
+                                                                                  registries_restored):
+    cfg, sim = load_sim(None, sim_args(
+        tmp_path, tiny_model_dir, "--schedule", "sync", "--cluster.num-engines", "2", "--rollout.batch-size", "2",
+        "--rollout.n-samples-per-prompt", "2", "--rollout.num-rollouts", "2", "--rollout.max-response-tokens", "8",
+        "--sim.speedup", "40", "--sim.response-tokens-mean", "6", "--sim.prompts", "64", "--sim.warmup-steps", "1"))
+    run_sim(cfg, sim)
+
+    again_cfg, again_sim = load_sim(str(tmp_path / "run" / "config.yaml"), [])
+    assert again_sim == sim and again_cfg == cfg

@@ -52,13 +52,18 @@ def resumes_here(cfg: VerstConfig) -> bool:
     return load == run_dir or run_dir in load.parents
 
 
-def prepare_run_dir(cfg: VerstConfig) -> Path:
-    """Create the run directory (emptied first with `overwrite`) and write the resolved config into it."""
+def prepare_run_dir(cfg: VerstConfig, tables: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Create the run directory (emptied first with `overwrite`) and write the resolved config into it, with
+    `tables` (settings outside `VerstConfig` that the run's command reads from the same file, e.g. `sim`) after it."""
     path = check_run_dir(cfg)
     if cfg.overwrite and path.is_dir() and not resumes_here(cfg):
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    resolved = cfg.model_dump(mode="json")
+    clashing = sorted(set(tables or {}) & set(resolved))
+    if clashing:
+        raise ValueError(f"tables {clashing} would replace config sections of the same name")
+    (path / CONFIG_FILE).write_text(yaml.safe_dump({**resolved, **(tables or {})}, sort_keys=False))
     return path
 
 

@@ -54,7 +54,7 @@ async def open_sim_run(cfg: VerstConfig, restarts: int = 0, *, sim: SimConfig) -
     on exit stop everything and write scale.json. `cfg` is already simulated (`setup.simulated_config`)."""
     started, started_at = time.perf_counter(), time.time()
     cfg = absolute_paths(cfg)
-    run_dir = prepare_run_dir(cfg)
+    run_dir = prepare_run_dir(cfg, {"sim": sim.model_dump(mode="json")})
     (run_dir / "logs").mkdir(exist_ok=True)
     write_data(sim, Path(cfg.data.train_path), Path(cfg.data.test_path))
     LEDGER.reset()

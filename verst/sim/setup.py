@@ -13,16 +13,18 @@ from verst.sim.serve import vocab_size
 PLUGIN = "verst.sim.plugin"
 AGENTIC_GENERATE_FN = "verst.rollout.agentic:generate"
 DATA_DIR = "sim_data"  # RUN/sim_data: the simulated data set
+SOURCE, BUFFER = "verst.sim.accounting:AccountedSource", "verst.sim.accounting:AccountedBuffer"
 
 
 def check_simulable(cfg: VerstConfig) -> None:
-    """Refuse the settings whose parts are not simulated, naming each field."""
+    """Refuse the settings whose parts are not simulated, naming each field (a simulated run's own config file,
+    RUN/config.yaml, names the simulation's source and buffer, and is taken as it is)."""
     refused = {
         "lora.enabled": cfg.lora.enabled, "teacher.model_path": cfg.teacher.model_path is not None,
         "eval.backend": cfg.eval.backend is not None, "eval.num_engines": cfg.eval.num_engines > 0,
         "sync.check_weights": cfg.sync.check_weights, "algorithm.routing_replay": cfg.algorithm.routing_replay != "off",
         "algorithm.true_on_policy": cfg.algorithm.true_on_policy, "checkpoint.load": cfg.checkpoint.load is not None,
-        "buffer.path": cfg.buffer.path is not None, "data.source": cfg.data.source is not None,
+        "buffer.path": cfg.buffer.path not in (None, BUFFER), "data.source": cfg.data.source not in (None, SOURCE),
         "rollout.rollout_fn": cfg.rollout.rollout_fn is not None,
     }
     named = [field for field, set_ in refused.items() if set_]
@@ -46,11 +48,11 @@ def simulated_config(cfg: VerstConfig, sim: SimConfig) -> VerstConfig:
     tree["plugins"] = [*cfg.plugins, PLUGIN] if PLUGIN not in cfg.plugins else list(cfg.plugins)
     tree["cluster"] |= {"engine": "sim", "engine_python": None}
     tree["sync"] |= {"transport": "sim"}
-    tree["data"] |= {"source": "verst.sim.accounting:AccountedSource", "train_path": str(data_dir / "train.jsonl"),
+    tree["data"] |= {"source": SOURCE, "train_path": str(data_dir / "train.jsonl"),
                      "test_path": str(data_dir / "test.jsonl"), "label_key": "label", "metadata_key": "metadata",
                      "apply_chat_template": True}
     tree["reward"] |= {"type": "custom", "path": "verst.sim.workload:reward", "group": False, "key": None}
-    tree["buffer"] |= {"path": "verst.sim.accounting:AccountedBuffer"}
+    tree["buffer"] |= {"path": BUFFER}
     tree["rollout"] |= agentic
     return VerstConfig.model_validate(tree)
 
