@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import torch
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
@@ -28,11 +27,8 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi import checks as openapi_checks  # noqa: E402
 
-from verst.engine.core import EngineConfig, EngineCore  # noqa: E402
-from verst.engine.process import BackgroundServer  # noqa: E402
-from verst.models.loader import load_model_and_tokenizer  # noqa: E402
+from verst.engine.process import EngineProcess  # noqa: E402
 
-torch.set_num_threads(1)
 CONFORMANCE = [
     openapi_checks.status_code_conformance, openapi_checks.content_type_conformance,
     openapi_checks.response_schema_conformance, openapi_checks.negative_data_rejection,
@@ -46,9 +42,9 @@ EXAMPLES = 30  # per route and mode: enough to reach the absurd values (huge wor
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
-    core = EngineCore(model, tokenizer, EngineConfig(max_running_requests=8, context_length=128))
-    with BackgroundServer(core, served_model_name="tiny", model_path=str(tiny_model_dir)) as server:
+    """In a child process: a fuzzed `/set_cores` pins the engine's process to the cores it names."""
+    with EngineProcess(tiny_model_dir, args=["--max-running-requests", "8", "--context-length", "128",
+                                             "--served-model-name", "tiny"]) as server:
         yield server
 
 
@@ -106,7 +102,7 @@ def at_master(master: str):
     return point
 
 
-def fuzz(engine: BackgroundServer, master: str, examples: int, budget_s: float) -> Findings:
+def fuzz(engine: EngineProcess, master: str, examples: int, budget_s: float) -> Findings:
     schema = schemathesis.openapi.from_url(f"{engine.url}/openapi.json")
     findings, deadline = Findings(), time.monotonic() + budget_s
     with httpx.Client(base_url=engine.url, timeout=REQUEST_TIMEOUT_S) as http:
@@ -153,7 +149,7 @@ def run_operation(engine, http, operation, mode, examples, findings, label, mast
         pass  # an operation without parameters or body has no negative cases
 
 
-def assert_engine_serves(engine: BackgroundServer) -> None:
+def assert_engine_serves(engine: EngineProcess) -> None:
     with httpx.Client(base_url=engine.url, timeout=REQUEST_TIMEOUT_S) as http:
         assert http.get("/health").status_code == 200
         assert http.get("/health_generate").status_code == 200
