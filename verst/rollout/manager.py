@@ -72,6 +72,7 @@ class RouterSpec:
     policy: str = "manual"
     assignment_mode: str = "min_load"
     log_path: str | None = None
+    max_requests: int | None = None  # the rollout side's requests at once (rollout.concurrency)
 
 
 class RolloutManager:
@@ -121,7 +122,8 @@ class RolloutManager:
         if self._router_spec is not None:
             spec = self._router_spec
             self._router = RouterManager(self._engine_urls, policy=spec.policy, assignment_mode=spec.assignment_mode,
-                                         log_path=Path(spec.log_path) if spec.log_path else None)
+                                         log_path=Path(spec.log_path) if spec.log_path else None,
+                                         max_requests=spec.max_requests)
             await asyncio.to_thread(self._router.start)
         try:
             built = self._factory(RolloutEndpoints(await self.router_url(), list(self._engine_urls),

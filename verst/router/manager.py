@@ -8,6 +8,7 @@ go through the router: use `fleet()` to reach every engine directly.
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 import time
@@ -22,6 +23,31 @@ from verst.inference_client.ports import free_port, wait_healthy
 
 POLICIES = ("manual", "power_of_two", "round_robin", "cache_aware", "random")
 ASSIGNMENT_MODES = ("min_load", "min_group", "random")
+FILES_PER_REQUEST = 2  # the router holds a request's connection from its caller and the one to its engine
+FILES_PER_ENGINE = 4  # health checks and metadata calls to an engine, besides its requests
+FILES_RESERVED = 256  # the router's listener, metrics server, log and runtime
+
+
+def open_files_limit() -> int:
+    """This process's limit on open files, its soft limit first raised to the hard one: the router, a child,
+    inherits it. `ulimit -n` bounds how many requests one router can hold at once."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard if hard != resource.RLIM_INFINITY else 2**31 - 1
+
+
+def check_open_files(max_requests: int, engines: int, limit: int) -> None:
+    """Refuse a router that would run out of open files holding `max_requests` requests to `engines` engines:
+    past the limit its connections fail, and every engine's circuit opens."""
+    needed = FILES_PER_REQUEST * max_requests + FILES_PER_ENGINE * engines + FILES_RESERVED
+    if needed > limit:
+        most = max((limit - FILES_PER_ENGINE * engines - FILES_RESERVED) // FILES_PER_REQUEST, 0)
+        raise ValueError(
+            f"rollout.concurrency = {max_requests} sends that many requests at once through sglang-router, which "
+            f"holds {FILES_PER_REQUEST} connections for each: {needed} open files with {engines} engines, above this "
+            f"machine's limit of {limit} (ulimit -n, hard). Set rollout.concurrency to at most {most}, or raise the "
+            "limit")
 
 
 class RouterManager:
@@ -30,7 +56,7 @@ class RouterManager:
     def __init__(
         self, engine_urls: list[str] | None = None, *, policy: str = "manual", assignment_mode: str = "min_load",
         host: str = "127.0.0.1", port: int | None = None, retries: bool = False, startup_timeout: float = 30.0,
-        log_path: str | Path | None = None, extra_args: list[str] | None = None,
+        log_path: str | Path | None = None, extra_args: list[str] | None = None, max_requests: int | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r} unknown; choices: {', '.join(POLICIES)}")
@@ -45,6 +71,7 @@ class RouterManager:
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = list(extra_args or [])
         self.engine_urls = [u.rstrip("/") for u in engine_urls or []]
+        self.max_requests = max_requests  # the most requests its callers send at once (checked against ulimit -n)
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
 
@@ -56,6 +83,9 @@ class RouterManager:
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> RouterManager:
+        limit = open_files_limit()
+        if self.max_requests is not None:
+            check_open_files(self.max_requests, len(self.engine_urls), limit)
         attempts = 1 if self.requested_port else 3  # a free port can be taken between probe and bind
         for attempt in range(attempts):
             try:

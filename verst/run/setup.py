@@ -4,6 +4,7 @@ paths for actors started elsewhere, the routers, the first sync's weight check; 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from verst.config import VerstConfig
 from verst.config.registries import ENGINE_KINDS
 from verst.config.rules import true_on_policy_on_the_cpu
 from verst.engine_kinds.kinds import engine_kind
+from verst.monitor.run_dir import run_dir_of
 from verst.rollout.manager import RouterSpec
 
 
@@ -69,8 +71,18 @@ def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:
     if cfg.cluster.router == "auto" and num_engines == 1:
         return None
     if cfg.rollout.agent_fn is not None:
-        return RouterSpec()
-    return RouterSpec(policy="round_robin", assignment_mode="min_load")
+        return RouterSpec(max_requests=cfg.rollout.concurrency)
+    return RouterSpec(policy="round_robin", assignment_mode="min_load", max_requests=cfg.rollout.concurrency)
+
+
+def logged_router_spec(own: VerstConfig, cfg: VerstConfig, adapter: str | None = None) -> RouterSpec | None:
+    """The router of a lane (`own`'s; multi-LoRA: `adapter`'s), writing its output to
+    RUN/logs/router[-<adapter>].log."""
+    spec = router_spec(own, cfg.cluster.num_engines)
+    if spec is None:
+        return None
+    name = f"router-{adapter}.log" if adapter else "router.log"
+    return dataclasses.replace(spec, log_path=str(run_dir_of(cfg) / "logs" / name))
 
 
 def eval_router(cfg: VerstConfig) -> tuple[str, str] | None:

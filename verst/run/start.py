@@ -25,14 +25,13 @@ from verst.eval.local import run_tokenizer
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.models.loader import check_same_tokenizer
-from verst.monitor import MetricsLogger, prepare_run_dir, run_dir_of
+from verst.monitor import MetricsLogger, prepare_run_dir
 from verst.monitor.progress import RunProgress
 from verst.orchestration import EngineActorGroup, Orchestration, RolloutManagerHandle, TrainerActorGroup
 from verst.orchestration.health import EngineSupervisor
 from verst.orchestration.watchdog import RunProcesses, Watchdog, failure_report
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.rollout.from_config import build_rollout_parts, prepare_rollout_parts
-from verst.rollout.manager import RouterSpec
 from verst.run.checkpointer import Checkpointer, prepare_resume
 from verst.run.cores import CoreBudget, CorePlan, core_layout
 from verst.run.ending import end_early
@@ -48,7 +47,7 @@ from verst.run.setup import (
     engine_args,
     engine_server_args,
     eval_router,
-    router_spec,
+    logged_router_spec,
     weight_checker,
 )
 from verst.run.signals import STOP
@@ -176,19 +175,10 @@ def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan, cores: 
     evaluators = orch.start_eval_engines(cfg.model.path, args=engine_server_args(cfg), wait=False) \
         if cfg.eval.num_engines else None
     managers = {name: orch.start_rollout_manager(None, functools.partial(build_rollout_parts, own),
-                                                 router=_logged_router(own, cfg, name),
+                                                 router=logged_router_spec(own, cfg, name),
                                                  prepare=functools.partial(prepare_rollout_parts, own))
                 for name, own in (lane_cfgs or {None: cfg}).items()}
     return Actors(trainer, engines, teacher, evaluators, managers, lane_cfgs)
-
-
-def _logged_router(own: VerstConfig, cfg: VerstConfig, adapter: str | None) -> RouterSpec | None:
-    """The router of a lane (multi-LoRA: `adapter`'s), writing its output to RUN/logs/router[-<adapter>].log."""
-    spec = router_spec(own, cfg.cluster.num_engines)
-    if spec is None:
-        return None
-    name = f"router-{adapter}.log" if adapter else "router.log"
-    return dataclasses.replace(spec, log_path=str(run_dir_of(cfg) / "logs" / name))
 
 
 def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, syncer: TrainerWeightSync,

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from verst.router.manager import open_files_limit
 from verst.sim.fleet import FleetSpec
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class SimFleetGroup:
             raise
 
     def _start(self, processes: int) -> None:
+        open_files_limit()  # each fleet process, inheriting it, holds its engines' listeners and their requests
         share, extra = divmod(self.spec.count, processes)
         launched, first = [], 0
         for p in range(processes):

@@ -28,7 +28,7 @@ from verst.orchestration.watchdog import RunProcesses, Watchdog
 from verst.orchestration.weight_sync import TrainerWeightSync
 from verst.rollout.from_config import build_rollout_parts
 from verst.run.rl_run import RLRun
-from verst.run.setup import absolute_paths, router_spec
+from verst.run.setup import absolute_paths, logged_router_spec
 from verst.run.start import Actors, assemble
 from verst.run.weights import RestartSource
 from verst.sim.accounting import LEDGER
@@ -64,7 +64,7 @@ async def open_sim_run(cfg: VerstConfig, restarts: int = 0, *, sim: SimConfig) -
     with logger, SimFleetGroup(fleet_spec(cfg, sim), processes=sim.fleet_processes, log_dir=run_dir / "logs") as engines:
         urls = engines.urls
         manager = LocalRolloutManager(functools.partial(build_rollout_parts, cfg),
-                                      router=router_spec(cfg, cfg.cluster.num_engines))
+                                      router=logged_router_spec(cfg, cfg))
         trainer = SimTrainerRanks(SimBackend(sim.total_params, sim.bytes_per_param),
                                   sim.trainer_costs(cfg.cluster.trainer_ranks), clock)
         recorder = ScaleRecorder(cfg, sim, engines, manager, trainer)
