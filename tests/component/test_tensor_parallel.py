@@ -1,0 +1,128 @@
+"""Tensor parallelism on gloo ranks (float32): logprobs, entropy, loss, gradients and one step's updated weights
+equal the single-rank backend's, for tp 2 and dp 2 x tp 2, with a tied head (replicated) and an untied one
+(vocabulary-parallel logits)."""
+
+import json
+import multiprocessing
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from verst.config.schema import ModelConfig, TrainerConfig
+from verst.inference_client.ports import free_port
+from verst.models.factory import init_model
+from verst.trainer import ForwardOutputs, MicroBatch, TrainItem
+
+VOCAB = 256
+LENGTHS = [(5, 4), (9, 7), (3, 12), (20, 6), (4, 1), (2, 9), (7, 3), (6, 5)]
+TIMEOUT_S = 240
+# An RL learning rate. AdamW's first step moves each weight by about lr x sign(grad), so a gradient near zero
+# (1e-10, where float32 reduction order shows) may move either way: the gradients are compared on their own.
+LR = 1e-5
+
+
+def pg_loss(outputs: ForwardOutputs, batch: MicroBatch, normalizer: float):
+    per_token = -batch["advantages"] * outputs.logprobs * batch.loss_mask
+    return per_token.sum() / normalizer, {}
+
+
+def make_items() -> list[TrainItem]:
+    g = torch.Generator().manual_seed(5)
+    return [TrainItem(torch.randint(0, VOCAB, (p + r,), generator=g), r, torch.ones(r),
+                      {"advantages": torch.randn(r, generator=g)}, i) for i, (p, r) in enumerate(LENGTHS)]
+
+
+def _rank(rank: int, world: int, tp: int, port: int, model_path: str, out: str) -> None:
+    """One trainer rank: logprobs and entropy, one train step; rank 0 writes what it saw."""
+    import torch.distributed as dist
+
+    from verst.trainer import FSDP2Backend
+    from verst.trainer.distributed import init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
+    try:
+        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, tensor_parallel_size=tp)
+        backend = FSDP2Backend(ModelConfig(path=model_path), config, device="cpu")
+        items = make_items()
+        logprobs, entropy = backend.logprobs(items, with_entropy=True)
+        metrics = backend.train_step(items, pg_loss)
+        grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for name, p in backend.model.named_parameters() if p.grad is not None}
+        weights = {name: t.clone() for bucket in backend.named_weights(1 << 16) for name, t in bucket}
+        if rank == 0:
+            with open(out, "wb") as f:
+                pickle.dump({"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": grads,
+                             "weights": weights}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, tp: int, model_path, tmp_path) -> dict:
+    out = tmp_path / f"world{world}-tp{tp}.pkl"
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_rank, args=(rank, world, tp, port, str(model_path), str(out)))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join(TIMEOUT_S)
+        codes = [proc.exitcode for proc in procs]
+        assert codes == [0] * world, f"rank exit codes {codes}"
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+def untie(path):
+    """The checkpoint with its own LM head (a copy of the embedding, perturbed): a vocabulary-parallel head."""
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(path / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embed + 0.01 * torch.randn(embed.shape, generator=torch.Generator().manual_seed(1))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def model_path(request, tmp_path_factory):
+    path = init_model("qwen3", "tiny", tmp_path_factory.mktemp("tp") / "tiny-qwen3", seed=3)
+    return untie(path) if request.param == "untied" else path
+
+
+@pytest.fixture(scope="module")
+def single(model_path, tmp_path_factory):
+    return run_ranks(1, 1, model_path, tmp_path_factory.mktemp("single"))
+
+
+def assert_same(got: dict, want: dict, atol: float = 1e-5) -> None:
+    for name in ("logprobs", "entropy"):
+        for a, b in zip(got[name], want[name], strict=True):
+            torch.testing.assert_close(a, b, atol=atol, rtol=0)
+    assert got["metrics"]["train/loss"] == pytest.approx(want["metrics"]["train/loss"], abs=atol)
+    assert got["metrics"]["train/grad_norm"] == pytest.approx(want["metrics"]["train/grad_norm"], rel=atol)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, atol=atol, rtol=0, msg=name)
+    assert got["weights"].keys() == want["weights"].keys()
+    for name, weight in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], weight, atol=atol, rtol=0, msg=name)
+
+
+def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
+    assert_same(run_ranks(2, 2, model_path, tmp_path), single)
+
+
+@pytest.mark.slow
+def test_data_2_by_tensor_2_equals_one_rank(model_path, single, tmp_path):
+    assert_same(run_ranks(4, 2, model_path, tmp_path), single)
