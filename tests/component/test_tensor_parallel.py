@@ -34,8 +34,40 @@ def make_items() -> list[TrainItem]:
                       {"advantages": torch.randn(r, generator=g)}, i) for i, (p, r) in enumerate(LENGTHS)]
 
 
-def _rank(rank: int, world: int, tp: int, port: int, model_path: str, out: str) -> None:
-    """One trainer rank: logprobs and entropy, one train step; rank 0 writes what it saw."""
+def weights(backend) -> dict[str, torch.Tensor]:
+    """What weight sync sends: full tensors gathered bucket by bucket (64 KiB) from the shards."""
+    return {name: t.clone() for bucket in backend.named_weights(1 << 16) for name, t in bucket}
+
+
+def one_step(backend, directory: str) -> dict:
+    """Logprobs and entropy, one train step: its loss, gradients and updated weights."""
+    items = make_items()
+    logprobs, entropy = backend.logprobs(items, with_entropy=True)
+    metrics = backend.train_step(items, pg_loss)
+    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for name, p in backend.model.named_parameters() if p.grad is not None}
+    return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": grads, "weights": weights(backend)}
+
+
+def save_then_step(backend, directory: str) -> dict:
+    """One step, a checkpoint and an HF export, then a second step from it."""
+    backend.train_step(make_items(), pg_loss)
+    backend.save(f"{directory}/checkpoint")
+    backend.export_hf(f"{directory}/saved-hf")
+    backend.train_step(make_items(), pg_loss)
+    return {"weights": weights(backend)}
+
+
+def resume_then_step(backend, directory: str) -> dict:
+    """The checkpoint `save_then_step` wrote, loaded on this mesh, exported, and the same second step."""
+    backend.load(f"{directory}/checkpoint")
+    backend.export_hf(f"{directory}/resumed-hf")
+    backend.train_step(make_items(), pg_loss)
+    return {"weights": weights(backend)}
+
+
+def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, directory: str, out: str) -> None:
+    """One trainer rank running `job(backend, directory)`; rank 0 writes what it returned."""
     import torch.distributed as dist
 
     from verst.trainer import FSDP2Backend
@@ -45,26 +77,20 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, out: str) 
     init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
     try:
         config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, tensor_parallel_size=tp)
-        backend = FSDP2Backend(ModelConfig(path=model_path), config, device="cpu")
-        items = make_items()
-        logprobs, entropy = backend.logprobs(items, with_entropy=True)
-        metrics = backend.train_step(items, pg_loss)
-        grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                 for name, p in backend.model.named_parameters() if p.grad is not None}
-        weights = {name: t.clone() for bucket in backend.named_weights(1 << 16) for name, t in bucket}
+        result = job(FSDP2Backend(ModelConfig(path=model_path), config, device="cpu"), directory)
         if rank == 0:
             with open(out, "wb") as f:
-                pickle.dump({"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": grads,
-                             "weights": weights}, f)
+                pickle.dump(result, f)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, tp: int, model_path, tmp_path) -> dict:
-    out = tmp_path / f"world{world}-tp{tp}.pkl"
+def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None) -> dict:
+    out = tmp_path / f"{job.__name__}-world{world}-tp{tp}.pkl"
     port = free_port()
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(rank, world, tp, port, str(model_path), str(out)))
+    procs = [context.Process(target=_rank, args=(rank, world, tp, port, str(model_path), job,
+                                                 str(directory or tmp_path), str(out)))
              for rank in range(world)]
     for proc in procs:
         proc.start()
@@ -126,3 +152,18 @@ def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
 @pytest.mark.slow
 def test_data_2_by_tensor_2_equals_one_rank(model_path, single, tmp_path):
     assert_same(run_ranks(4, 2, model_path, tmp_path), single)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, model_path, tmp_path):
+    """Saved at dp (world / 2) x tp 2, resumed at dp 1 x tp 1 (DCP reshards): the same HF export, and the
+    next step's weights within 1e-6."""
+    saved = run_ranks(world, 2, model_path, tmp_path, save_then_step)
+    resumed = run_ranks(1, 1, model_path, tmp_path, resume_then_step)
+    exported, reloaded = load_file(tmp_path / "saved-hf/model.safetensors"), load_file(
+        tmp_path / "resumed-hf/model.safetensors")
+    assert exported.keys() == reloaded.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(reloaded[name], tensor), name
+    for name, weight in saved["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-6, rtol=0, msg=name)
