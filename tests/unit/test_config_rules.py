@@ -149,6 +149,8 @@ def test_tensor_parallel_trains_the_native_model_alone():
     assert load_config(None, [*TP2, "--model.impl", "native"]).trainer.tensor_parallel_size == 2
     with pytest.raises(ConfigError, match="model.impl = 'auto' on cluster.device = 'auto' trains transformers'"):
         load_config(None, TP2)
+    with pytest.raises(ConfigError, match="cannot combine with algorithm.true_on_policy = true"):
+        load_config(None, [*TP2, "--cluster.device", "cpu", "--algorithm.true-on-policy", "true"])
     with pytest.raises(ConfigError, match="cannot combine with algorithm.advantage_estimator = 'ppo'"):
         load_config(None, [*TP2, "--cluster.device", "cpu", "--algorithm.advantage-estimator", "ppo"])
 

@@ -82,6 +82,9 @@ def tensor_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, clust
     if lora.enabled:
         raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with lora.enabled = true: the plan "
                          "shards the base layers PEFT wraps")
+    if algorithm.true_on_policy:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.true_on_policy = true: "
+                         "split matmuls sum in another order than the engine's single forward")
     if algorithm.needs_critic:
         raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.advantage_estimator = "
                          f"{algorithm.advantage_estimator!r}: the critic's value head has no tensor-parallel plan")
