@@ -345,8 +345,10 @@ class FSDP2Backend:
 
     def _clip_gradients(self, model: torch.nn.Module, grad_clip: float) -> float:
         trained = [p for p in model.parameters() if p.requires_grad]
-        clip = torch.nn.utils.clip_grad_norm_ if self.tp == 1 else clip_grad_norm_across_meshes
-        norm = clip(trained, grad_clip)
+        if self.tp == 1:
+            norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip)
+        else:
+            norm = clip_grad_norm_across_meshes(trained, grad_clip, self.tp)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         value = float(norm.item())
