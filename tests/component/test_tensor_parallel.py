@@ -66,7 +66,8 @@ def resume_then_step(backend, directory: str) -> dict:
     return {"weights": weights(backend)}
 
 
-def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, directory: str, out: str) -> None:
+def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, directory: str, out: str,
+          impl: str = "auto") -> None:
     """One trainer rank running `job(backend, directory)`; rank 0 writes what it returned."""
     import torch.distributed as dist
 
@@ -77,7 +78,7 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, direc
     init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
     try:
         config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, tensor_parallel_size=tp)
-        result = job(FSDP2Backend(ModelConfig(path=model_path), config, device="cpu"), directory)
+        result = job(FSDP2Backend(ModelConfig(path=model_path, impl=impl), config, device="cpu"), directory)
         if rank == 0:
             with open(out, "wb") as f:
                 pickle.dump(result, f)
@@ -85,12 +86,12 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, direc
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None) -> dict:
-    out = tmp_path / f"{job.__name__}-world{world}-tp{tp}.pkl"
+def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None, impl="auto") -> dict:
+    out = tmp_path / f"{job.__name__}-world{world}-tp{tp}-{impl}.pkl"
     port = free_port()
     context = multiprocessing.get_context("spawn")
     procs = [context.Process(target=_rank, args=(rank, world, tp, port, str(model_path), job,
-                                                 str(directory or tmp_path), str(out)))
+                                                 str(directory or tmp_path), str(out), impl))
              for rank in range(world)]
     for proc in procs:
         proc.start()
@@ -147,6 +148,12 @@ def assert_same(got: dict, want: dict, atol: float = 1e-5) -> None:
 
 def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
     assert_same(run_ranks(2, 2, model_path, tmp_path), single)
+
+
+def test_transformers_model_at_tensor_parallel_2_equals_one_rank(model_path, tmp_path):
+    """The same plan on transformers' Qwen3 (its head kept whole), against transformers' model on one rank."""
+    want = run_ranks(1, 1, model_path, tmp_path, impl="transformers")
+    assert_same(run_ranks(2, 2, model_path, tmp_path, impl="transformers"), want)
 
 
 @pytest.mark.slow

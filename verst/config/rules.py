@@ -68,17 +68,15 @@ def tensor_parallel_divides_the_ranks(trainer: TrainerConfig, cluster: ClusterCo
                          f"{cluster.trainer_ranks}: the ranks form a data-parallel x tensor-parallel mesh")
 
 
-def tensor_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, cluster: ClusterConfig, lora: LoraConfig,
-                               algorithm: AlgorithmConfig) -> None:
-    """The tensor-parallel plan is written for verst's native model, whole weights trained, one policy."""
+def tensor_parallel_has_a_plan(trainer: TrainerConfig, lora: LoraConfig, algorithm: AlgorithmConfig) -> None:
+    """The tensor-parallel plan is written for the dense Llama / Qwen families (verst's native model or
+    transformers'), whole weights trained, one policy; a checkpoint of another class is refused when built."""
     tp = trainer.tensor_parallel_size
     if tp == 1:
         return
-    native = model.impl == "native" or (model.impl == "auto" and cluster.device == "cpu")
-    if not native:
-        raise ValueError(f"trainer.tensor_parallel_size = {tp} shards verst's native model; model.impl = "
-                         f"{model.impl!r} on cluster.device = {cluster.device!r} trains transformers' model: set "
-                         "model.impl = 'native' (or cluster.device = 'cpu')")
+    if algorithm.routing_replay != "off":
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.routing_replay = "
+                         f"{algorithm.routing_replay!r}: the plan is for dense models, not MoE")
     if lora.enabled:
         raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with lora.enabled = true: the plan "
                          "shards the base layers PEFT wraps")

@@ -1,9 +1,10 @@
-"""Tensor parallelism for verst's native causal LM: the Megatron column/row plan applied with torch's
-`parallelize_module` over the mesh's "tp" axis, before FSDP2 shards the result over "dp".
+"""Tensor parallelism for the dense Llama / Qwen causal LMs (verst's native model and transformers'): the
+Megatron column/row plan applied with torch's `parallelize_module` over the mesh's "tp" axis, before FSDP2
+shards the result over "dp".
 
 Per decoder layer, q/k/v and gate/up split their output features (whole heads, whole MLP columns) and
 o/down split their input features, so attention and the MLP each cost one all-reduce forward and one
-backward. The LM head splits the vocabulary (untied embeddings): its logits stay a DTensor sharded over
+backward. The native model's LM head splits the vocabulary (untied embeddings): its logits stay a DTensor sharded over
 the vocabulary and `vocab_parallel_logprobs` reduces them without any rank holding a full row. Norms and
 the embedding are replicated over "tp" (FSDP2 still shards them over "dp"); Qwen3's per-head q/k norms see
 only their rank's heads, so `sum_head_norm_grads` adds their gradients over "tp" after backward.
@@ -26,6 +27,11 @@ LAYER_PLAN = {
 }
 
 
+# Models whose layers carry the plan's names and count heads from the projections' widths (transformers' reshape
+# by -1, as the native model's): the dense Llama / Qwen2 / Qwen3 families.
+PLANNED_MODELS = frozenset({"NativeCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
 def trainer_mesh(device_type: str, world_size: int, tp: int) -> DeviceMesh:
     """All ranks on one axis (FSDP2 alone), or [dp, tp] named ("dp", "tp"): a tensor-parallel group holds
     consecutive ranks, which see the same micro-batches."""
@@ -46,15 +52,17 @@ def check_divisible(config: object, tp: int) -> None:
 
 
 def parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> bool:
-    """Apply the plan to `model` (a `NativeCausalLM`) in place. Returns whether the LM head is vocabulary-
-    parallel: only with untied embeddings (a tied head shares its weight with the replicated embedding)."""
-    if type(model).__name__ != "NativeCausalLM":
-        raise ValueError(f"trainer.tensor_parallel_size > 1 has a plan for verst's native model only, not "
-                         f"{type(model).__name__} (model.impl = 'native')")
+    """Apply the plan to `model` (one of `PLANNED_MODELS`) in place. Returns whether the LM head is vocabulary-
+    parallel: the native model's with untied embeddings (a tied head shares its weight with the replicated
+    embedding)."""
+    name = type(model).__name__
+    if name not in PLANNED_MODELS:
+        raise ValueError(f"trainer.tensor_parallel_size > 1 has a plan for {sorted(PLANNED_MODELS)}, not {name}")
     check_divisible(model.config, tp_mesh.size())
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, LAYER_PLAN)
-    vocab_parallel = not model.config.tie_word_embeddings
+    # transformers' model returns every position's logits, cut by a boolean mask afterwards: kept whole there
+    vocab_parallel = name == "NativeCausalLM" and not model.config.tie_word_embeddings
     if vocab_parallel:
         # [kept, hidden] replicated in, [kept, vocab] sharded over the vocabulary out (a DTensor)
         parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(),
