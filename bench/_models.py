@@ -13,6 +13,9 @@ KNOWN = ("smollm2",)
 SHAPES = {
     "smollm2-135m-shape": ("llama", {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                                      "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}),
+    # SmolLM2-135M's body with 8 query and 4 KV heads of 72 (the same width): its 9 and 3 heads do not split in 2
+    "smollm2-135m-8-heads-shape": ("llama", {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 72}),
     "qwen3-0.6b-shape": ("qwen3", {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}),
 }

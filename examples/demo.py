@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +54,13 @@ def make_artifacts(task: str = "addition") -> Path:
     return data_dir
 
 
-def rl_config(sft_run_dir: Path) -> VerstConfig:
-    """The GRPO recipe, starting from the SFT run's Hugging Face export."""
+def rl_config(sft_run_dir: Path, overrides: Sequence[str] = ()) -> VerstConfig:
+    """The GRPO recipe, starting from the SFT run's Hugging Face export; `overrides`: the command line's, for
+    the RL run (e.g. `--cluster.trainer-ranks 2 --trainer.tensor-parallel-size 2 --cluster.device cpu`)."""
     hf = sft_run_dir / "hf"
     if not (hf / "config.json").exists():
         raise FileNotFoundError(f"the SFT run exported no Hugging Face model at {hf} (checkpoint.export_hf off?)")
-    return load_config(RL_RECIPE, overrides=["--model.path", str(hf), *FRESH])
+    return load_config(RL_RECIPE, overrides=["--model.path", str(hf), *FRESH, *overrides])
 
 
 def check_rl_summary(summary: dict[str, Any]) -> tuple[float, float]:
@@ -80,7 +82,7 @@ def main() -> int:
     make_artifacts()
     sft_summary, sft_run_dir = run_sft(load_config(SFT_RECIPE, overrides=FRESH))
     sft_s = time.perf_counter() - start
-    cfg = rl_config(sft_run_dir)
+    cfg = rl_config(sft_run_dir, sys.argv[1:])
     if cfg.schedule != "fully_async":
         raise ValueError(f"{RL_RECIPE}: the demo runs the fully async schedule, got schedule = {cfg.schedule!r}")
     print(f"[demo] SFT warm start: held-out greedy accuracy {sft_summary['eval/accuracy_before']:.1%} -> "

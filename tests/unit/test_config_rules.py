@@ -23,6 +23,7 @@ from verst.config.rules import (
 
 REPO = Path(__file__).resolve().parents[2]
 ADAPTERS = ["--lora.enabled", "true", "--lora.adapters", "[{name: add}, {name: rev}]"]
+TP2 = ["--trainer.tensor-parallel-size", "2", "--cluster.trainer-ranks", "2"]
 VLLM = ["--cluster.engine", "vllm", "--sync.transport", "disk"]
 
 # rule -> (overrides that break it, what the message says)
@@ -35,6 +36,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "train_steps_split_across_ranks": (["--rollout.batch-size", "3", "--rollout.n-samples-per-prompt", "2",
                                         "--cluster.trainer-ranks", "4"],
                                        r"trainer.global_batch_size = 6 is not divisible by cluster.trainer_ranks = 4"),
+    "tensor_parallel_divides_the_ranks": (["--trainer.tensor-parallel-size", "3", "--cluster.trainer-ranks", "2"],
+                                          r"trainer.tensor_parallel_size = 3 does not divide cluster.trainer_ranks = 2"),
+    "tensor_parallel_has_a_plan": ([*TP2, "--lora.enabled", "true"],
+                                   r"trainer.tensor_parallel_size = 2 cannot combine with lora.enabled = true"),
     "over_sampling_covers_the_batch": (["--rollout.over-sampling-batch-size", "4"],
                                        r"rollout.over_sampling_batch_size = 4 is smaller than rollout.batch_size = 32"),
     "in_flight_holds_a_group": (["--rollout.max-in-flight", "4"],
@@ -136,6 +141,18 @@ def test_a_broken_rule_is_refused_by_field(rule, registries_restored):
     overrides, message = CASES[rule]
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_tensor_parallel_trains_a_dense_model_alone():
+    """The plan is for dense models, whole weights and one policy: each other case refused by name."""
+    assert load_config(None, TP2).trainer.tensor_parallel_size == 2
+    assert load_config(None, [*TP2, "--model.impl", "transformers"]).trainer.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="cannot combine with algorithm.routing_replay = 'replay'"):
+        load_config(None, [*TP2, "--algorithm.routing-replay", "replay"])
+    with pytest.raises(ConfigError, match="cannot combine with algorithm.true_on_policy = true"):
+        load_config(None, [*TP2, "--algorithm.true-on-policy", "true"])
+    with pytest.raises(ConfigError, match="cannot combine with algorithm.advantage_estimator = 'ppo'"):
+        load_config(None, [*TP2, "--algorithm.advantage-estimator", "ppo"])
 
 
 def test_rules_of_what_the_run_finds_at_start_up():

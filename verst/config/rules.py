@@ -61,6 +61,33 @@ def train_steps_split_across_ranks(rollout: RolloutConfig, trainer: TrainerConfi
                          f"{cluster.trainer_ranks}")
 
 
+def tensor_parallel_divides_the_ranks(trainer: TrainerConfig, cluster: ClusterConfig) -> None:
+    tp = trainer.tensor_parallel_size
+    if cluster.trainer_ranks % tp:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} does not divide cluster.trainer_ranks = "
+                         f"{cluster.trainer_ranks}: the ranks form a data-parallel x tensor-parallel mesh")
+
+
+def tensor_parallel_has_a_plan(trainer: TrainerConfig, lora: LoraConfig, algorithm: AlgorithmConfig) -> None:
+    """The tensor-parallel plan is written for the dense Llama / Qwen families (verst's native model or
+    transformers'), whole weights trained, one policy; a checkpoint of another class is refused when built."""
+    tp = trainer.tensor_parallel_size
+    if tp == 1:
+        return
+    if algorithm.routing_replay != "off":
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.routing_replay = "
+                         f"{algorithm.routing_replay!r}: the plan is for dense models, not MoE")
+    if lora.enabled:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with lora.enabled = true: the plan "
+                         "shards the base layers PEFT wraps")
+    if algorithm.true_on_policy:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.true_on_policy = true: "
+                         "split matmuls sum in another order than the engine's single forward")
+    if algorithm.needs_critic:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.advantage_estimator = "
+                         f"{algorithm.advantage_estimator!r}: the critic's value head has no tensor-parallel plan")
+
+
 def over_sampling_covers_the_batch(rollout: RolloutConfig) -> None:
     if rollout.over_sampling_batch_size is not None and rollout.over_sampling_batch_size < rollout.batch_size:
         raise ValueError(f"rollout.over_sampling_batch_size = {rollout.over_sampling_batch_size} is smaller than "
@@ -310,6 +337,7 @@ def every_adapter_is_a_valid_run(config: Section) -> None:
 
 RULES: tuple[Callable[..., None], ...] = (
     rollout_divides_into_train_steps, train_steps_take_whole_groups, train_steps_split_across_ranks,
+    tensor_parallel_divides_the_ranks, tensor_parallel_has_a_plan,
     over_sampling_covers_the_batch, in_flight_holds_a_group, context_leaves_room_for_a_prompt,
     fully_async_needs_disaggregated, fully_async_calls_no_rollout_fn, staleness_admission_needs_a_limit,
     staleness_admission_is_fully_async, restarts_need_checkpoints,

@@ -114,6 +114,10 @@ class TrainerConfig(Section):
         8192, ge=1, description="Token budget of one packed micro-batch per rank (dynamic batch size)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Trainer ranks that split each layer's weights (tensor parallel, dense Llama/Qwen models); "
+        "the other factor of cluster.trainer_ranks is FSDP2's data-parallel axis (docs/parallelism.md).",
+    )
     seed: int = Field(1234, ge=0, description="Seed of the trainer's RNGs.")
 
 

@@ -133,17 +133,19 @@ class Attention(nn.Module):
         """Causal self-attention over whole sequences, x [batch, seq, hidden] (transformers' sdpa path); `mask`
         [batch, 1, seq, seq] bool for rows holding several sequences (`sequence_mask`), None: causal."""
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        # heads counted from the projections: under tensor parallelism each rank holds a share of them
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
+        heads = q.shape[2]
         if getattr(self, "q_norm", None) is not None:
             q, k = rms_norm(q, self.q_norm), rms_norm(k, self.k_norm)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, dim]
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:  # each KV head serves `groups` query heads, as transformers' repeat_kv lays them out
-            k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, self.num_heads, seq, self.head_dim)
-            v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, self.num_heads, seq, self.head_dim)
+            k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, seq, self.head_dim)
+            v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, seq, self.head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
                                              scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from verst.config.adapters import adapter_lora_configs
 from verst.config.schema import CriticConfig, LoraConfig, ModelConfig, TrainerConfig
-from verst.models.scoring import token_logprobs
 from verst.trainer import lora as lora_mod
 from verst.trainer import persistence
 from verst.trainer.backend import Batch
@@ -42,6 +41,12 @@ from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_polic
 from verst.trainer.optim import build_optimizer
 from verst.trainer.routing import ROUTING_MODES, RoutingReplay
 from verst.trainer.sharding import build_sharded, full_buckets
+from verst.trainer.tensor_parallel import (
+    clip_grad_norm_across_meshes,
+    logprobs_and_entropy,
+    sum_head_norm_grads,
+    trainer_mesh,
+)
 from verst.types import WeightBucket
 
 
@@ -105,7 +110,10 @@ class FSDP2Backend:
         self._writing: persistence.BackgroundSave | None = None  # a background save in progress
         self._checkpoint_group = None  # its own process group: the write's collectives run in a thread
         self._stager = None  # its copy of the shards, in a thread: the model waits for it before it changes
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # ranks [dp, tp]: a tensor-parallel group holds consecutive ranks and sees the same micro-batches
+        self.tp = trainer.tensor_parallel_size
+        self.mesh = trainer_mesh(self.device.type, self.world_size, self.tp)
+        self.dp, self.dp_rank = self.world_size // self.tp, self.rank // self.tp
         # Python objects (metrics, logprob dicts) travel over gloo even when tensors use NCCL.
         self._object_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
         self.model = self._build(model.path, trainable=True)
@@ -162,7 +170,7 @@ class FSDP2Backend:
     def _my_micro_batches(self, items: list[TrainItem]) -> list[list[int]]:
         """This rank's share in micro-batches; every rank ends with the same number of them."""
         lengths = [it.length for it in items]
-        share = balance_across_ranks(lengths, self.world_size)[self.rank]
+        share = balance_across_ranks(lengths, self.dp)[self.dp_rank]
         if self.per_sequence:  # each sequence alone, unpadded: the forward the engine scores with
             bins = [[index] for index in share]
         else:
@@ -181,11 +189,9 @@ class FSDP2Backend:
             else contextlib.nullcontext()
         with routing:
             logits = kept_outputs(model, batch)  # [n_resp_tokens, vocab]
-        # [n_resp_tokens], [n_resp_tokens, vocab]
-        chosen, log_probs = token_logprobs(logits, batch.targets, self.temperature)
-        entropy = None
-        if with_entropy:
-            entropy = batch.pad_responses(-(log_probs.exp() * log_probs).sum(-1))
+        # [n_resp_tokens] each; the logits a DTensor where the LM head is vocabulary-parallel
+        chosen, entropy = logprobs_and_entropy(logits, batch.targets, self.temperature, with_entropy)
+        entropy = batch.pad_responses(entropy) if entropy is not None else None
         return ForwardOutputs(logprobs=batch.pad_responses(chosen), entropy=entropy)
 
     # ---- forward-only logprobs -----------------------------------------------------------
@@ -290,12 +296,16 @@ class FSDP2Backend:
                 (_any_output(outputs).sum() * 0.0).backward()
                 continue
             loss, metrics = loss_fn(outputs, micro, total)
-            # FSDP averages gradients over ranks; the losses are already global sums, so undo it.
-            (loss * self.world_size).backward()
+            # FSDP averages gradients over the data-parallel ranks; the losses are already global sums, so undo it.
+            # a vocabulary-parallel head's log-softmax backward is torch's loss_parallel too
+            with loss_parallel() if self.tp > 1 else contextlib.nullcontext():
+                (loss * self.dp).backward()
             loss_sum += loss.detach()
             weight = float(normalizer(micro.loss_mask)) / total
             for key, value in metrics.items():
                 combine_metric(metric_sums, key, float(value), weight)
+        if self.tp > 1:
+            sum_head_norm_grads(model, self.mesh["tp"])
         grad_norm = self._clip_gradients(model, grad_clip)
         lr = scheduler.get_last_lr()[self._active_group() if policy else 0]
         optimizer.step()  # parameters without a gradient (inactive adapters) are left as they are
@@ -306,7 +316,7 @@ class FSDP2Backend:
         local = {**_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
         parts = self._gather_objects((local, time.perf_counter() - start))
         metrics: dict[str, float] = {}
-        for part, _ in parts:
+        for part, _ in parts[::self.tp]:  # one rank per tensor-parallel group: its others computed the same
             for key, value in part.items():
                 combine_metric(metrics, key, value, 1.0)  # each rank's part is already weighted
         tokens_per_s = sum(it.length for it in items) / max(elapsed for _, elapsed in parts)
@@ -325,7 +335,7 @@ class FSDP2Backend:
         did not make in this step's forwards, over all ranks (collective)."""
         if self._routing is None:
             return {}
-        counts = self._gather_objects(self._routing.take_counts())
+        counts = self._gather_objects(self._routing.take_counts())[::self.tp]
         mismatched, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
         return {"train/routing_mismatch_rate": mismatched / total} if total else {}
 
@@ -335,7 +345,10 @@ class FSDP2Backend:
 
     def _clip_gradients(self, model: torch.nn.Module, grad_clip: float) -> float:
         trained = [p for p in model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip)
+        if self.tp == 1:
+            norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip)
+        else:
+            norm = clip_grad_norm_across_meshes(trained, grad_clip, self.tp)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         value = float(norm.item())

@@ -143,16 +143,17 @@ def _record_write(directory: Path, rank: int, writing: Future) -> None:
 def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, critic: Critic | None = None) -> int:
     """Collective. Restores everything `save` wrote and returns the step; with `critic`, also PPO's value
-    model and its optimizer (a checkpoint without them is refused)."""
+    model and its optimizer (a checkpoint without them is refused). Saved by another number of ranks (or
+    another data x tensor-parallel mesh), DCP reshards the state onto this one; per-rank RNG states then stay
+    as the ranks seeded them."""
     if not (directory / COMPLETE_MARKER).exists():
         raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint (no {COMPLETE_MARKER} file)")
     state = torch.load(directory / STATE_FILE, weights_only=False)
     world_size = dist.get_world_size()
-    if state["world_size"] != world_size:
-        raise ValueError(
-            f"checkpoint {directory} was saved by {state['world_size']} ranks, this trainer has {world_size}; "
-            "per-rank RNG state cannot be restored exactly"
-        )
+    resharded = state["world_size"] != world_size
+    if resharded:  # DCP reshards the weights and optimizer state; RNG state belongs to the ranks that saved it
+        log.warning("checkpoint %s was saved by %d ranks, this trainer has %d: weights and optimizer state are "
+                    "resharded, each rank keeps its own seeded RNG state", directory, state["world_size"], world_size)
     if critic is not None and "critic_scheduler" not in state:
         raise ValueError(f"checkpoint {directory} holds no value model (it was not saved by a PPO run); "
                          "algorithm.advantage_estimator = 'ppo' resumes only from a PPO run's checkpoint")
@@ -170,7 +171,8 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         set_state_dict(critic.model, critic.optimizer, model_state_dict=shards["critic"],
                        optim_state_dict=shards["critic_optimizer"])
         critic.scheduler.load_state_dict(state["critic_scheduler"])
-    _set_rng_state(torch.load(directory / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    if not resharded:
+        _set_rng_state(torch.load(directory / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     dist.barrier()
     return int(state["step"])
 

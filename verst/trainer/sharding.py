@@ -1,5 +1,6 @@
-"""A model as FSDP2 shards it: read on every rank, LoRA adapters added, each transformer block and then the
-whole model passed to `fully_shard` over a one-dimensional mesh; and full tensors gathered back in buckets.
+"""A model as FSDP2 shards it: read on every rank, LoRA adapters added, split by the tensor-parallel plan over
+the mesh's "tp" axis where it has one, each transformer block and then the whole model passed to `fully_shard`
+over the data-parallel axis; and full tensors gathered back in buckets.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from verst.config.schema import LoraConfig, ModelConfig
 from verst.models.native import load_causal_lm
 from verst.trainer import lora as lora_mod
 from verst.trainer.critic import add_value_head
+from verst.trainer.tensor_parallel import parallelize
 from verst.types import WeightBucket
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,7 +28,8 @@ def build_sharded(path: str, model_cfg: ModelConfig, mesh: DeviceMesh, *, traina
     """The model at `path`, sharded over `mesh`. Every rank reads the checkpoint and keeps only its shard after
     fully_shard. Parameters are float32 master weights whatever the compute dtype (`model_cfg.dtype`). `impl`
     auto on CUDA keeps transformers' model, whose flash attention takes packed sequences; on CPU the native one
-    skips transformers' import. `value_head`: PPO's critic; `lora`: adapters on it (the base frozen)."""
+    skips transformers' import. `value_head`: PPO's critic; `lora`: adapters on it (the base frozen). A mesh
+    with dims ("dp", "tp") applies the tensor-parallel plan over "tp" first (`verst.trainer.tensor_parallel`)."""
     impl = model_cfg.impl
     if impl == "auto" and mesh.device_type != "cpu":
         impl = "transformers"
@@ -38,6 +41,9 @@ def build_sharded(path: str, model_cfg: ModelConfig, mesh: DeviceMesh, *, traina
         enable_activation_checkpointing(model)
     if lora is not None:
         model = lora_mod.add_adapters(model, lora, adapters or {})  # the base frozen; FSDP2 shards it
+    if mesh.mesh_dim_names == ("dp", "tp"):
+        parallelize(model, mesh["tp"])
+        mesh = mesh["dp"]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[model_cfg.dtype], reduce_dtype=torch.float32)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     if not block_names:

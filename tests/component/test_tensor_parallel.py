@@ -1,0 +1,177 @@
+"""Tensor parallelism on gloo ranks (float32): logprobs, entropy, loss, gradients and one step's updated weights
+equal the single-rank backend's, for tp 2 and dp 2 x tp 2 (native model) and tp 2 (transformers' model), with a
+tied head (replicated) and an untied one (vocabulary-parallel logits); a checkpoint saved at tp 2 resumes on
+one rank."""
+
+import json
+import multiprocessing
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from verst.config.schema import ModelConfig, TrainerConfig
+from verst.inference_client.ports import free_port
+from verst.models.factory import init_model
+from verst.trainer import ForwardOutputs, MicroBatch, TrainItem
+
+VOCAB = 256
+LENGTHS = [(5, 4), (9, 7), (3, 12), (20, 6), (4, 1), (2, 9), (7, 3), (6, 5)]
+TIMEOUT_S = 240
+# An RL learning rate. AdamW's first step moves each weight by about lr x sign(grad), so a gradient near zero
+# (1e-10, where float32 reduction order shows) may move either way: the gradients are compared on their own.
+LR = 1e-5
+
+
+def pg_loss(outputs: ForwardOutputs, batch: MicroBatch, normalizer: float):
+    per_token = -batch["advantages"] * outputs.logprobs * batch.loss_mask
+    return per_token.sum() / normalizer, {}
+
+
+def make_items() -> list[TrainItem]:
+    g = torch.Generator().manual_seed(5)
+    return [TrainItem(torch.randint(0, VOCAB, (p + r,), generator=g), r, torch.ones(r),
+                      {"advantages": torch.randn(r, generator=g)}, i) for i, (p, r) in enumerate(LENGTHS)]
+
+
+def weights(backend) -> dict[str, torch.Tensor]:
+    """What weight sync sends: full tensors gathered bucket by bucket (64 KiB) from the shards."""
+    return {name: t.clone() for bucket in backend.named_weights(1 << 16) for name, t in bucket}
+
+
+def one_step(backend, directory: str) -> dict:
+    """Logprobs and entropy, one train step: its loss, gradients and updated weights."""
+    items = make_items()
+    logprobs, entropy = backend.logprobs(items, with_entropy=True)
+    metrics = backend.train_step(items, pg_loss)
+    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for name, p in backend.model.named_parameters() if p.grad is not None}
+    return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": grads, "weights": weights(backend)}
+
+
+def save_then_step(backend, directory: str) -> dict:
+    """One step, a checkpoint and an HF export, then a second step from it."""
+    backend.train_step(make_items(), pg_loss)
+    backend.save(f"{directory}/checkpoint")
+    backend.export_hf(f"{directory}/saved-hf")
+    backend.train_step(make_items(), pg_loss)
+    return {"weights": weights(backend)}
+
+
+def resume_then_step(backend, directory: str) -> dict:
+    """The checkpoint `save_then_step` wrote, loaded on this mesh, exported, and the same second step."""
+    backend.load(f"{directory}/checkpoint")
+    backend.export_hf(f"{directory}/resumed-hf")
+    backend.train_step(make_items(), pg_loss)
+    return {"weights": weights(backend)}
+
+
+def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, directory: str, out: str,
+          impl: str = "auto") -> None:
+    """One trainer rank running `job(backend, directory)`; rank 0 writes what it returned."""
+    import torch.distributed as dist
+
+    from verst.trainer import FSDP2Backend
+    from verst.trainer.distributed import init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
+    try:
+        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, tensor_parallel_size=tp)
+        result = job(FSDP2Backend(ModelConfig(path=model_path, impl=impl), config, device="cpu"), directory)
+        if rank == 0:
+            with open(out, "wb") as f:
+                pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None, impl="auto") -> dict:
+    out = tmp_path / f"{job.__name__}-world{world}-tp{tp}-{impl}.pkl"
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_rank, args=(rank, world, tp, port, str(model_path), job,
+                                                 str(directory or tmp_path), str(out), impl))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join(TIMEOUT_S)
+        codes = [proc.exitcode for proc in procs]
+        assert codes == [0] * world, f"rank exit codes {codes}"
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+def untie(path):
+    """The checkpoint with its own LM head (a copy of the embedding, perturbed): a vocabulary-parallel head."""
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(path / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embed + 0.01 * torch.randn(embed.shape, generator=torch.Generator().manual_seed(1))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def model_path(request, tmp_path_factory):
+    path = init_model("qwen3", "tiny", tmp_path_factory.mktemp("tp") / "tiny-qwen3", seed=3)
+    return untie(path) if request.param == "untied" else path
+
+
+@pytest.fixture(scope="module")
+def single(model_path, tmp_path_factory):
+    return run_ranks(1, 1, model_path, tmp_path_factory.mktemp("single"))
+
+
+def assert_same(got: dict, want: dict, atol: float = 1e-5) -> None:
+    for name in ("logprobs", "entropy"):
+        for a, b in zip(got[name], want[name], strict=True):
+            torch.testing.assert_close(a, b, atol=atol, rtol=0)
+    assert got["metrics"]["train/loss"] == pytest.approx(want["metrics"]["train/loss"], abs=atol)
+    assert got["metrics"]["train/grad_norm"] == pytest.approx(want["metrics"]["train/grad_norm"], rel=atol)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, atol=atol, rtol=0, msg=name)
+    assert got["weights"].keys() == want["weights"].keys()
+    for name, weight in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], weight, atol=atol, rtol=0, msg=name)
+
+
+def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
+    assert_same(run_ranks(2, 2, model_path, tmp_path), single)
+
+
+def test_transformers_model_at_tensor_parallel_2_equals_one_rank(model_path, tmp_path):
+    """The same plan on transformers' Qwen3 (its head kept whole), against transformers' model on one rank."""
+    want = run_ranks(1, 1, model_path, tmp_path, impl="transformers")
+    assert_same(run_ranks(2, 2, model_path, tmp_path, impl="transformers"), want)
+
+
+@pytest.mark.slow
+def test_data_2_by_tensor_2_equals_one_rank(model_path, single, tmp_path):
+    assert_same(run_ranks(4, 2, model_path, tmp_path), single)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, model_path, tmp_path):
+    """Saved at dp (world / 2) x tp 2, resumed at dp 1 x tp 1 (DCP reshards): the same HF export, and the
+    next step's weights within 1e-6."""
+    saved = run_ranks(world, 2, model_path, tmp_path, save_then_step)
+    resumed = run_ranks(1, 1, model_path, tmp_path, resume_then_step)
+    exported, reloaded = load_file(tmp_path / "saved-hf/model.safetensors"), load_file(
+        tmp_path / "resumed-hf/model.safetensors")
+    assert exported.keys() == reloaded.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(reloaded[name], tensor), name
+    for name, weight in saved["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-6, rtol=0, msg=name)

@@ -1,0 +1,130 @@
+"""Tensor parallelism for the dense Llama / Qwen causal LMs (verst's native model and transformers'): the
+Megatron column/row plan applied with torch's `parallelize_module` over the mesh's "tp" axis, before FSDP2
+shards the result over "dp".
+
+Per decoder layer, q/k/v and gate/up split their output features (whole heads, whole MLP columns) and
+o/down split their input features, so attention and the MLP each cost one all-reduce forward and one
+backward. The native model's LM head splits the vocabulary (untied embeddings): its logits stay a DTensor sharded over
+the vocabulary and `vocab_parallel_logprobs` reduces them without any rank holding a full row. Norms and
+the embedding are replicated over "tp" (FSDP2 still shards them over "dp"); Qwen3's per-head q/k norms see
+only their rank's heads, so `sum_head_norm_grads` adds their gradients over "tp" after backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+
+from verst.models.scoring import token_logprobs
+
+LAYER_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+}
+
+
+# Models whose layers carry the plan's names and count heads from the projections' widths (transformers' reshape
+# by -1, as the native model's): the dense Llama / Qwen2 / Qwen3 families.
+PLANNED_MODELS = frozenset({"NativeCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+def trainer_mesh(device_type: str, world_size: int, tp: int) -> DeviceMesh:
+    """All ranks on one axis (FSDP2 alone), or [dp, tp] named ("dp", "tp"): a tensor-parallel group holds
+    consecutive ranks, which see the same micro-batches."""
+    if world_size % tp:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} does not divide the {world_size} trainer ranks")
+    if tp == 1:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def check_divisible(config: object, tp: int) -> None:
+    """Whole heads and whole MLP columns on each rank; the message names the count that does not split."""
+    counts = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+              "intermediate_size": config.intermediate_size}
+    for name, count in counts.items():
+        if count % tp:
+            raise ValueError(f"trainer.tensor_parallel_size = {tp} does not divide the model's {name} = {count}")
+
+
+def parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> bool:
+    """Apply the plan to `model` (one of `PLANNED_MODELS`) in place. Returns whether the LM head is vocabulary-
+    parallel: the native model's with untied embeddings (a tied head shares its weight with the replicated
+    embedding)."""
+    name = type(model).__name__
+    if name not in PLANNED_MODELS:
+        raise ValueError(f"trainer.tensor_parallel_size > 1 has a plan for {sorted(PLANNED_MODELS)}, not {name}")
+    check_divisible(model.config, tp_mesh.size())
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, LAYER_PLAN)
+    # transformers' model returns every position's logits, cut by a boolean mask afterwards: kept whole there
+    vocab_parallel = name == "NativeCausalLM" and not model.config.tie_word_embeddings
+    if vocab_parallel:
+        # [kept, hidden] replicated in, [kept, vocab] sharded over the vocabulary out (a DTensor)
+        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(),
+                                                                         output_layouts=Shard(-1),
+                                                                         use_local_output=False)})
+    return vocab_parallel
+
+
+HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+
+
+def sum_head_norm_grads(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The per-head norms' gradients summed over the tensor-parallel ranks (each saw a share of the heads);
+    after FSDP2's reduction over "dp", on each rank's data-parallel shard."""
+    for name, param in model.named_parameters():
+        if name.endswith(HEAD_NORMS) and param.grad is not None:
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, group=tp_mesh.get_group())
+
+
+def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                         with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(target) [n] and, if asked, the entropy [n] from `logits` [n, vocab]: a whole row per rank, or a
+    DTensor sharded over the vocabulary (`vocab_parallel_logprobs`)."""
+    if isinstance(logits, DTensor):
+        return vocab_parallel_logprobs(logits, targets, temperature, with_entropy)
+    chosen, log_probs = token_logprobs(logits, targets, temperature)  # [n], [n, vocab]
+    return chosen, -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+
+
+def vocab_parallel_logprobs(logits: DTensor, targets: torch.Tensor, temperature: float,
+                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(target) [n] and, if asked, the entropy [n] from `logits` [n, vocab] sharded over the vocabulary:
+    the log-softmax's max and sum reduced across ranks (torch's `loss_parallel`), never a whole row on one rank."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    with loss_parallel():
+        log_probs = torch.log_softmax(logits, dim=-1)  # DTensor [n, vocab], sharded over the vocabulary
+        chosen = -torch.nn.functional.nll_loss(log_probs, targets, reduction="none")
+    entropy = None
+    if with_entropy:
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        entropy = entropy.full_tensor() if isinstance(entropy, DTensor) else entropy
+    chosen = chosen.full_tensor() if isinstance(chosen, DTensor) else chosen
+    return chosen, entropy
+
+
+def clip_grad_norm_across_meshes(params: list[torch.Tensor], max_norm: float, tp: int) -> torch.Tensor:
+    """torch's `clip_grad_norm_` for parameters on two meshes ("dp", and "dp" x "tp"), whose DTensors torch's
+    total norm cannot stack. Collective (one all-reduce): each rank's squared local shards, a shard replicated
+    over "tp" counted 1/tp times on each of its ranks."""
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    for grad in grads:
+        split_over_tp = isinstance(grad, DTensor) and "tp" in (grad.device_mesh.mesh_dim_names or ())
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        squares += local.float().pow(2).sum() * (1.0 if split_over_tp else 1.0 / tp)
+    dist.all_reduce(squares)
+    norm = squares.sqrt()
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))  # clip_grads_with_norm_'s coefficient
+    if scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+    return norm
