@@ -141,3 +141,12 @@ def test_a_killed_driver_leaves_no_sandbox_process(tmp_path):
         driver.kill()
         driver.wait()
         shutil.rmtree(workspace, ignore_errors=True)
+
+
+def test_no_user_namespaces_is_refused_by_name(monkeypatch):
+    import verst.sandbox.local as local
+
+    failed = subprocess.CompletedProcess([], 1, "", "bwrap: No permissions to create new namespace")
+    monkeypatch.setattr(local.subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(SandboxError, match="bubblewrap cannot run here.*No permissions.*no unsandboxed fallback"):
+        BubblewrapProvider()
