@@ -22,6 +22,7 @@ import verst
 LAYERS = {
     "types": (0, 0), "config": (0, 1),  # the config's sampling section extends types' SamplingKnobs
     "algo": (1, 0), "data": (1, 0), "rewards": (1, 0), "monitor": (1, 0), "models": (1, 0),
+    "sandbox": (1, 0),  # isolated places to run an agent's commands
     "inference_client": (2, 0),
     "engine": (2, 1), "engine_kinds": (2, 1), "router": (2, 1), "session": (2, 1), "trainer": (2, 1), "sync": (2, 1),
     "rollout": (2, 2),

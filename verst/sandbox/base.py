@@ -1,0 +1,41 @@
+"""The sandbox protocol: start from a task's files, exec with a time limit, read and write files, close."""
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+
+class SandboxError(RuntimeError):
+    """A sandbox could not be started or used as asked."""
+
+
+class Lifetime(str, Enum):
+    """How long one sandbox lives, chosen in the recipe: one per trajectory, per group or per run."""
+
+    TRAJECTORY = "trajectory"
+    GROUP = "group"
+    RUN = "run"
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """One command's outcome: exit code, captured output (capped), and whether a limit ended it."""
+
+    exit_code: int
+    output: str
+    timed_out: bool = False
+    truncated: bool = False
+
+
+class Sandbox(Protocol):
+    def exec(self, command: str, timeout_s: float) -> ExecResult: ...
+
+    def read_file(self, path: str) -> str: ...
+
+    def write_file(self, path: str, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SandboxProvider(Protocol):
+    def start(self, files: dict[str, str]) -> Sandbox: ...

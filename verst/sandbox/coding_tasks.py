@@ -1,0 +1,74 @@
+"""Terminal-use coding tasks from templates, seeded, with held-out splits, graded in a sandbox.
+
+A task is a few files of a small Python project plus a test file; `solution` holds the files that solve it
+(what a scripted teacher writes). The grade is the fraction of test functions passing, run in the sandbox by
+a small runner with the system interpreter (no pytest needed inside).
+"""
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+from verst.sandbox.base import Sandbox
+
+RUNNER = """import importlib, sys, traceback
+sys.dont_write_bytecode = True
+sys.path.insert(0, '.')
+tests = importlib.import_module('test_project')
+names = [n for n in dir(tests) if n.startswith('test_')]
+passed = 0
+for name in names:
+    try:
+        getattr(tests, name)(); passed += 1
+    except Exception:
+        traceback.print_exc(limit=1)
+print(f'PASSED {passed}/{len(names)}')
+"""
+
+OPERATIONS = {"add": ("a + b", "a - b"), "multiply": ("a * b", "a + b"), "subtract": ("a - b", "a + b"),
+              "maximum": ("a if a > b else b", "a if a < b else b")}
+
+
+@dataclass(frozen=True)
+class CodingTask:
+    name: str
+    kind: str  # "fix" (a bug to fix) or "write" (a function to write)
+    prompt: str
+    files: dict[str, str]
+    solution: dict[str, str]
+
+
+def reference(op: str, a: int, b: int) -> int:
+    return {"add": a + b, "multiply": a * b, "subtract": a - b, "maximum": max(a, b)}[op]
+
+
+def make_task(op: str, kind: str, rng: random.Random) -> CodingTask:
+    right, wrong = OPERATIONS[op]
+    cases = [(rng.randint(-9, 9), rng.randint(-9, 9)) for _ in range(4)]
+    tests = "from project import " + op + "\n\n" + "".join(
+        f"\ndef test_{op}_{i}():\n    assert {op}({a}, {b}) == {reference(op, a, b)}\n" for i, (a, b) in enumerate(cases))
+    solved = f"def {op}(a, b):\n    return {right}\n"
+    broken = f"def {op}(a, b):\n    return {wrong}\n" if kind == "fix" else f"def {op}(a, b):\n    raise NotImplementedError\n"
+    verb = "Fix the bug in" if kind == "fix" else "Write"
+    return CodingTask(f"{kind}-{op}-{hashlib.sha1(tests.encode()).hexdigest()[:8]}", kind,
+                      f"{verb} `{op}(a, b)` in project.py so that the tests in test_project.py pass.",
+                      {"project.py": broken, "test_project.py": tests, "run_tests.py": RUNNER}, {"project.py": solved})
+
+
+def generate(split: str, count: int, seed: int = 0) -> list[CodingTask]:
+    """`count` tasks of a split: "train" uses add, multiply and subtract; "heldout" holds maximum out."""
+    ops = {"train": ["add", "multiply", "subtract"], "heldout": ["maximum"]}.get(split)
+    if ops is None:
+        raise ValueError(f"unknown split {split!r}: expected 'train' or 'heldout'")
+    rng = random.Random(f"{split}:{seed}")
+    return [make_task(rng.choice(ops), rng.choice(["fix", "write"]), rng) for _ in range(count)]
+
+
+def grade(sandbox: Sandbox, timeout_s: float = 20) -> float:
+    """The fraction of the task's tests that pass in the sandbox as it is now."""
+    result = sandbox.exec("/usr/bin/python3 -B run_tests.py", timeout_s)
+    last = result.output.strip().splitlines()[-1] if result.output.strip() else ""
+    if not last.startswith("PASSED "):
+        return 0.0
+    passed, total = (int(n) for n in last.removeprefix("PASSED ").split("/"))
+    return passed / total if total else 0.0

