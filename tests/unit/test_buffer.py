@@ -212,3 +212,28 @@ def test_filters_registry_import_paths_and_return_type():
     single = ZeroStdFilter()
     assert single(make_group(0, rewards=(1.0,))) is False
     assert single.metrics() == {"rollout/zero_std_groups_dropped_total": 1.0}
+
+
+def _with_length(group, length):
+    for s in group:
+        s.tokens, s.response_length = [1] * (length + 1), length
+        s.loss_mask, s.rollout_logprobs = [1] * length, [-0.1] * length
+    return group
+
+
+def test_stale_drops_are_counted_per_length_bucket_and_survive_a_checkpoint():
+    async def go():
+        buf = FifoBuffer(8, max_staleness=0)
+        # two long groups (100 and 128 tokens -> bucket 128) and one short (3 -> 4) go stale; one fresh stays.
+        for gi, (length, version) in enumerate([(100, "0"), (3, "0"), (128, "1"), (5, "2")]):
+            await buf.put(_with_length(make_group(gi, versions=(version,)), length))
+        taken = await buf.take(1, current_version=2)
+        restored = FifoBuffer(8, max_staleness=0)
+        restored.load_state_dict(buf.state_dict())
+        return taken, buf.metrics(), restored.metrics()
+
+    taken, m, restored = run(go())
+    assert [g[0].group_index for g in taken] == [3]
+    assert m["buffer/dropped_stale_len_le_128_total"] == 2 and m["buffer/dropped_stale_len_le_4_total"] == 1
+    assert "buffer/dropped_stale_len_le_8_total" not in m
+    assert restored["buffer/dropped_stale_len_le_128_total"] == 2

@@ -18,6 +18,7 @@ from verst.monitor.report_data import (
     load_run,
     samples_per_s,
     split_constant,
+    stale_drops_by_length,
     startup_phases,
     time_breakdown,
     unit_of,
@@ -198,3 +199,10 @@ def test_overlay_names_runs_apart_and_refuses_missing_dirs(tmp_path, capsys):
     assert [t["name"] for t in figures_of(page)["score-steps"]["data"]] == ["x/run", "y/run"]
     assert main(["report", str(a), str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_stale_drops_by_length_reads_the_last_count_of_each_bucket():
+    records = [{"step": 1, "buffer/dropped_stale_len_le_128_total": 1.0, "buffer/dropped_stale_len_le_8_total": 0.0},
+               {"step": 2, "buffer/dropped_stale_len_le_128_total": 3.0, "buffer/dropped_stale_len_le_8_total": 1.0}]
+    run = Run("s", None, records, build_series(records), {}, {})
+    assert stale_drops_by_length(run) == [(8, 1.0), (128, 3.0)]

@@ -276,6 +276,16 @@ def _sum(run: Run, *keys: str) -> float:
     return sum(s.values) if s is not None else 0.0
 
 
+STALE_BY_LENGTH = re.compile(r"^buffer/dropped_stale_len_le_(\d+)_total$")
+
+
+def stale_drops_by_length(run: Run) -> list[tuple[int, float]]:
+    """Groups dropped as stale per length bucket, [(longest response at most, groups)], shortest first;
+    a length bias from staleness (long trajectories going stale first) shows as weight on the right."""
+    buckets = [(int(m.group(1)), s.values[-1]) for k, s in run.series.items() if (m := STALE_BY_LENGTH.match(k))]
+    return sorted(buckets)
+
+
 def funnel(run: Run) -> list[tuple[str, float]] | None:
     """Groups produced, each drop by reason, and groups trained on: [(stage, groups)], first the number
     produced, last the number trained; None when the run logged no rollout counts (SFT)."""

@@ -13,6 +13,7 @@ from verst.monitor.report_data import (
     funnel,
     part_threads,
     samples_per_s,
+    stale_drops_by_length,
     startup_phases,
     thin,
     time_breakdown,
@@ -225,6 +226,14 @@ def data_panels(runs: list[Run]) -> list[Panel]:
         panels.append(Panel("funnel", "Groups: produced → trained on", {"data": traces, "layout": layout(
             "", "groups", height=340, hovermode="closest", barmode="group")},
             "; ".join(notes) or "buffer/dropped_* and rollout/*_groups", wide=True))
+    by_length = [(i, r, b) for i, r in enumerate(runs) if (b := stale_drops_by_length(r))]
+    if by_length:
+        traces = [{"type": "bar", "x": [f"≤{n}" for n, _ in b], "y": [g for _, g in b], "name": r.name,
+                   "marker": {"color": colour(i, i, len(runs))}} for i, r, b in by_length]
+        panels.append(Panel("stale-by-length", "Groups dropped as stale, by longest response (tokens)",
+                            {"data": traces, "layout": layout("", "groups", height=300, hovermode="closest",
+                                                              barmode="group")},
+                            "buffer/dropped_stale_len_le_<tokens>_total"))
     stale = lines(runs, [("mean", "buffer/staleness_mean"), ("max", "buffer/staleness_max")], smooth=False)
     if stale:
         panels.append(_panel("staleness", "Staleness of the groups trained on", stale, "buffer/staleness_mean",

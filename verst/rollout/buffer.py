@@ -74,6 +74,8 @@ class FifoBuffer:
         self._changed = asyncio.Condition()
         self._last_version: int | None = None
         self._dropped = {"aborted": 0, "filtered": 0, "stale": 0}
+        # (reason, length bucket) -> groups: a length bias in the drops (long groups go stale first) shows here
+        self._dropped_by_length: collections.Counter[tuple[str, int]] = collections.Counter()
         self._unversioned = 0
         self._consumed_staleness: list[int] = []  # of the groups returned by the last take
         self._put_wait_s = 0.0
@@ -132,6 +134,10 @@ class FifoBuffer:
             "buffer/dropped_aborted_total": float(self._dropped["aborted"]),
             "buffer/dropped_filtered_total": float(self._dropped["filtered"]),
             "buffer/dropped_stale_total": float(self._dropped["stale"]),
+            **{
+                f"buffer/dropped_{reason}_len_le_{bucket}_total": float(count)
+                for (reason, bucket), count in sorted(self._dropped_by_length.items())
+            },
             "buffer/unversioned_groups_total": float(self._unversioned),
             "buffer/staleness_mean": _mean(self._consumed_staleness),
             "buffer/staleness_max": float(max(self._consumed_staleness, default=0)),
@@ -147,13 +153,14 @@ class FifoBuffer:
     def state_dict(self) -> dict:
         """The waiting groups (with their weight versions) and the cumulative counters; picklable."""
         return {"groups": list(self._queue), "dropped": dict(self._dropped), "unversioned": self._unversioned,
-                "last_version": self._last_version}
+                "last_version": self._last_version, "dropped_by_length": dict(self._dropped_by_length)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict`'s groups (ahead of any put since) and counters."""
         self._queue.extendleft(reversed(state["groups"]))
         self._dropped.update(state["dropped"])
         self._unversioned, self._last_version = state["unversioned"], state["last_version"]
+        self._dropped_by_length.update(state.get("dropped_by_length", {}))
 
     # ---- internals -----------------------------------------------------------------------
     def _keep_fresh(self, group: Group, current_version: int) -> bool:
@@ -175,8 +182,15 @@ class FifoBuffer:
 
     def _discard(self, group: Group, reason: DiscardReason) -> None:
         self._dropped[reason] += 1
+        self._dropped_by_length[reason, length_bucket(group)] += 1
         if self._on_discard is not None:
             self._on_discard(group, reason)
+
+
+def length_bucket(group: Group) -> int:
+    """The power of two at or above the group's longest response, in tokens (at least 1)."""
+    longest = max(s.response_length for s in group)
+    return 1 << max(0, longest - 1).bit_length()
 
 
 def _mean(values: Sequence[int]) -> float:
