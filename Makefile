@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verst-installed
 # The test install: dev tools and the connector extras whose tests `make test` runs (docs/agentic.md).
-TEST_EXTRAS := dev,verifiers,strands,openenv
+TEST_EXTRAS := dev,verifiers,strands,openenv,diffusion
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
