@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--classifier", required=True)
     rl.add_argument("--out", required=True)
     rl.add_argument("--reward", default="alignment", help="alignment, jpeg, or module:function")
-    rl.add_argument("--rl-steps", type=int, default=20)
+    rl.add_argument("--rl-steps", type=int, default=40)
     rl.add_argument("--prompts-per-step", type=int, default=9)
     rl.add_argument("--group-size", type=int, default=8)
     rl.add_argument("--sample-steps", type=int, default=10)
