@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verst-installed
 # The test install: dev tools and the connector extras whose tests `make test` runs (docs/agentic.md).
-TEST_EXTRAS := dev,verifiers,strands,openenv,sandbox
+TEST_EXTRAS := dev,verifiers,strands,openenv,sandbox,diffusion
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -22,7 +22,7 @@ step = @echo "make: $(1)"; mkdir -p $(dir $(STEP_LOG)); { $(2); } >$(STEP_LOG) 2
 	exit $$status; }
 endif
 
-.PHONY: install vllm agents demo demo-real demo-agentic test test-slow test-floor test-gpu gpu-bundle bench clean
+.PHONY: install vllm agents demo demo-real demo-agentic demo-diffusion test test-slow test-floor test-gpu gpu-bundle bench clean
 
 install: $(STAMP)
 
@@ -78,6 +78,16 @@ demo: $(STAMP)
 # 2 CPU cores is in docs/benchmarks.md): held-out greedy accuracy on small sums before and after RL.
 demo-real: $(STAMP)
 	$(Q)$(PY) -m examples.demo_real
+
+# Diffusion RL (docs/diffusion.md): pretrain the shapes denoiser and the classifier (reused when present), then
+# Flow-GRPO on the classifier's confidence in the prompt's shape and colour; prints held-out reward and accuracy.
+demo-diffusion: $(STAMP)
+	$(Q)test -f artifacts/diffusion/classifier.pt || \
+		$(PY) -m verst.cli.main diffusion classifier --out artifacts/diffusion/classifier.pt
+	$(Q)test -f artifacts/diffusion/base/config.json || \
+		$(PY) -m verst.cli.main diffusion pretrain --out artifacts/diffusion/base
+	$(Q)$(PY) -m verst.cli.main diffusion rl --base artifacts/diffusion/base \
+		--classifier artifacts/diffusion/classifier.pt --out artifacts/diffusion/run
 
 # The agentic demo (about half an hour on 2 CPU cores; docs/recipes.md): calculator tool-use data, SFT on a teacher's tool calls, then
 # GRPO on whole agent episodes through the session server; prints held-out success before and after.

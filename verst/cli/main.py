@@ -13,6 +13,7 @@ from verst.monitor.logs import configure_logging
 
 COMMANDS = {
     "model": ("verst.cli.model", "make a model locally: verst model init --arch qwen3 --size tiny --out DIR"),
+    "diffusion": ("verst.cli.diffusion", "the shapes denoiser: verst diffusion pretrain --out DIR; ... rl ..."),
     "data": ("verst.cli.data", "write a procedural task: verst data make addition --n 2000 --out DIR"),
     "sft": ("verst.cli.sft", "supervised fine-tuning: verst sft RECIPE [--section.field VALUE ...]"),
     "train": ("verst.cli.train", "RL training: verst train RECIPE [--section.field VALUE ...]"),

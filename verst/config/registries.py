@@ -84,6 +84,8 @@ POLICY_LOSSES.add("ppo_clip", Entry("verst.algo.policy_loss:ppo_clip_token_loss"
                                     "token-level PPO clip (with clip-higher and dual clip)"))
 POLICY_LOSSES.add("gspo", Entry("verst.algo.policy_loss:gspo_token_loss",
                                 "GSPO: the PPO clip on the sequence's length-normalised ratio"))
+POLICY_LOSSES.add("flow_grpo", Entry("verst.algo.flow_grpo:flow_grpo_token_loss",
+                                     "Flow-GRPO: the PPO clip on each denoising step's ratio (steps as tokens)"))
 
 _MIS = "verst.algo.mismatch"
 for _name, _doc, _traits in (

@@ -1,0 +1,97 @@
+"""Rewards on images (float tensors (N, 3, H, W) in [-1, 1]) for diffusion RL.
+
+- `jpeg_compressibility`: DDPO's (Black et al. 2023, arXiv:2305.13301): minus the JPEG size in kilobytes.
+- `ShapeClassifier`: a small CNN trained on the procedural shapes dataset; `alignment` rewards the
+  probability it gives the prompt's class, and `accuracy` counts its argmax agreeing with the prompt.
+- `load_image_reward`: a custom reward by import path "module:function", called as fn(images, labels).
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(N, 3, H, W) in [-1, 1] -> (N, H, W, 3) uint8."""
+    return ((images.detach().clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+
+
+def jpeg_compressibility(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
+    """Minus each image's JPEG size in kB: smaller files score higher."""
+    sizes = []
+    for array in to_uint8(images):
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
+        sizes.append(-buffer.tell() / 1000.0)
+    return torch.tensor(sizes)
+
+
+class ShapeClassifier(torch.nn.Module):
+    """A small CNN over (3, size, size) images -> logits over the shapes dataset's classes."""
+
+    def __init__(self, n_classes: int):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(2),
+            torch.nn.Flatten(), torch.nn.Linear(128, n_classes),
+        )
+        self.n_classes = n_classes
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(images)
+
+    def fit(self, images: torch.Tensor, labels: torch.Tensor, *, steps: int = 1000, batch_size: int = 64,
+            seed: int = 0) -> float:
+        """Train on labelled images -> the final training accuracy."""
+        gen = torch.Generator().manual_seed(seed)
+        opt = torch.optim.Adam(self.parameters(), lr=3e-3)
+        for _ in range(steps):
+            idx = torch.randint(0, images.shape[0], (batch_size,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(self(images[idx]), labels[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        self.eval()
+        with torch.no_grad():
+            return (self(images).argmax(1) == labels).float().mean().item()
+
+    @torch.no_grad()
+    def alignment(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The probability of the prompt's class, per image."""
+        return self(images).softmax(1).gather(1, labels[:, None])[:, 0]
+
+    @torch.no_grad()
+    def accuracy(self, images: torch.Tensor, labels: torch.Tensor) -> float:
+        return (self(images).argmax(1) == labels).float().mean().item()
+
+    def save(self, path: str | Path) -> None:
+        torch.save({"n_classes": self.n_classes, "state": self.state_dict()}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ShapeClassifier:
+        saved = torch.load(path, weights_only=True)
+        model = cls(int(saved["n_classes"]))
+        model.load_state_dict(saved["state"])
+        return model.eval()
+
+
+ImageReward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load_image_reward(spec: str) -> ImageReward:
+    """A custom image reward by import path "module:function"; it is called as fn(images, labels) -> (N,)."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"image reward {spec!r} is not 'module:function'")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"image reward {spec!r}: {module} has no callable {name!r}")
+    return fn
