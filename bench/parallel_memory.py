@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import pickle
-import random
 import socket
 import sys
 import tempfile
@@ -22,19 +21,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import torch  # noqa: E402
 from _memory import peak_rss_mib  # noqa: E402
 from _models import resolve_model  # noqa: E402
+from train_throughput import make_batch  # noqa: E402
 
 from verst.config.schema import ModelConfig, TrainerConfig  # noqa: E402
-from verst.trainer import TrainItem, sft_loss_fn  # noqa: E402
-
-
-def make_batch(n: int, vocab: int) -> list[TrainItem]:
-    rng = random.Random(0)
-    items = []
-    for i in range(n):
-        prompt, response = rng.randint(16, 48), rng.randint(16, 64)
-        tokens = torch.tensor([rng.randrange(vocab) for _ in range(prompt + response)])
-        items.append(TrainItem(tokens, response, torch.ones(response), index=i))
-    return items
+from verst.trainer import sft_loss_fn  # noqa: E402
 
 
 def local_bytes(tensors) -> int:
@@ -56,7 +46,7 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, batch: int
     try:
         config = TrainerConfig(lr=1e-5, max_tokens_per_micro_batch=1024, tensor_parallel_size=tp)
         backend = FSDP2Backend(ModelConfig(path=model_path), config, device="cpu")
-        items = make_batch(batch, backend.model.config.vocab_size)
+        items = make_batch(batch, seed=0, vocab=backend.model.config.vocab_size)
         times = []
         for _ in range(steps):
             start = time.perf_counter()
