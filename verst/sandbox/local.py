@@ -53,9 +53,11 @@ class BubblewrapProvider:
     """Starts local bubblewrap sandboxes, each on a fresh workspace directory holding the task's files."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), root: str | None = None):
-        """`root` holds the workspaces (the system temp dir by default); under a root driver it must be reachable
-        by the unprivileged user the sandboxes run as."""
+        """`root` holds the workspaces (the system temp dir by default)."""
         self.binary = bwrap_binary()
+        if os.geteuid() == 0 and shutil.which("setpriv") is None:
+            raise SandboxError("a driver running as root runs its sandboxes' commands as an unprivileged user through "
+                               "setpriv (util-linux), which is not on PATH; install it or run the driver as a user")
         self.limits = limits
         self.root = root
 
@@ -97,10 +99,17 @@ class BubblewrapSandbox:
                 os.chown(self.workspace / part if part != target else target, UNPRIVILEGED, UNPRIVILEGED)
 
     def command(self, command: str) -> list[str]:
-        return [self.binary, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-                "--bind", str(self.workspace), WORKSPACE, "--unshare-all", "--die-with-parent", "--new-session",
+        """The bwrap command line. A root driver's bwrap sets the sandbox up as root (so it reaches the workspace
+        through directories closed to others) without a user namespace, and the command runs as `UNPRIVILEGED`."""
+        if os.geteuid() == 0:
+            unshare = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+            run_as = ["setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups"]
+        else:
+            unshare, run_as = ["--unshare-all"], []
+        return [self.binary, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
+                "--bind", str(self.workspace), WORKSPACE, *unshare, "--die-with-parent", "--new-session",
                 "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORKSPACE,
-                "--chdir", WORKSPACE, "/bin/sh", "-c", command]
+                "--chdir", WORKSPACE, *run_as, "/bin/sh", "-c", command]
 
     def set_limits(self) -> None:
         limits = self.limits
@@ -108,10 +117,6 @@ class BubblewrapSandbox:
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-        if os.geteuid() == 0:
-            os.setgroups([])
-            os.setgid(UNPRIVILEGED)
-            os.setuid(UNPRIVILEGED)
 
     def exec(self, command: str, timeout_s: float) -> ExecResult:
         self.check_open()
