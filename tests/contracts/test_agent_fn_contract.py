@@ -109,7 +109,7 @@ def test_the_agent_is_called_with_the_session_url_prompt_openai_kwargs_and_a_met
     assert base_url.endswith(f"/sessions/{session_id}/v1") and base_url.startswith("http://127.0.0.1:")
     assert prompt == "What is 1+2?" and metadata == {"tools": [ADD], "row": 7}
     # keyword arguments of chat.completions.create (the agent passed them through unchanged)
-    assert kwargs == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 96, "logprobs": True, "seed": 103, "stop": ["!"]}
+    assert kwargs == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 96, "seed": 103, "stop": ["!"]}
     assert engine.calls[0].sampling_params["sampling_seed"] == 103
     assert result is sample and "scratch" not in result.metadata  # the agent's copy, not the sample's
     assert result.metadata["agent_turns"] == 2 and result.metadata["answer"] == "The sum is 3."

@@ -14,7 +14,7 @@ from verst.session.messages import (
     parse_reply,
     same_message,
 )
-from verst.session.openai_wire import completion, parse_request
+from verst.session.openai_wire import TokenTexts, completion, parse_request
 from verst.session.streaming import ChunkStream
 
 
@@ -119,10 +119,13 @@ def test_bad_request_fields_are_400_naming_the_field(body, field):
 def test_a_turn_that_streamed_no_tokens_finishes_as_one_chunk_then_done():
     message = parse_reply('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', True)
     reply = completion(completion_id="c1", model="m", message=message, finish_reason="tool_calls",
-                       token_texts=["a", "b"], logprobs=[-0.5, -0.25], prompt_tokens=3, cached_tokens=1, metadata={})
+                       logprob_entries=[{"token": t, "logprob": lp, "bytes": [ord(t)], "top_logprobs": []}
+                                        for t, lp in (("a", -0.5), ("b", -0.25))],
+                       n_out=2, prompt_tokens=3, cached_tokens=1, metadata={})
     assert reply["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                               "prompt_tokens_details": {"cached_tokens": 1}}
-    events = ChunkStream(None, model="m", parse_tools=True, logprobs=True, include_usage=True).finish(reply)
+    events = ChunkStream(None, model="m", parse_tools=True, logprobs=True, include_usage=True,
+                         token_texts=TokenTexts(None)).finish(reply)
     assert events[-1] == "data: [DONE]\n\n" and len(events) == 3
     chunk = json.loads(events[0][len("data: "):])
     assert chunk["object"] == "chat.completion.chunk"

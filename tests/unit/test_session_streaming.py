@@ -11,7 +11,7 @@ from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import load_tokenizer
 from verst.models.tokenizer import save_tokenizer
 from verst.session.messages import parse_reply
-from verst.session.openai_wire import completion
+from verst.session.openai_wire import TokenTexts, completion
 from verst.session.streaming import ChunkStream, final_prefix
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -51,10 +51,11 @@ def test_accumulated_deltas_are_the_parsed_reply(tok, text, parse_tools):
     logprobs = [-(i + 1) / 10 for i in range(len(ids))]
     message = parse_reply(tok.decode(ids, skip_special_tokens=True), parse_tools)
     finish = "tool_calls" if message.get("tool_calls") else "stop"
+    texts = TokenTexts(tok)
     reply = completion(completion_id="chatcmpl-r1", model="m", message=message, finish_reason=finish,
-                       token_texts=[tok.decode([i]) for i in ids], logprobs=logprobs, prompt_tokens=5,
+                       logprob_entries=texts.entries(ids, logprobs), n_out=len(ids), prompt_tokens=5,
                        cached_tokens=0, metadata={"session_id": "s", "turn": 0, "weight_version": "0"})
-    stream = ChunkStream(tok, model="m", parse_tools=parse_tools, logprobs=True, include_usage=True)
+    stream = ChunkStream(tok, model="m", parse_tools=parse_tools, logprobs=True, include_usage=True, token_texts=texts)
     events = [e for n in range(1, len(ids) + 1) for e in stream.update("chatcmpl-r1", ids[:n], logprobs[:n])]
     events += stream.finish(reply)
     assert events[-1] == "data: [DONE]\n\n"
@@ -75,3 +76,20 @@ def test_accumulated_deltas_are_the_parsed_reply(tok, text, parse_tools):
     assert json.loads(events[-2][len("data: "):])["usage"]["prompt_tokens"] == 5
     if not parse_tools and "\u4e2d" not in text:
         assert len(content_chunks) > 2  # the content came token by token, not in one piece
+
+
+def test_token_texts_show_each_ids_own_text_and_bytes_decoding_each_id_once(tok):
+    ids = tok.encode("caf\u00e9 caf\u00e9 caf\u00e9", add_special_tokens=False) + [tok.eos_token_id]
+    logprobs = [-0.1 * (k + 1) for k in range(len(ids))]
+    decoded = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens):
+            decoded.append(ids[0])
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    entries = TokenTexts(Counting()).entries(ids, logprobs)
+    assert [e["token"] for e in entries] == [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert [bytes(e["bytes"]) for e in entries] == [tok.decode([i]).encode("utf-8") for i in ids]
+    assert [e["logprob"] for e in entries] == logprobs
+    assert sorted(decoded) == sorted(set(ids)) and len(set(ids)) < len(ids)

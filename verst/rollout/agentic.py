@@ -75,10 +75,11 @@ async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
 
 
 def request_kwargs(ctx: RolloutContext, sample: Sample) -> dict[str, Any]:
-    """OpenAI `chat.completions.create` keyword arguments from the rollout config, per sample."""
+    """OpenAI `chat.completions.create` keyword arguments from the rollout config, per sample. Without
+    `logprobs`: the trainer takes them from the session, and a reply carrying them grows by ~70 bytes a token."""
     params = ctx.sampling_params or {}
     kwargs: dict[str, Any] = {"temperature": params.get("temperature", 1.0), "top_p": params.get("top_p", 1.0),
-                              "max_tokens": ctx.rollout.max_response_tokens, "logprobs": True}
+                              "max_tokens": ctx.rollout.max_response_tokens}
     if params.get("stop"):
         kwargs["stop"] = list(params["stop"])
     if ctx.rollout.sampling.seed is not None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,7 +61,7 @@ def build_app(manager: SessionManager) -> FastAPI:
         body = await _json(request)
         if isinstance(body, dict) and body.get("stream") is True:
             return await _streamed_turn(manager, session_id, body)
-        return JSONResponse(await manager.chat_completion(session_id, body))
+        return _json_response(await manager.chat_completion(session_id, body))
 
     @app.get("/sessions/{session_id}/v1/models")
     async def models(session_id: str) -> dict[str, Any]:
@@ -93,7 +93,7 @@ async def _streamed_turn(manager: SessionManager, session_id: str, body: dict[st
     that goes away mid-stream does not stop the turn: it is recorded, and a resend rolls it back."""
     req = parse_request(body)  # a malformed request is refused before the turn starts
     stream = ChunkStream(manager.tokenizer, model=req.model or manager.model_name, parse_tools=req.parse_tools,
-                         logprobs=req.logprobs, include_usage=req.include_usage)
+                         logprobs=req.logprobs, include_usage=req.include_usage, token_texts=manager.token_texts)
     updates: asyncio.Queue = asyncio.Queue()
     turn = asyncio.create_task(manager.chat_completion(session_id, body, on_tokens=updates.put_nowait))
     turn.add_done_callback(lambda task: (updates.put_nowait(None), task.cancelled() or task.exception()))
@@ -124,9 +124,14 @@ async def _json(request: Request, optional: bool = False) -> Any:
     if not raw and optional:
         return None
     try:
-        return json.loads(raw)
-    except ValueError as exc:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise SessionError(400, f"body: invalid JSON ({exc})", "body") from None
+
+
+def _json_response(payload: dict[str, Any]) -> Response:
+    """A turn's reply, encoded by orjson (a reply with per-token logprobs runs to tens of kilobytes)."""
+    return Response(orjson.dumps(payload), media_type="application/json")
 
 
 class _TaskServer(uvicorn.Server):

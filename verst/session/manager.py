@@ -21,7 +21,7 @@ from verst.inference_client.client import EngineClient, EngineError, GenerateRes
 from verst.session.assemble import ERROR_KEY, FINISH_STATUS, Trajectory, assemble
 from verst.session.errors import SessionError
 from verst.session.messages import check_tool_results, first_difference, parse_reply
-from verst.session.openai_wire import OPENAI_NAMES, ChatRequest, completion, parse_request
+from verst.session.openai_wire import OPENAI_NAMES, ChatRequest, TokenTexts, completion, parse_request
 from verst.session.tito import METRIC_PREFIX, MISMATCH_TYPES, ChatTemplate, check_conversation
 from verst.types import Sample
 
@@ -78,6 +78,7 @@ class SessionManager:
         if max_new_tokens < 1:
             raise ValueError(f"SessionManager: max_new_tokens = {max_new_tokens} must be >= 1")
         self.engine, self.tokenizer = engine, tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self.max_context_tokens, self.max_new_tokens = max_context_tokens, max_new_tokens
         self.default_sampling = dict(default_sampling or {})
         self.default_sampling.pop("max_new_tokens", None)
@@ -245,8 +246,8 @@ class SessionManager:
         session.ended = "the trajectory reached max_context_tokens"
         message = {"role": "assistant", "content": ""}
         return completion(completion_id=f"chatcmpl-{session.id}-full", model=req.model or self.model_name,
-                          message=message, finish_reason="length", token_texts=[] if req.logprobs else None,
-                          logprobs=[], prompt_tokens=n_input, cached_tokens=0, metadata={"session_id": session.id})
+                          message=message, finish_reason="length", logprob_entries=[] if req.logprobs else None,
+                          n_out=0, prompt_tokens=n_input, cached_tokens=0, metadata={"session_id": session.id})
 
     async def _generate(self, session: Session, input_ids: list[int], params: dict[str, Any],
                         on_tokens: OnTokens | None = None) -> GenerateResult:
@@ -296,12 +297,10 @@ class SessionManager:
             session.ended = f"turn {len(trajectory.turns) - 1} was aborted by the engine ({reason})"
         elif finish == "stop" and reply.get("tool_calls"):
             finish = "tool_calls"
-        texts = None
-        if req.logprobs:
-            texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in result.output_ids]
+        entries = self.token_texts.entries(result.output_ids, turn.logprobs) if req.logprobs else None
         return completion(
             completion_id=f"chatcmpl-{result.rid or session.id}", model=req.model or self.model_name, message=reply,
-            finish_reason=finish, token_texts=texts, logprobs=turn.logprobs, prompt_tokens=n_input,
+            finish_reason=finish, logprob_entries=entries, n_out=len(turn.logprobs), prompt_tokens=n_input,
             cached_tokens=result.cached_tokens,
             metadata={"session_id": session.id, "turn": len(trajectory.turns) - 1,
                       "weight_version": result.weight_version},

@@ -92,16 +92,16 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 
 
 def completion(
-    *, completion_id: str, model: str, message: dict[str, Any], finish_reason: str, token_texts: list[str] | None,
-    logprobs: list[float], prompt_tokens: int, cached_tokens: int, metadata: dict[str, Any],
+    *, completion_id: str, model: str, message: dict[str, Any], finish_reason: str,
+    logprob_entries: list[dict[str, Any]] | None, n_out: int, prompt_tokens: int, cached_tokens: int,
+    metadata: dict[str, Any],
 ) -> dict[str, Any]:
-    """A `chat.completion` object; `token_texts` given: per-token logprobs in OpenAI's shape (every output
-    id, the end-of-turn token included, so they line up with what the trainer sees). `metadata` is sent
-    as strings (OpenAI types it as a map of strings); None values are left out."""
+    """A `chat.completion` object of `n_out` output ids; `logprob_entries` given (`TokenTexts.entries`): the
+    per-token logprobs. `metadata` is sent as strings (OpenAI types it as a map of strings); None values are
+    left out."""
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-    if token_texts is not None:
-        choice["logprobs"] = {"content": token_logprobs(token_texts, logprobs), "refusal": None}
-    n_out = len(logprobs)
+    if logprob_entries is not None:
+        choice["logprobs"] = {"content": logprob_entries, "refusal": None}
     return {
         "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [choice],
@@ -111,10 +111,24 @@ def completion(
     }
 
 
-def token_logprobs(token_texts: list[str], logprobs: list[float]) -> list[dict[str, Any]]:
-    """OpenAI's `logprobs.content` entries, one per output id."""
-    return [{"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
-            for text, lp in zip(token_texts, logprobs, strict=True)]
+class TokenTexts:
+    """Token ids as OpenAI's per-token logprobs show them: each id's own text and its UTF-8 bytes, decoded
+    once per id (the set of ids a tokenizer has is bounded; a turn's output repeats most of them)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._known: dict[int, tuple[str, tuple[int, ...]]] = {}
+
+    def entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        """OpenAI's `logprobs.content` entries, one per output id (the end-of-turn token included, so they
+        line up with what the trainer sees)."""
+        known = self._known
+        for i in ids:
+            if i not in known:
+                text = self.tokenizer.decode([i], skip_special_tokens=False)
+                known[i] = (text, tuple(text.encode("utf-8")))
+        return [{"token": known[i][0], "logprob": lp, "bytes": known[i][1], "top_logprobs": []}
+                for i, lp in zip(ids, logprobs, strict=True)]
 
 
 def model_card(name: str, created: int) -> dict[str, Any]:

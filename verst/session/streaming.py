@@ -7,14 +7,15 @@ client accumulates are exactly the message the session stores, and a resent hist
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
 
+import orjson
+
 from verst.session.errors import SessionError
 from verst.session.messages import REASONING, TOOL_CALL_OPEN
-from verst.session.openai_wire import token_logprobs
+from verst.session.openai_wire import TokenTexts
 
 logger = logging.getLogger(__name__)
 _THINK_OPEN = "<think>"
@@ -50,7 +51,9 @@ class ChunkStream:
     """The events of one streamed turn: `update` after each engine update (cumulative output ids and
     logprobs), `finish` with the turn's `chat.completion` reply, or `error`."""
 
-    def __init__(self, tokenizer: Any, *, model: str, parse_tools: bool, logprobs: bool, include_usage: bool):
+    def __init__(self, tokenizer: Any, *, model: str, parse_tools: bool, logprobs: bool, include_usage: bool,
+                 token_texts: TokenTexts):
+        self.token_texts = token_texts
         self.tokenizer, self.parse_tools, self.logprobs, self.include_usage = tokenizer, parse_tools, logprobs, include_usage
         self.head: dict[str, Any] = {"id": "", "object": "chat.completion.chunk", "created": int(time.time()),
                                      "model": model}
@@ -68,8 +71,7 @@ class ChunkStream:
             delta["content"], self.sent_content = content[len(self.sent_content):], content
         entries = None
         if self.logprobs and logprobs is not None and len(output_ids) > self.sent_tokens:
-            new = output_ids[self.sent_tokens:]
-            entries = token_logprobs(self._texts(new), logprobs[self.sent_tokens:len(output_ids)])
+            entries = self.token_texts.entries(output_ids[self.sent_tokens:], logprobs[self.sent_tokens:len(output_ids)])
             self.sent_tokens = len(output_ids)
         if not delta and entries is None:
             return []
@@ -119,9 +121,6 @@ class ChunkStream:
             chunk["metadata"] = metadata
         return _event(chunk)
 
-    def _texts(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-
 
 def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+    return f"data: {orjson.dumps(payload).decode()}\n\n"

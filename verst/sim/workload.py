@@ -14,13 +14,14 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
+import orjson
 
 from verst.sim.config import SimConfig
 from verst.types import Sample
 
 SIM_KEY = "sim"  # a row's metadata: the agent's turns, environment time (wall seconds) and observation
-_clients: dict[int, httpx.AsyncClient] = {}  # one client per event loop for the simulated agents
+_AGENT_TIMEOUT = aiohttp.ClientTimeout(total=3600.0, connect=30.0)
 
 
 class AgentTally:
@@ -66,28 +67,24 @@ async def reward(sample: Sample) -> float:
 
 async def agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
     """`turns` chat completions through the session, each followed by the environment's time and its
-    observation (a tool's reply) as the next user message."""
+    observation (a tool's reply) as the next user message. One aiohttp session a trajectory: its turns share
+    a connection, and the agent's own CPU stays small next to the control plane it exercises."""
     spec = metadata[SIM_KEY]
-    client = _client()
     messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
-    for turn in range(spec["turns"]):
-        response = await client.post(f"{base_url}/chat/completions", json={"messages": messages, **request_kwargs})
-        if response.status_code != 200:
-            raise RuntimeError(f"turn {turn}: the session server answered {response.status_code}: {response.text[:200]}")
-        reply = response.json()["choices"][0]
-        messages.append({"role": "assistant", "content": reply["message"]["content"] or ""})
-        if reply.get("finish_reason") == "length" or turn == spec["turns"] - 1:
-            break
-        await asyncio.sleep(spec["env_wall_s"])
-        messages.append({"role": "user", "content": spec["observation"]})
+    async with aiohttp.ClientSession(timeout=_AGENT_TIMEOUT) as client:
+        for turn in range(spec["turns"]):
+            body = orjson.dumps({"messages": messages, **request_kwargs})
+            async with client.post(f"{base_url}/chat/completions", data=body,
+                                   headers={"content-type": "application/json"}) as response:
+                raw = await response.read()
+            if response.status != 200:
+                raise RuntimeError(f"turn {turn}: the session server answered {response.status}: {raw[:200]!r}")
+            reply = orjson.loads(raw)["choices"][0]
+            messages.append({"role": "assistant", "content": reply["message"]["content"] or ""})
+            if reply.get("finish_reason") == "length" or turn == spec["turns"] - 1:
+                break
+            await asyncio.sleep(spec["env_wall_s"])
+            messages.append({"role": "user", "content": spec["observation"]})
     AGENTS.add()
     return {"sim_turns": len(messages) // 2}
 
-
-def _client() -> httpx.AsyncClient:
-    loop = id(asyncio.get_running_loop())
-    client = _clients.get(loop)
-    if client is None:
-        client = _clients[loop] = httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0),
-                                                    limits=httpx.Limits(max_connections=None))
-    return client

@@ -111,10 +111,11 @@ class Sample:
             raise SampleError(
                 f"{where}: len(rollout_logprobs)={len(self.rollout_logprobs)} != response_length={n_resp}"
             )
-        bad_mask = [m for m in self.loss_mask if m not in (0, 1)]
-        if bad_mask:
-            raise SampleError(f"{where}: loss_mask values must be 0 or 1, found {sorted(set(bad_mask))}")
-        env_logprobs = [lp for m, lp in zip(self.loss_mask, self.rollout_logprobs) if m == 0 and lp != 0.0]
+        mask_values = set(self.loss_mask)
+        if not mask_values <= {0, 1}:
+            raise SampleError(f"{where}: loss_mask values must be 0 or 1, found {sorted(mask_values - {0, 1})}")
+        env_logprobs = [lp for m, lp in zip(self.loss_mask, self.rollout_logprobs) if m == 0 and lp != 0.0] \
+            if 0 in mask_values else []
         if env_logprobs:
             raise SampleError(f"{where}: rollout_logprobs must be 0.0 on loss_mask==0 tokens, found {env_logprobs[:3]}")
         if self.teacher_logprobs is not None:
