@@ -118,6 +118,33 @@ def test_the_weight_version_of_each_engine_call_is_recorded(served):
     with_client(served, body)
 
 
+def test_a_partial_rollout_goes_on_across_a_weight_update_from_its_last_token(served):
+    """pause(abort) → new version → continue, as the syncer does, while a request decodes: the sample is the
+    first call's output followed by the continuation's, each token with the version that sampled it."""
+    async def body(client, tokenizer):
+        old = int(await client.get_weight_version())
+        ctx = make_ctx(client, tokenizer, {"ignore_eos": True}, max_response_tokens=SLOW_TOKENS, partial_rollout=True)
+        task = asyncio.create_task(generate(ctx, Sample(prompt="hello", index=2)))
+        while (await client.get_server_info())["internal_states"][0]["num_running_reqs"] == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # some tokens decoded on the old weights
+        await client.pause("abort")
+        await client.update_weight_version(str(old + 1))
+        await client.continue_generation()
+        return old, await task, client.replies
+
+    old, sample, replies = with_client(served, body)
+    (first_ids, first_params, first), (second_ids, second_params, second) = replies
+    n = len(first.output_ids)
+    assert first.aborted_for_weight_update and 0 < n < SLOW_TOKENS and first.weight_version == str(old)
+    assert second_ids == first_ids + first.output_ids and second_params["max_new_tokens"] == SLOW_TOKENS - n
+    assert sample.tokens == first_ids + first.output_ids + second.output_ids
+    assert sample.rollout_logprobs == first.logprobs + second.logprobs
+    assert sample.token_versions == [old] * n + [old + 1] * (SLOW_TOKENS - n)
+    assert sample.weight_versions == [str(old), str(old + 1)]
+    assert sample.status is Status.TRUNCATED and sample.response_length == SLOW_TOKENS  # ignore_eos: the budget
+
+
 # ---- a rollout step ---------------------------------------------------------------------------
 RETURNED: list[Sample] = []
 

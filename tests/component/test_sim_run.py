@@ -93,3 +93,25 @@ def test_the_runs_config_file_holds_the_sim_settings_and_reloads_to_the_same_run
 
     again_cfg, again_sim = load_sim(str(tmp_path / "run" / "config.yaml"), [])
     assert again_sim == sim and again_cfg == cfg
+
+
+def test_fully_async_partial_rollouts_continue_the_trajectories_a_weight_push_aborted(tmp_path, tiny_model_dir,
+                                                                                     registries_restored):
+    """Every push aborts the requests in flight (sync.pause_mode = 'abort'); with partial rollouts they go on with
+    the new weights, so no group is lost to the pushes and the trained samples span versions."""
+    steps, per_step = 12, 2
+    cfg, sim = load_sim(None, sim_args(
+        tmp_path, tiny_model_dir, "--schedule", "fully_async", "--cluster.num-engines", "2",
+        "--rollout.batch-size", str(per_step), "--rollout.n-samples-per-prompt", "4",
+        "--rollout.num-rollouts", str(steps), "--rollout.max-response-tokens", "256", "--rollout.max-in-flight", "32",
+        "--sync.pause-mode", "abort", "--rollout.partial-rollout", "true", "--sim.speedup", "50",
+        "--sim.response-tokens-mean", "128", "--sim.prompts", "256"))
+    summary, scale = run_sim(cfg, sim)
+
+    assert summary["train/steps"] == steps and scale["accounting"]["problems"] == []
+    assert "aborted" not in scale["accounting"]["discarded"]  # the pushes' aborts were continued, not dropped
+    records = read_metrics(tmp_path / "run")
+    continued = [r["rollout/continued_ratio"] for r in records if "rollout/continued_ratio" in r]
+    assert continued and max(continued) > 0
+    assert max(r.get("rollout/mixed_version_ratio", 0) for r in records) > 0
+    assert undocumented(records) == []

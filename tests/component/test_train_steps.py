@@ -117,7 +117,7 @@ def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_mod
     once), so the second step's importance ratios differ from 1 (PPO's clip can act), as in Miles."""
     cfg = load_config(None, ["--model.path", str(tiny_model_dir), "--trainer.lr", "3e-2",
                              "--rollout.batch-size", "4", "--rollout.n-samples-per-prompt", "4",
-                             "--trainer.global-batch-size", "8"])
+                             "--trainer.global-batch-size", "8", "--algorithm.max-token-staleness", "0"])
     assert old_logprob_source(cfg) == "recompute"
     groups = make_groups(4, 4, seed=2)
     lane = Lane(cfg, batch_plan(cfg), rollout=None)
@@ -137,6 +137,11 @@ def test_steps_of_one_rollout_see_the_policy_from_before_its_first_step(tiny_mod
     assert abs(second["train/ppo_kl"]) > 1e-4  # it has, by the first step (a per-step recompute gives 0 here)
     assert second["train/rollout_logprob_abs_diff"] < 1e-5  # old policy = the sampling policy
     assert first["time/logprob_s"] > 0
+    # every token was sampled by version 0: fresh at the first step (trainer version 0), one version old at
+    # the second, where max_token_staleness = 0 rejects them all
+    assert first["train/token_staleness_mean"] == 0 and first["train/stale_token_reject_frac"] == 0
+    assert second["train/token_staleness_mean"] == pytest.approx(1.0) and second["train/stale_token_frac"] == 1
+    assert second["train/stale_token_reject_frac"] == 1
 
 
 def test_old_logprobs_from_the_rollout_are_the_engines(tiny_model_dir):

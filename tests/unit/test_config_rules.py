@@ -55,6 +55,9 @@ CASES: dict[str, tuple[list[str], str]] = {
     "staleness_admission_is_fully_async": (["--rollout.admission", "staleness", "--buffer.max-staleness", "2"],
                                            r"rollout.admission = 'staleness' paces the fully async worker, and "
                                            r"schedule = 'sync' runs none"),
+    "partial_rollouts_abort_on_a_weight_update": (["--rollout.partial-rollout", "true"],
+                                                  r"rollout.partial_rollout = true with sync.pause_mode = 'retract' "
+                                                  r"is refused: .*set sync.pause_mode = 'abort'"),
     "restarts_need_checkpoints": (["--fault.max-restarts", "1"],
                                   r"fault.max_restarts = 1 .* checkpoint.interval = 0"),
     "mismatch_correction_needs_trainer_logprobs": (["--algorithm.mismatch-correction", "tis",
@@ -153,6 +156,19 @@ def test_tensor_parallel_trains_a_dense_model_alone():
         load_config(None, [*TP2, "--algorithm.true-on-policy", "true"])
     with pytest.raises(ConfigError, match="cannot combine with algorithm.advantage_estimator = 'ppo'"):
         load_config(None, [*TP2, "--algorithm.advantage-estimator", "ppo"])
+
+
+def test_partial_rollouts_need_abort_pauses_an_engine_with_partial_output_and_the_built_in_generate_fn():
+    partial = ["--rollout.partial-rollout", "true", "--sync.pause-mode", "abort"]
+    cfg = load_config(None, [*partial, "--algorithm.max-token-staleness", "1"])
+    assert cfg.rollout.partial_rollout and cfg.algorithm.max_token_staleness == 1
+    assert load_config(None, [*partial, "--rollout.generate-fn", "verst.rollout.generate:generate"]).rollout.partial_rollout
+    with pytest.raises(ConfigError, match=r"rollout.partial_rollout = true with cluster.engine = 'vllm' is refused"):
+        load_config(None, [*partial, *VLLM])
+    with pytest.raises(ConfigError, match=r"rollout.partial_rollout = true with rollout.generate_fn = 'm:f' is refused"):
+        load_config(None, [*partial, "--rollout.generate-fn", "m:f"])
+    with pytest.raises(ConfigError, match=r"max_token_staleness"):
+        load_config(None, ["--algorithm.max-token-staleness", "-1"])
 
 
 def test_rules_of_what_the_run_finds_at_start_up():

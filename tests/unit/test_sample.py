@@ -53,6 +53,7 @@ def test_valid_sample_and_views():
         (dict(teacher_logprobs=[-1.0]), "len(teacher_logprobs)=1 != response_length=3"),
         (dict(teacher_logprobs=[-0.5, -0.25, -1.0]), "teacher_logprobs must be 0.0 on loss_mask==0 tokens, found [-0.25]"),
         (dict(weight_versions=["v1"]), "weight version 'v1' is not an integer string"),
+        (dict(token_versions=[3, 4]), "len(token_versions)=2 != response_length=3"),
     ],
 )
 def test_validate_names_offending_values(kw, message):
@@ -63,8 +64,9 @@ def test_validate_names_offending_values(kw, message):
 
 
 def test_dict_round_trip():
-    s = make_sample(reward={"acc": 1.0, "fmt": 0.5})
+    s = make_sample(reward={"acc": 1.0, "fmt": 0.5}, token_versions=[3, 3, 4])
     d = s.to_dict()
+    assert d["token_versions"] == [3, 3, 4]
     assert d["status"] == "completed"
     assert Sample.from_dict(d) == s
 
@@ -79,7 +81,7 @@ def test_from_dict_rejects_unknown_keys_and_bad_status():
 def test_binary_round_trip_is_compact_and_exact():
     experts = [[[i % 4, (i + 1) % 4]] for i in range(5)]
     samples = [make_sample(), make_sample(index=8, routed_experts=experts, reward=None, status=Status.TRUNCATED),
-               make_sample(index=9, teacher_logprobs=[-0.25, 0.0, -2.5])]
+               make_sample(index=9, teacher_logprobs=[-0.25, 0.0, -2.5], token_versions=[3, 4, 4])]
     blob = encode_samples(samples)
     back = decode_samples(blob)
     assert back == samples  # logprobs chosen to be exact in float32

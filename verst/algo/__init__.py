@@ -30,6 +30,8 @@ from verst.algo.mismatch import (
     mismatch_metrics,
     mismatch_weights,
     opsm_keep,
+    stale_token_keep,
+    staleness_metrics,
 )
 from verst.algo.plugins import LossPlugins, LossReducer, MismatchFn, PolicyLossFn, load_loss_plugins
 from verst.algo.policy_loss import (
@@ -89,6 +91,8 @@ __all__ = [
     "rl_loss",
     "rloo_rewards",
     "sft_loss",
+    "stale_token_keep",
+    "staleness_metrics",
     "to_global_share",
     "value_loss",
 ]

@@ -12,7 +12,7 @@ import torch
 from verst.algo.advantages import distill_advantages
 from verst.algo.aggregation import aggregate, check_token_shapes, metric_aggregation, to_global_share
 from verst.algo.kl import importance_weighted_kl, kl_estimate
-from verst.algo.mismatch import correction_metrics, mismatch_metrics, opsm_keep
+from verst.algo.mismatch import correction_metrics, mismatch_metrics, opsm_keep, stale_token_keep, staleness_metrics
 from verst.algo.plugins import LossPlugins, load_loss_plugins
 from verst.algo.policy_loss import policy_metrics, value_loss
 from verst.config.registries import MISMATCH_CORRECTIONS, NO_CORRECTION, POLICY_LOSSES
@@ -57,6 +57,9 @@ def _check_needed(cfg: AlgorithmConfig, custom_mismatch: bool, **given: torch.Te
             )
     if cfg.opsm_delta is not None and given["rollout_logprobs"] is None:
         raise ValueError(f"algorithm.opsm_delta = {cfg.opsm_delta} needs rollout_logprobs")
+    if cfg.max_token_staleness is not None and given["token_staleness"] is None:
+        raise ValueError(f"algorithm.max_token_staleness = {cfg.max_token_staleness} needs token_staleness "
+                         "(the trainer's version minus each token's), which was not given")
     value_inputs = [given["values"], given["old_values"], given["returns"]]
     if any(v is not None for v in value_inputs) and any(v is None for v in value_inputs):
         raise ValueError("the value loss needs values, old_values and returns together; some were None")
@@ -70,9 +73,10 @@ def _token_weights(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     rollout_logprobs: torch.Tensor | None,
+    token_staleness: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """The product of the mismatch weights and the OPSM mask on each token's policy loss (None: neither is
-    on), with the metrics of both and of the raw mismatch ratio."""
+    """The product of the mismatch weights, the OPSM mask and the stale-token mask on each token's policy loss
+    (None: none is on), with the metrics of each, of the raw mismatch ratio and of the tokens' age."""
     mode = cfg.loss_aggregation
     metrics: dict[str, float] = {}
     weights = None
@@ -93,6 +97,14 @@ def _token_weights(
         weights = keep if weights is None else weights * keep
         share = aggregate(dropped.to(logprobs.dtype), loss_mask, metric_aggregation(mode))
         metrics["train/opsm_masked_frac"] = share.item()
+    if token_staleness is not None:
+        metrics |= staleness_metrics(token_staleness, loss_mask, aggregation=mode)
+    if cfg.max_token_staleness is not None:
+        keep, rejected = stale_token_keep(token_staleness, loss_mask, max_staleness=cfg.max_token_staleness)
+        keep = keep.to(logprobs.dtype)
+        weights = keep if weights is None else weights * keep
+        share = aggregate(rejected.to(logprobs.dtype), loss_mask, metric_aggregation(mode))
+        metrics["train/stale_token_reject_frac"] = share.item()
     return weights, metrics
 
 
@@ -105,9 +117,12 @@ def _policy_term(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     rollout_logprobs: torch.Tensor | None,
+    token_staleness: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The local-mean policy-gradient loss with its mismatch weights and OPSM mask, and their metrics."""
-    weights, metrics = _token_weights(cfg, plugins, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs)
+    """The local-mean policy-gradient loss with its mismatch weights, OPSM and stale-token masks, and their
+    metrics."""
+    weights, metrics = _token_weights(cfg, plugins, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs,
+                                      token_staleness)
     token_loss_fn = plugins.policy_loss_fn or POLICY_LOSSES.load(cfg.policy_loss)
     token_loss, clipped = token_loss_fn(logprobs, old_logprobs.detach(), advantages.detach(), loss_mask, cfg)
     which = "policy_loss_fn" if plugins.policy_loss_fn is not None else f"policy_loss {cfg.policy_loss!r}"
@@ -133,6 +148,7 @@ def rl_loss(
     values: torch.Tensor | None = None,
     old_values: torch.Tensor | None = None,
     returns: torch.Tensor | None = None,
+    token_staleness: torch.Tensor | None = None,
     normalizer: float | None = None,
     plugins: LossPlugins | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -144,7 +160,9 @@ def rl_loss(
     - pg: `cfg.policy_loss` (PPO clip or GSPO, see `policy_loss`) or the `cfg.policy_loss_fn` plug-in,
       each token's loss multiplied by the train–inference mismatch weight of `cfg.mismatch_correction`
       or the `cfg.mismatch_fn` plug-in (see `mismatch`) and by the OPSM mask of `cfg.opsm_delta`
-      (`opsm_keep`), which change the numerator only: rejected tokens still count in the normaliser.
+      (`opsm_keep`) and the stale-token mask of `cfg.max_token_staleness` over `token_staleness` (the
+      trainer's version minus each token's, `stale_token_keep`), which change the numerator only: rejected
+      tokens still count in the normaliser.
     - KL: `cfg.kl_estimator` of π vs `ref_logprobs`, weighted by π/π_old with
       `cfg.kl_importance_weighted` (`importance_weighted_kl`); H: the given per-token `entropy`.
     - value loss: added with weight 1 when `values`, `old_values`, `returns` are given (a shared value
@@ -157,7 +175,8 @@ def rl_loss(
     combine micro-batches; `*_max`/`*_min` combine by max/min). Metrics present only when their inputs
     are: `train/pg_loss`, `train/pg_clipfrac`, `train/ppo_kl`, `train/loss`, `train/kl`,
     `train/entropy`, `train/distill_kl`, `train/value_loss`, `train/value_clipfrac`,
-    `train/opsm_masked_frac`, and with rollout logprobs `train/rollout_logprob_abs_diff`,
+    `train/opsm_masked_frac`, with `token_staleness` `train/token_staleness_mean`, `train/stale_token_frac` and
+    `train/stale_token_reject_frac`, and with rollout logprobs `train/rollout_logprob_abs_diff`,
     `train/rollout_kl`, `train/mismatch_ratio_mean`, `_max`, `_min`, `train/ess_ratio`,
     `train/tis_mean`, `train/tis_clipfrac` or `train/mis_reject_frac`.
     """
@@ -165,11 +184,13 @@ def rl_loss(
         loss_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
         teacher_logprobs=teacher_logprobs, values=values, old_values=old_values, returns=returns,
+        token_staleness=token_staleness,
     )  # fmt: skip
     plugins = load_loss_plugins(cfg) if plugins is None else plugins
     _check_needed(
         cfg, plugins.mismatch_fn is not None, rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
         entropy=entropy, teacher_logprobs=teacher_logprobs, values=values, old_values=old_values, returns=returns,
+        token_staleness=token_staleness,
     )  # fmt: skip
     mode, per_token = cfg.loss_aggregation, metric_aggregation(cfg.loss_aggregation)
     reducer = plugins.loss_reducer or aggregate
@@ -185,7 +206,8 @@ def rl_loss(
                                         reward_coef=cfg.reward_coef, distill_coef=cfg.distill_coef)
     elif cfg.reward_coef != 1.0:
         advantages = cfg.reward_coef * advantages
-    loss, metrics = _policy_term(cfg, plugins, reduce, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs)
+    loss, metrics = _policy_term(cfg, plugins, reduce, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs,
+                                 token_staleness)
     if teacher_logprobs is not None:
         metrics["train/distill_kl"] = metric(logprobs - teacher_logprobs)
     if ref_logprobs is not None:

@@ -213,3 +213,30 @@ def opsm_keep(
     seq_kl = masked_sequence_mean(rollout_logprobs.detach() - logprobs.detach(), loss_mask)  # [batch]
     dropped = (advantages.detach() < 0) & (seq_kl > delta)[:, None] & (loss_mask != 0)
     return torch.where(dropped, 0.0, 1.0).to(logprobs.dtype), dropped
+
+
+def stale_token_keep(
+    token_staleness: torch.Tensor, loss_mask: torch.Tensor, *, max_staleness: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rejection of old weights' samples -> (keep [batch, resp_len] 0/1 float, rejected [batch, resp_len]
+    bool). `token_staleness` is the trainer's version minus the version that sampled each token (a partial
+    rollout's response spans several); policy tokens more than `max_staleness` versions old are rejected, so
+    the tokens an update left behind drop out while the same response's fresh continuation still trains."""
+    check_token_shapes(loss_mask, token_staleness=token_staleness)
+    if max_staleness < 0:
+        raise ValueError(f"max_token_staleness must be >= 0; got {max_staleness}")
+    rejected = (token_staleness > max_staleness) & (loss_mask != 0)
+    return torch.where(rejected, 0.0, 1.0).to(torch.float32), rejected
+
+
+def staleness_metrics(token_staleness: torch.Tensor, loss_mask: torch.Tensor, *, aggregation: str) -> dict[str, float]:
+    """Local metrics of the policy tokens' age (means by `metric_aggregation`): `train/token_staleness_mean`
+    (versions between the weights that sampled a token and the trainer's) and `train/stale_token_frac` (the
+    share sampled by weights older than the trainer's)."""
+    check_token_shapes(loss_mask, token_staleness=token_staleness)
+    mode = metric_aggregation(aggregation)
+    age = token_staleness.detach().to(torch.float32)
+    return {
+        "train/token_staleness_mean": aggregate(age, loss_mask, mode).item(),
+        "train/stale_token_frac": aggregate((age > 0).to(torch.float32), loss_mask, mode).item(),
+    }

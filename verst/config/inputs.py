@@ -74,6 +74,10 @@ class RolloutConfig(Section):
         "also only while it would be taken within buffer.max_staleness (no group is generated only to be dropped as "
         "stale); auto: staleness when buffer.max_staleness is set, else fill."
     )
+    partial_rollout: bool = Field(
+        False, description="A request a weight update aborted continues from its last token on the new weights "
+        "(prompt + the output so far sent again, the rest of the token budget) instead of ending aborted; each "
+        "response token keeps the version that sampled it (Sample.token_versions). Needs sync.pause_mode = 'abort'.")
     return_partial_to_source: bool = Field(
         False, description="Return the prompts (not the partial output) of groups aborted at the end of a step to the source."
     )

@@ -31,6 +31,8 @@ from verst.config.training import AlgorithmConfig, CriticConfig, LoraConfig, Tra
 
 MAX_ADAPTERS = 8  # the embedded engine's default --max-loaded-loras: every adapter stays resident
 MULTI_LORA_SCHEDULES = ("sync", "fully_async")
+# The generate fns that continue a request a weight update aborted (`rollout.partial_rollout`); None: the default.
+PARTIAL_ROLLOUT_GENERATE_FNS = (None, "verst.rollout.generate:generate")
 
 
 # ---- batch arithmetic ------------------------------------------------------------------------------
@@ -131,6 +133,26 @@ def staleness_admission_is_fully_async(schedule: str, rollout: RolloutConfig) ->
     if rollout.admission == "staleness" and schedule != "fully_async":
         raise ValueError(f"rollout.admission = 'staleness' paces the fully async worker, and schedule = {schedule!r} "
                          "runs none; use schedule = 'fully_async' or rollout.admission = 'auto'")
+
+
+def partial_rollouts_abort_on_a_weight_update(rollout: RolloutConfig, sync: SyncConfig, cluster: ClusterConfig) -> None:
+    if not rollout.partial_rollout:
+        return
+    if sync.pause_mode != "abort":
+        raise ValueError(
+            f"rollout.partial_rollout = true with sync.pause_mode = {sync.pause_mode!r} is refused: under retract or "
+            "in_place the engines continue an interrupted request themselves and report only its oldest and newest "
+            "weight version, so its tokens cannot each be given the version that sampled them; partial rollouts "
+            "continue the requests a weight update aborted: set sync.pause_mode = 'abort'")
+    if cluster.engine == "vllm":
+        raise ValueError("rollout.partial_rollout = true with cluster.engine = 'vllm' is refused: the vLLM gateway's "
+                         "aborted replies carry no output, so there is nothing to continue; use cluster.engine = "
+                         "'embedded' or 'sglang'")
+    if rollout.generate_fn not in PARTIAL_ROLLOUT_GENERATE_FNS:
+        raise ValueError(
+            f"rollout.partial_rollout = true with rollout.generate_fn = {rollout.generate_fn!r} is refused: a generate "
+            f"fn owns its engine calls, and only {', '.join(g for g in PARTIAL_ROLLOUT_GENERATE_FNS if g)} (or the "
+            "default, None) continue the ones a weight update aborted")
 
 
 def restarts_need_checkpoints(fault: FaultConfig, checkpoint: CheckpointConfig) -> None:
@@ -340,7 +362,7 @@ RULES: tuple[Callable[..., None], ...] = (
     tensor_parallel_divides_the_ranks, tensor_parallel_has_a_plan,
     over_sampling_covers_the_batch, in_flight_holds_a_group, context_leaves_room_for_a_prompt,
     fully_async_needs_disaggregated, fully_async_calls_no_rollout_fn, staleness_admission_needs_a_limit,
-    staleness_admission_is_fully_async, restarts_need_checkpoints,
+    staleness_admission_is_fully_async, partial_rollouts_abort_on_a_weight_update, restarts_need_checkpoints,
     mismatch_correction_needs_trainer_logprobs, mismatch_fn_replaces_the_correction,
     importance_weighted_kl_needs_a_kl_loss, kl_penalty_needs_a_token_level_estimator, something_to_train_on,
     mismatch_band_is_ordered, critic_settings_need_a_critic, distillation_needs_a_teacher,

@@ -64,6 +64,11 @@ class AlgorithmConfig(Section):
         None, ge=0, description="Off-policy sequence masking (DeepSeek-V3.2): drop negative-advantage tokens of "
         "sequences whose KL(rollout ‖ current policy) exceeds this; None disables.",
     )
+    max_token_staleness: int | None = Field(
+        None, ge=0, description="Reject (weight 0 in the policy loss) policy tokens sampled by weights more than this "
+        "many versions older than the trainer's (per token: Sample.token_versions, else the sample's oldest "
+        "version); None rejects none. The token staleness metrics are logged either way.",
+    )
     kl_importance_weighted: bool = Field(
         False, description="Weight the KL-to-reference loss by π/π_old (DeepSeek-V3.2's unbiased KL estimate); "
         "needs kl_loss_coef > 0.",

@@ -33,7 +33,7 @@ from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, Phase, Request, check_request
 from verst.engine.sampling import sample
 from verst.engine.weights import check_weight_names
-from verst.inference_client.protocol import InvalidRequest
+from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, InvalidRequest
 from verst.models.scoring import sequence_logprobs
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class EngineCore:
         affected = len(self.running) + len(self.waiting)
         with torch.no_grad():
             if mode == "abort":
-                self.abort_all(message="aborted by pause_generation(mode='abort')")
+                self.abort_all(message=WEIGHT_UPDATE_ABORT)
             elif mode == "retract":
                 self._retract_all()
         self.paused = True

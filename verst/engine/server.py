@@ -36,6 +36,7 @@ from verst.engine.service import (
 from verst.engine.weight_routes import add_lora_routes, add_weight_routes
 from verst.inference_client.ports import listening_socket
 from verst.inference_client.protocol import (
+    WEIGHT_UPDATE_ABORT,
     AbortRequest,
     BatchGenerateRequest,
     GenerateRequest,
@@ -229,7 +230,7 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
         def apply(core):
             if body.abort_all_requests:
-                core.abort_all("aborted for a weight version update")
+                core.abort_all(WEIGHT_UPDATE_ABORT)
             core.weight_version = body.new_version
 
         await state.runner.acall(apply)

@@ -14,7 +14,7 @@ from verst.engine.schema import PEER_RESPONSES
 from verst.engine.service import ServerState, error_response
 from verst.engine.weights import iter_safetensors, safetensors_files, safetensors_shapes
 from verst.inference_client import weights
-from verst.inference_client.protocol import InvalidRequest
+from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, InvalidRequest
 from verst.inference_client.tensor_payload import deserialize_named_tensors
 from verst.inference_client.weight_protocol import (
     DestroyWeightsUpdateGroupRequest,
@@ -31,7 +31,7 @@ def add_weight_routes(app: FastAPI, state: ServerState) -> None:
     async def load(named, version: str | None, flush: bool, abort_all: bool, shapes=None) -> dict[str, Any]:
         def apply(core):
             if abort_all:
-                core.abort_all("aborted for a weight update")
+                core.abort_all(WEIGHT_UPDATE_ABORT)
             return core.load_weights(named, version, flush=flush, shapes=shapes)
 
         n = await state.runner.acall(apply)
@@ -45,7 +45,7 @@ def add_weight_routes(app: FastAPI, state: ServerState) -> None:
 
         def apply(core):
             if body.abort_all_requests:
-                core.abort_all("aborted for a weight update")
+                core.abort_all(WEIGHT_UPDATE_ABORT)
             core.add_lora(adapter, update_in_flight=True)
             if body.weight_version is not None:
                 core.weight_version = body.weight_version

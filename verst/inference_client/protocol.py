@@ -327,6 +327,15 @@ def is_batch(body: Any) -> bool:
     return isinstance(body.get("text"), list) or isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
+# The finish message of a request a weight update aborted (`pause_generation(mode='abort')`, or a weight
+# load or version update with `abort_all_requests`), as verst's engines send it. SGLang ends every request an
+# abort-all ends (and one aborted by rid) with its generic message: a caller that aborted nothing by rid
+# itself reads that as a weight update too.
+WEIGHT_UPDATE_ABORT = "aborted for a weight update"
+SGLANG_ABORT = "Aborted by AbortReq."
+WEIGHT_UPDATE_ABORTS = (WEIGHT_UPDATE_ABORT, SGLANG_ABORT)
+
+
 class AbortRequest(WireModel):
     rid: str = ""
     abort_all: bool = False

@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from verst.inference_client.protocol import WEIGHT_UPDATE_ABORTS
+
 ROUTER_SEND_ERROR = "error sending request for url"  # sglang-router's 500 when an engine cannot be reached
 
 
@@ -49,6 +51,14 @@ class GenerateResult:
         is paused in place or retracted). verst engines report it; for engines that do not (SGLang) it is
         the reply's `weight_version`, exact only for requests that no update interrupted."""
         return str(self.meta_info.get("oldest_weight_version", self.weight_version))
+
+    @property
+    def aborted_for_weight_update(self) -> bool:
+        """Whether a weight update ended this call (its output so far is in the reply): the abort's message is
+        one an engine gives the requests a weight update aborts (`WEIGHT_UPDATE_ABORTS`)."""
+        if self.finish_reason != "abort":
+            return False
+        return (self.meta_info.get("finish_reason") or {}).get("message") in WEIGHT_UPDATE_ABORTS
 
     def routed_experts(self, top_k: int) -> np.ndarray | None:
         """`[prompt + output - 1, moe_layers, top_k]` (SGLang's layout), or None when not returned."""

@@ -5,6 +5,10 @@ A prompt longer than `rollout.max_prompt_tokens` (or leaving no room under `max_
 not sent: the sample comes back ABORTED with the reason in `metadata['generate_error']` and the
 token count in `metadata['prompt_too_long']`, so one bad row costs one group, is counted in
 `rollout/prompt_too_long`, and is never returned to the source to fail again.
+
+With `rollout.partial_rollout`, a call a weight update aborted is sent again as prompt + the output so far with
+the rest of the token budget: the sample keeps the first call's ids and logprobs exactly and goes on with the
+new weights, each token's version in `token_versions`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+CONTINUED_KEY = "continued_after_weight_update"  # metadata: engine calls sent again after a weight update
 CACHED_TOKENS_KEY = "cached_tokens"  # metadata: prompt tokens the engines served from the prefix cache
 ENGINE_PROMPT_TOKENS_KEY = "engine_prompt_tokens"  # metadata: prompt tokens the engines were sent
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
@@ -46,16 +51,38 @@ async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
         logger.warning("sample %d (group %d): %s", sample.index, sample.group_index, too_long)
         return mark_aborted(sample, too_long)
     params = request_params(ctx, sample, max_new_tokens)
+    sample.token_versions = []
+    result = await engine_call(ctx, sample, prompt_ids, params)
+    record_result(ctx, sample, prompt_ids, result)
+    while continues(ctx, sample, result) and sample.response_length < max_new_tokens:
+        # The new weights go on from the last token: the ids so far are the prompt, the budget is what is left.
+        sample.metadata[CONTINUED_KEY] = sample.metadata.get(CONTINUED_KEY, 0) + 1
+        sample.metadata.pop(GENERATE_ERROR_KEY, None)  # the abort is not the sample's end
+        left = dict(params, max_new_tokens=max_new_tokens - sample.response_length)
+        result = await engine_call(ctx, sample, sample.tokens, left)
+        record_result(ctx, sample, sample.tokens, result)
+    return sample.validate()
+
+
+async def engine_call(
+    ctx: RolloutContext, sample: Sample, input_ids: list[int], params: dict[str, Any]
+) -> GenerateResult:
+    """One `/generate` of `input_ids`, in flight under a new rid (so a step's end can abort it)."""
     rid = ctx.state.new_rid(sample)
     ctx.state.in_flight[rid] = sample.index
     try:
         # asked only when recorded: engines (and test doubles) need not know the option otherwise
         experts = {"return_routed_experts": True} if ctx.routed_experts_top_k is not None else {}
-        result = await ctx.engine.generate(prompt_ids, params, rid=rid, return_logprob=True, **experts)
+        return await ctx.engine.generate(input_ids, params, rid=rid, return_logprob=True, **experts)
     finally:
         ctx.state.in_flight.pop(rid, None)
-    record_result(ctx, sample, prompt_ids, result)
-    return sample.validate()
+
+
+def continues(ctx: RolloutContext, sample: Sample, result: GenerateResult) -> bool:
+    """Whether a partial rollout goes on: a weight update aborted the call, not the rollout step's end (whose
+    aborts by rid SGLang reports with the same message as a weight update's)."""
+    return (ctx.rollout.partial_rollout and result.aborted_for_weight_update
+            and sample.index not in ctx.state.stopped)
 
 
 def prompt_ids_of(ctx: RolloutContext, sample: Sample) -> list[int]:
@@ -91,22 +118,26 @@ def response_budget(ctx: RolloutContext, n_prompt: int) -> tuple[int, str | None
 
 
 def record_result(ctx: RolloutContext, sample: Sample, prompt_ids: list[int], result: GenerateResult) -> None:
-    """Token-in-token-out: tokens = prompt ids + the engine's output ids, logprobs as the engine sent them."""
+    """Token-in-token-out: tokens = prompt ids + the engine's output ids, logprobs as the engine sent them.
+    `prompt_ids` of a continued call are the sample's tokens so far: its output, logprobs and versions are
+    appended to theirs, and the status and text are the whole response's."""
     n = len(result.output_ids)
     if result.logprobs is None or len(result.logprobs) != n:
         got = None if result.logprobs is None else len(result.logprobs)
         raise ValueError(f"engine reply for rid {result.rid!r}: {got} output logprobs for {n} output ids")
     status = finish_status(result.finish_reason, result.rid)
     sample.tokens = list(prompt_ids) + list(result.output_ids)
-    sample.response_length = n
-    sample.loss_mask = [1] * n
-    sample.rollout_logprobs = list(result.logprobs)
+    sample.response_length += n
+    sample.loss_mask += [1] * n
+    sample.rollout_logprobs += list(result.logprobs)
+    record_token_versions(sample, result)
     if ctx.routed_experts_top_k is not None:
         experts = result.routed_experts(ctx.routed_experts_top_k)
         if experts is None:
             raise ValueError(f"engine reply for rid {result.rid!r} carries no routed_experts; algorithm.routing_replay "
                              "needs engines that return them")
-        sample.routed_experts = experts.tolist()  # [len(tokens) - 1, moe_layers, top_k]: prompt and output
+        # [len(tokens) - 1, moe_layers, top_k]: prompt and output; a continued call's cover the whole sequence
+        sample.routed_experts = experts.tolist()
     # Staleness counts from the oldest weights behind any token, not the version that finished the call;
     # a weight sync inside the call adds the newest too, so `rollout/mixed_version_ratio` sees it.
     sample.weight_versions.append(result.oldest_weight_version)
@@ -115,13 +146,25 @@ def record_result(ctx: RolloutContext, sample: Sample, prompt_ids: list[int], re
     ctx.state.observe_version(result.weight_version)
     sample.status = status
     # Text only for rewards and logs, decoded from exactly the ids the trainer will see.
-    sample.response = ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    sample.response = ctx.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     meta = sample.metadata
     meta[CACHED_TOKENS_KEY] = meta.get(CACHED_TOKENS_KEY, 0) + result.cached_tokens
     meta[ENGINE_PROMPT_TOKENS_KEY] = meta.get(ENGINE_PROMPT_TOKENS_KEY, 0) + result.prompt_tokens
     if status is Status.ABORTED:
         message = result.meta_info.get("finish_reason", {}).get("message") if result.meta_info else None
         meta[GENERATE_ERROR_KEY] = f"aborted by the engine: {message or 'no message'}"
+
+
+def record_token_versions(sample: Sample, result: GenerateResult) -> None:
+    """Every output token of the call gets the call's version; a call a weight update fell inside (retract,
+    in_place) does not say which tokens came before it, so the sample's `token_versions` become unknown."""
+    if sample.token_versions is None:
+        return
+    version = result.weight_version
+    if result.oldest_weight_version != version or not version.isdigit():
+        sample.token_versions = None
+        return
+    sample.token_versions += [int(version)] * len(result.output_ids)
 
 
 def mark_aborted(sample: Sample, reason: str) -> Sample:

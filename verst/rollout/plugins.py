@@ -7,7 +7,8 @@ Signatures (each an `async def`, or an instance with an `async def __call__`; no
   generation and token recording: fills `tokens` (prompt + response ids), `response_length`,
   `loss_mask`, `rollout_logprobs`, `status`, appends one `weight_versions` entry per engine call
   (the oldest version behind its tokens; the default generate fn also appends the newest when a sync
-  fell inside the call) and sets `response` (text for rewards). It returns the sample (the same object or a new one); it does
+  fell inside the call), may set `token_versions` (each response token's version; None: unknown) and sets
+  `response` (text for rewards). It returns the sample (the same object or a new one); it does
   not score it. An exception it raises marks the sample ABORTED with the reason (recovered and counted).
 - rollout fn: `async rollout(ctx: RolloutContext, n_groups: int) -> RolloutBatch` — owns data,
   batching and rewards: draws prompts from `ctx.source`, calls `ctx.generate_fn`, scores, filters and

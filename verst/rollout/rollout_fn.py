@@ -18,7 +18,13 @@ from pathlib import Path
 from verst.rewards import compute_rewards
 from verst.rollout.agentic import tito_metrics
 from verst.rollout.filters import apply_filter
-from verst.rollout.generate import CACHED_TOKENS_KEY, ENGINE_PROMPT_TOKENS_KEY, PROMPT_TOO_LONG_KEY, mark_aborted
+from verst.rollout.generate import (
+    CACHED_TOKENS_KEY,
+    CONTINUED_KEY,
+    ENGINE_PROMPT_TOKENS_KEY,
+    PROMPT_TOO_LONG_KEY,
+    mark_aborted,
+)
 from verst.rollout.plugins import RolloutBatch, RolloutContext
 from verst.rollout.teacher import teacher_metrics
 from verst.rollout.worker import GENERATE_ERROR_KEY, FinishGroup, GenerateSample
@@ -287,6 +293,7 @@ def sample_metrics(samples: list[Sample], key: str | None = None) -> dict[str, f
         "rollout/response_length_mean": statistics.fmean(s.response_length for s in samples),
         "rollout/truncated_ratio": sum(s.status is Status.TRUNCATED for s in samples) / len(samples),
         "rollout/mixed_version_ratio": sum(len(set(s.weight_versions)) > 1 for s in samples) / len(samples),
+        "rollout/continued_ratio": sum(CONTINUED_KEY in s.metadata for s in samples) / len(samples),
     }
     if versions:
         m["rollout/weight_version_mean"] = statistics.fmean(versions)

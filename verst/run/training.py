@@ -58,7 +58,7 @@ class TrainerGroup:
                 start = time.perf_counter()
                 # Tensors are built, and advantages computed, next to the model.
                 metrics = await self.guard(f"train step {version + 1}", "step_timeout_s", asyncio.to_thread(
-                    self.on_ranks, step_fn, *args, groups, first, lane.cfg))
+                    self.on_ranks, step_fn, *args, groups, first, lane.cfg, version))
                 metrics["time/train_s"] = time.perf_counter() - start  # with the trips to the ranks
             if version == 0:
                 metrics.update(self.startup_metrics())

@@ -15,6 +15,7 @@ import collections
 import zlib
 from typing import Any
 
+from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT
 from verst.sim.clock import SimClock
 from verst.sim.latency import EngineCosts
 from verst.sim.outputs import OutputModel
@@ -101,12 +102,13 @@ class SimEngine:
             self._drop(req)
             raise
 
-    def abort(self, rid: str | None = None) -> int:
-        """End one request (or every one: `rid` None) now; each answers with finish_reason "abort"."""
+    def abort(self, rid: str | None = None, message: str = "aborted by request") -> int:
+        """End one request (or every one: `rid` None) now; each answers with finish_reason "abort", its
+        output so far and `message` (a weight update's is `WEIGHT_UPDATE_ABORT`, as the embedded engine's)."""
         reqs = list(self.by_rid.values()) if rid is None else [r for r in [self.by_rid.get(rid)] if r is not None]
         for req in reqs:
             self._drop(req)
-            self._reply(req, aborted=True)
+            self._reply(req, aborted=message)
         return len(reqs)
 
     # ---- control -------------------------------------------------------------------------------
@@ -115,7 +117,7 @@ class SimEngine:
             raise EngineRefused(f"mode {mode!r} is not one of {PAUSE_MODES}", "mode")
         held = len(self.by_rid)
         if mode == "abort":
-            self.abort()
+            self.abort(message=WEIGHT_UPDATE_ABORT)
         self.paused = mode
         if self._paused_at is None:
             self._paused_at = self.clock.now()
@@ -219,7 +221,7 @@ class SimEngine:
         if len(self.prefixes) > PREFIX_ENTRIES:
             self.prefixes.popitem(last=False)
         self.finished += 1
-        self._reply(req, aborted=False)
+        self._reply(req, aborted=None)
 
     def _drop(self, req: SimRequest) -> None:
         """Take `req` out of the queue or the batch, freeing its KV reservation."""
@@ -235,15 +237,16 @@ class SimEngine:
                 pass
         self._wake()
 
-    def _reply(self, req: SimRequest, aborted: bool) -> None:
+    def _reply(self, req: SimRequest, aborted: str | None) -> None:
+        """Answer `req`: finished, or `aborted` with that message."""
         if req.future.done():
             return
-        if aborted:
+        if aborted is not None:
             self.aborted += 1
-        n = req.generated if aborted else req.target
+        n = req.generated if aborted is not None else req.target
         ids, logprobs = self.outputs.sample(req.seed, n)
-        finish = {"type": "abort", "message": "aborted"} if aborted else {"type": req.finish}
-        if req.finish == "length" and not aborted:
+        finish = {"type": "abort", "message": aborted} if aborted is not None else {"type": req.finish}
+        if req.finish == "length" and aborted is None:
             finish["length"] = n
         meta: dict[str, Any] = {
             "id": req.rid, "finish_reason": finish, "prompt_tokens": req.prompt_len, "completion_tokens": n,

@@ -11,6 +11,7 @@ import itertools
 import math
 from typing import Any
 
+from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT
 from verst.sim.engine import EngineRefused, SimEngine
 from verst.sim.http import Handler, error
 
@@ -109,7 +110,7 @@ def engine_routes(engine_of: Any, model_path: str, vocab_size: int, faults: SimF
     async def set_version(engine: SimEngine, body: Any, _: dict[str, str]) -> tuple[int, Any]:
         version = _field(body, "new_version", str)
         if _field(body, "abort_all_requests", bool, False):
-            engine.abort()
+            engine.abort(message=WEIGHT_UPDATE_ABORT)
         engine.weight_version = version
         return 200, {"success": True, "weight_version": version}
 

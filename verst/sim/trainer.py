@@ -108,9 +108,11 @@ class SimTrainerRanks:
                 return [self._train(*args)]
             return [fn(self.backend, *args, **kwargs)]
 
-    def _train(self, batch: list[Group] | None, first: int, cfg: VerstConfig) -> dict[str, float]:
+    def _train(self, batch: list[Group] | None, first: int, cfg: VerstConfig, version: int | None = None
+               ) -> dict[str, float]:
         """One optimizer step on groups [first, first + groups per step) of the rollout batch (kept from its
-        first step), as `train_rollout_step` does on a real rank; it takes the latency model's time."""
+        first step), as `train_rollout_step` does on a real rank; it takes the latency model's time (no loss:
+        `version` is not read)."""
         per_step = batch_plan(cfg).groups_per_train_step
         if batch is not None:
             self._kept = list(batch)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from verst.trainer import ForwardOutputs, MicroBatch
 
+TOKEN_STALENESS = "token_staleness"  # the train items' extra: trainer version minus each token's version
 # Per sample of a rollout batch ([response_length] each); None: each step's own forward.
 OldLogprobs = Sequence["torch.Tensor"] | None
 
@@ -76,7 +77,8 @@ def rl_loss_fn(
     return rl_loss(
         algo, outputs.logprobs, old, batch["advantages"], batch.loss_mask,
         rollout_logprobs=extras.get(ROLLOUT_LOGPROBS), ref_logprobs=extras.get("ref_logprobs"),
-        teacher_logprobs=extras.get("teacher_logprobs"), entropy=outputs.entropy, normalizer=normalizer,
+        teacher_logprobs=extras.get("teacher_logprobs"), token_staleness=extras.get(TOKEN_STALENESS),
+        entropy=outputs.entropy, normalizer=normalizer,
     )
 
 
@@ -103,12 +105,14 @@ def _pad(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor]) -> torch.Tens
 
 def train_on_groups(
     trainer: TrainBackend, groups: Sequence[Group], cfg: VerstConfig, old: OldLogprobs = None,
-    values: Sequence[torch.Tensor] | None = None,
+    values: Sequence[torch.Tensor] | None = None, version: int | None = None,
 ) -> dict[str, float]:
     """One optimizer step on whole groups: reference logprobs → advantages → loss → step. `old` are the
     groups' old-policy logprobs from `old_logprobs` (computed here when None and the source is not the
     step's own forward: a batch that gets one step). With PPO, `values` are the critic's from before the
-    rollout batch's first step (computed here when None), and the critic takes its step after the policy's."""
+    rollout batch's first step (computed here when None), and the critic takes its step after the policy's.
+    `version` is the trainer's weight version before the step: each token's staleness is measured from it
+    (`algorithm.max_token_staleness` needs it)."""
     import torch
 
     from verst.algo import aggregation_normalizer, compute_advantages, ess_ratio_from_moments
@@ -139,6 +143,11 @@ def train_on_groups(
     extras["advantages"] = [advantages[i, : s.response_length] for i, s in enumerate(samples)]
     if algo.distill_coef > 0:
         extras["teacher_logprobs"] = teacher_logprobs(samples)
+    if version is not None:
+        extras[TOKEN_STALENESS] = token_staleness(samples, version)
+    elif algo.max_token_staleness is not None:
+        raise ValueError(f"algorithm.max_token_staleness = {algo.max_token_staleness}: train_on_groups needs the "
+                         "trainer's version to measure each token's staleness from; none was given")
     items = make_items(samples, **extras)
     normalizer = functools.partial(aggregation_normalizer, algo.loss_aggregation)
     metrics = trainer.train_step(
@@ -165,6 +174,20 @@ def teacher_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
         raise ValueError(f"algorithm.distill_coef > 0, but samples {missing[:8]} (of {len(samples)}) carry no "
                          "teacher_logprobs: the rollout fn must return samples the teacher scored")
     return [s.teacher_logprobs for s in samples]
+def token_staleness(samples: Sequence[Sample], version: int) -> list[list[int]]:
+    """Per sample, the trainer's `version` minus the version that sampled each response token: the sample's
+    `token_versions`, else its oldest weight version on every token (as `buffer.max_staleness` counts it), else
+    (no engine call recorded one) 0."""
+    rows = []
+    for s in samples:
+        if s.token_versions is not None:
+            rows.append([version - v for v in s.token_versions])
+            continue
+        oldest = s.oldest_weight_version()
+        rows.append([0 if oldest is None else version - oldest] * s.response_length)
+    return rows
+
+
 def train_critic(
     trainer: TrainBackend, samples: Sequence[Sample], values: Sequence[torch.Tensor], returns: torch.Tensor,
     mask: torch.Tensor, algo: AlgorithmConfig,
@@ -199,9 +222,10 @@ _kept: weakref.WeakKeyDictionary[TrainBackend, _KeptBatch] = weakref.WeakKeyDict
 
 
 def train_rollout_step(
-    trainer: TrainBackend, batch: Sequence[Group] | None, first: int, cfg: VerstConfig
+    trainer: TrainBackend, batch: Sequence[Group] | None, first: int, cfg: VerstConfig, version: int | None = None
 ) -> dict[str, float]:
-    """One optimizer step on groups [first, first + groups_per_train_step) of a rollout batch. Its first
+    """One optimizer step, from trainer version `version`, on groups [first, first + groups_per_train_step) of
+    a rollout batch. Its first
     step passes the `batch`, kept here for the later ones (which pass None) with, when it gets more than
     one step, the old policy's logprobs (and with PPO the critic's values) taken now, before the first:
     PPO's value clip then bounds the critic's move over the whole batch."""
@@ -220,7 +244,7 @@ def train_rollout_step(
     offset = sum(len(g) for g in kept.groups[:first])
     rows = slice(offset, offset + sum(len(g) for g in step_groups))
     metrics = train_on_groups(trainer, step_groups, cfg, None if kept.old is None else kept.old[rows],
-                              None if kept.values is None else kept.values[rows])
+                              None if kept.values is None else kept.values[rows], version)
     metrics["time/logprob_s"] += old_s
     if first + per_step >= len(kept.groups):
         del _kept[trainer]  # the batch's last step
@@ -233,9 +257,10 @@ def use_adapter(trainer: TrainBackend, adapter: str) -> None:
 
 
 def train_adapter_step(
-    trainer: TrainBackend, adapter: str, batch: Sequence[Group] | None, first: int, cfg: VerstConfig
+    trainer: TrainBackend, adapter: str, batch: Sequence[Group] | None, first: int, cfg: VerstConfig,
+    version: int | None = None,
 ) -> dict[str, float]:
     """Multi-LoRA: `train_rollout_step` with `adapter` active; `cfg` is that adapter's run config (its
     reward key, batch plan, algorithm). Its rollout batch's steps run back to back, so the kept batch is its."""
     use_adapter(trainer, adapter)
-    return train_rollout_step(trainer, batch, first, cfg)
+    return train_rollout_step(trainer, batch, first, cfg, version)

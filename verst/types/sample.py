@@ -35,6 +35,11 @@ class Sample:
     single-turn generate fn adds the call's newest when a weight sync fell inside it; staleness is
     measured from the oldest one. `routed_experts` (MoE) is `[len(tokens) - 1][layers][top_k]`: the experts
     the engine ran for every token but the last, prompt included (`algorithm.routing_replay`).
+    `token_versions` is the weight version that sampled each response token, aligned with the response like
+    `rollout_logprobs` (on environment tokens the version of the engine call that read them); None where a
+    generate fn could not tell (an engine call a weight update fell inside, under `retract` or `in_place`).
+    With `rollout.partial_rollout` one response spans versions: the tokens before a weight update carry the old
+    one, its continuation's the new one.
     `teacher_logprobs` (on-policy distillation) are a teacher model's logprobs of the response tokens,
     aligned with the response like `rollout_logprobs` (0.0 on environment tokens); None without a teacher.
     """
@@ -47,6 +52,7 @@ class Sample:
     status: Status = Status.PENDING
     weight_versions: list[str] = dataclasses.field(default_factory=list)
     routed_experts: list[list[list[int]]] | None = None
+    token_versions: list[int] | None = None
     teacher_logprobs: list[float] | None = None
     group_index: int = 0
     index: int = 0
@@ -126,6 +132,10 @@ class Sample:
             env_teacher = [lp for m, lp in zip(self.loss_mask, self.teacher_logprobs) if m == 0 and lp != 0.0]
             if env_teacher:
                 raise SampleError(f"{where}: teacher_logprobs must be 0.0 on loss_mask==0 tokens, found {env_teacher[:3]}")
+        if self.token_versions is not None and len(self.token_versions) != n_resp:
+            raise SampleError(
+                f"{where}: len(token_versions)={len(self.token_versions)} != response_length={n_resp}"
+            )
         if self.routed_experts is not None and len(self.routed_experts) != max(n_tok - 1, 0):
             raise SampleError(
                 f"{where}: len(routed_experts)={len(self.routed_experts)} != len(tokens) - 1 = {n_tok - 1}"
