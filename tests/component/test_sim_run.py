@@ -103,9 +103,9 @@ def test_fully_async_partial_rollouts_continue_the_trajectories_a_weight_push_ab
     cfg, sim = load_sim(None, sim_args(
         tmp_path, tiny_model_dir, "--schedule", "fully_async", "--cluster.num-engines", "2",
         "--rollout.batch-size", str(per_step), "--rollout.n-samples-per-prompt", "4",
-        "--rollout.num-rollouts", str(steps), "--rollout.max-response-tokens", "256", "--rollout.max-in-flight", "32",
+        "--rollout.num-rollouts", str(steps), "--rollout.max-response-tokens", "1024", "--rollout.max-in-flight", "32",
         "--sync.pause-mode", "abort", "--rollout.partial-rollout", "true", "--sim.speedup", "50",
-        "--sim.response-tokens-mean", "128", "--sim.prompts", "256"))
+        "--sim.response-tokens-mean", "512", "--sim.prompts", "256"))
     summary, scale = run_sim(cfg, sim)
 
     assert summary["train/steps"] == steps and scale["accounting"]["problems"] == []

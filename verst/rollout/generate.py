@@ -51,7 +51,7 @@ async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
         logger.warning("sample %d (group %d): %s", sample.index, sample.group_index, too_long)
         return mark_aborted(sample, too_long)
     params = request_params(ctx, sample, max_new_tokens)
-    sample.token_versions = []
+    sample.token_versions = [] if ctx.rollout.partial_rollout else None  # one version a call otherwise
     result = await engine_call(ctx, sample, prompt_ids, params)
     record_result(ctx, sample, prompt_ids, result)
     while continues(ctx, sample, result) and sample.response_length < max_new_tokens:

@@ -174,6 +174,8 @@ def teacher_logprobs(samples: Sequence[Sample]) -> list[list[float]]:
         raise ValueError(f"algorithm.distill_coef > 0, but samples {missing[:8]} (of {len(samples)}) carry no "
                          "teacher_logprobs: the rollout fn must return samples the teacher scored")
     return [s.teacher_logprobs for s in samples]
+
+
 def token_staleness(samples: Sequence[Sample], version: int) -> list[list[int]]:
     """Per sample, the trainer's `version` minus the version that sampled each response token: the sample's
     `token_versions`, else its oldest weight version on every token (as `buffer.max_staleness` counts it), else
