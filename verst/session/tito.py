@@ -8,6 +8,7 @@ A finished turn is never re-tokenized: its ids are the engine's. Only the text a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,11 +80,16 @@ class ChatTemplate:
         """Ids the template writes after the last reply when the conversation ends there."""
         return self.encode(self._turn_end(self.render([_STANDIN_USER, _standin_reply(last_reply)], False), ended))
 
+    @functools.cached_property
+    def _standin_prompt(self) -> str:
+        """The stand-in user message with the generation prompt: the same text every turn of a session."""
+        return self.render([_STANDIN_USER], add_generation_prompt=True)
+
     def _turn_end(self, head: str, ended: bool) -> str:
         """The text after the reply's sampled ids in `head`, a render that ends with that reply."""
         end = self.tokenizer.eos_token
         # the reply starts where `head` leaves the stand-in prompt (with its generation prompt)
-        reply_start = _common_prefix(head, self.render([_STANDIN_USER], add_generation_prompt=True))
+        reply_start = _common_prefix(head, self._standin_prompt)
         at = head.rfind(end) if end else -1
         if at < reply_start:
             raise TemplateError(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
+import operator
 from typing import Any
 
 
@@ -120,9 +122,9 @@ class Sample:
         mask_values = set(self.loss_mask)
         if not mask_values <= {0, 1}:
             raise SampleError(f"{where}: loss_mask values must be 0 or 1, found {sorted(mask_values - {0, 1})}")
-        env_logprobs = [lp for m, lp in zip(self.loss_mask, self.rollout_logprobs) if m == 0 and lp != 0.0] \
-            if 0 in mask_values else []
-        if env_logprobs:
+        # the scan runs in C (compress, any): a multi-turn sample holds tens of thousands of tokens
+        if 0 in mask_values and any(itertools.compress(self.rollout_logprobs, map(operator.not_, self.loss_mask))):
+            env_logprobs = [lp for m, lp in zip(self.loss_mask, self.rollout_logprobs) if m == 0 and lp != 0.0]
             raise SampleError(f"{where}: rollout_logprobs must be 0.0 on loss_mask==0 tokens, found {env_logprobs[:3]}")
         if self.teacher_logprobs is not None:
             if len(self.teacher_logprobs) != n_resp:
