@@ -103,6 +103,8 @@ def test_daytona_snapshot_refuses_resources_and_is_the_default(fake_daytona):
     log, _ = fake_daytona
     with pytest.raises(SandboxError, match="snapshot"):
         DaytonaProvider(DaytonaOptions(cpu=2), api_key="k")
+    with pytest.raises(SandboxError, match="not both"):
+        DaytonaProvider(DaytonaOptions(image="python:3.12-slim", snapshot="my-snap"), api_key="k")
     DaytonaProvider(DaytonaOptions(snapshot="my-snap", network=True), api_key="k").start({})
     params = log[1][1]
     assert isinstance(params, daytona.CreateSandboxFromSnapshotParams)

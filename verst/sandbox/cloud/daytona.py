@@ -32,6 +32,9 @@ class DaytonaProvider:
     def __init__(self, options: DaytonaOptions = DaytonaOptions(), api_key: str | None = None,
                  api_url: str | None = None):
         self.daytona_sdk = sdk("daytona", PROVIDER, PROVIDER)
+        if options.image is not None and options.snapshot is not None:
+            raise SandboxError(f"daytona: a sandbox starts from an image ({options.image}) or a snapshot "
+                               f"({options.snapshot}), not both")
         if options.image is None and any(v is not None for v in (options.cpu, options.memory_gib, options.disk_gib)):
             raise SandboxError("daytona: cpu, memory_gib and disk_gib apply to a sandbox built from an image; a "
                                f"snapshot ({options.snapshot or 'the default'}) fixes its own resources")
