@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verst-installed
 # The test install: dev tools and the connector extras whose tests `make test` runs (docs/agentic.md).
-TEST_EXTRAS := dev,verifiers,strands,openenv,sandbox,diffusion
+TEST_EXTRAS := dev,verifiers,strands,openenv,sandbox,daytona,e2b,modal,diffusion
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 

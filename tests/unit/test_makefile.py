@@ -31,7 +31,7 @@ def test_make_prints_a_line_per_step_by_default(tmp_path):
     venv = tmp_path / "venv"
     assert result.stdout.splitlines() == [
         f"make: creating {venv}", f"make: upgrading pip in {venv}", "make: installing torch==2.13.0 (the CPU build)",
-        "make: installing verst [dev,verifiers,strands,openenv,sandbox,diffusion] with constraints.txt"]
+        "make: installing verst [dev,verifiers,strands,openenv,sandbox,daytona,e2b,modal,diffusion] with constraints.txt"]
     assert "pip output of: -m pip install -c constraints.txt -e" in (tmp_path / "step.log").read_text()
 
 

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import PurePosixPath
 from typing import Protocol
 
 
@@ -25,6 +26,21 @@ class ExecResult:
     output: str
     timed_out: bool = False
     truncated: bool = False
+
+
+def workspace_relative(path: str, workspace: str) -> PurePosixPath:
+    """`path` relative to the workspace: a relative path, or an absolute one inside it; `..` is refused."""
+    relative: PurePosixPath | None = PurePosixPath(path)
+    if relative.is_absolute():
+        relative = relative.relative_to(workspace) if relative.is_relative_to(workspace) else None
+    if relative is None or ".." in relative.parts:
+        raise SandboxError(f"path {path!r} is outside the workspace {workspace}")
+    return relative
+
+
+def capped(output: bytes, cap: int) -> tuple[str, bool]:
+    """The first `cap` bytes of `output` as text, and whether more was there."""
+    return output[:cap].decode(errors="replace"), len(output) > cap
 
 
 class Sandbox(Protocol):

@@ -14,9 +14,9 @@ import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from verst.sandbox.base import ExecResult, SandboxError
+from verst.sandbox.base import ExecResult, SandboxError, capped, workspace_relative
 
 # RLIMIT_NPROC does not bind root, so a driver running as root runs its sandboxes as this unprivileged user.
 UNPRIVILEGED = 65534
@@ -78,12 +78,7 @@ class BubblewrapSandbox:
         self.closed = False
 
     def host_path(self, path: str) -> Path:
-        relative = PurePosixPath(path)
-        if relative.is_absolute():
-            relative = relative.relative_to(WORKSPACE) if relative.is_relative_to(WORKSPACE) else None
-        if relative is None or ".." in relative.parts:
-            raise SandboxError(f"path {path!r} is outside the workspace {WORKSPACE}")
-        return self.workspace / relative
+        return self.workspace / workspace_relative(path, WORKSPACE)
 
     def read_file(self, path: str) -> str:
         self.check_open()
@@ -140,8 +135,8 @@ class BubblewrapSandbox:
         if used > self.limits.workspace_bytes:
             self.close()
             raise SandboxError(f"workspace holds {used} bytes, over its limit of {self.limits.workspace_bytes}; closed")
-        return ExecResult(process.returncode if not timed_out else -signal.SIGKILL,
-                          out[:cap].decode(errors="replace"), timed_out, len(out) > cap)
+        output, truncated = capped(out, cap)
+        return ExecResult(process.returncode if not timed_out else -signal.SIGKILL, output, timed_out, truncated)
 
     @staticmethod
     def kill(pid: int) -> None:
