@@ -233,3 +233,36 @@ def test_verst_serve_session_runs_standalone(served, tiny_model_dir):
         assert view["n_prompt_tokens"] == len(chat_prompt_ids(tok, [USER])) and len(view["turns"]) == 1
         assert http.delete(f"/sessions/{sid}").status_code == 204
         assert http.get("/health").json() == {"status": "ok", "sessions": 0}
+
+
+def test_real_engine_a_streamed_turn_goes_on_across_a_weight_update(served):
+    """pause(abort) → new version → continue while a session turn streams, as the syncer does: with partial
+    rollouts the turn is the first call's output followed by the continuation's, streamed as one growing output,
+    each token with the version that sampled it."""
+    engine, tok = served
+    budget, streamed = 400, []
+
+    async def main():
+        async with EngineClient(engine.url) as client:
+            m = SessionManager(client, tok, partial_rollout=True, default_sampling={"ignore_eos": True})
+            sid = m.create()
+            old = int(await client.get_weight_version())
+            turn = asyncio.create_task(m.chat_completion(sid, {"messages": [USER], "max_tokens": budget},
+                                                         on_tokens=streamed.append))
+            while len(streamed) < 5:  # some tokens decoded on the old weights
+                await asyncio.sleep(0.01)
+            await client.pause("abort")
+            await client.update_weight_version(str(old + 1))
+            await client.continue_generation()
+            return old, await turn, m.get(sid), m.samples(sid)[0]
+
+    old, reply, view, sample = asyncio.run(main())
+    n = sample.token_versions.count(old)
+    assert 0 < n < budget and view["turns"][0]["continued"] == 1 and reply["choices"][0]["finish_reason"] == "length"
+    assert sample.token_versions == [old] * n + [old + 1] * (budget - n)
+    assert sample.weight_versions == [str(old), str(old + 1)] and sample.response_length == budget
+    out = sample.response_tokens
+    # the stream never went back: every partial extends the one before, and the last is the whole turn
+    assert all(a.output_ids == b.output_ids[:len(a.output_ids)] for a, b in zip(streamed, streamed[1:]))
+    assert streamed[-1].output_ids == out and streamed[-1].logprobs == sample.rollout_logprobs
+    assert reply["usage"]["completion_tokens"] == budget

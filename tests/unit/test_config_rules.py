@@ -158,11 +158,17 @@ def test_tensor_parallel_trains_a_dense_model_alone():
         load_config(None, [*TP2, "--algorithm.advantage-estimator", "ppo"])
 
 
-def test_partial_rollouts_need_abort_pauses_an_engine_with_partial_output_and_the_built_in_generate_fn():
+def test_partial_rollouts_need_abort_pauses_an_engine_with_partial_output_and_a_generate_fn_that_continues():
     partial = ["--rollout.partial-rollout", "true", "--sync.pause-mode", "abort"]
     cfg = load_config(None, [*partial, "--algorithm.max-token-staleness", "1"])
     assert cfg.rollout.partial_rollout and cfg.algorithm.max_token_staleness == 1
     assert load_config(None, [*partial, "--rollout.generate-fn", "verst.rollout.generate:generate"]).rollout.partial_rollout
+    agentic = ["--rollout.generate-fn", "verst.rollout.agentic:generate", "--rollout.agent-fn", "m:agent"]
+    assert load_config(None, [*partial, *agentic]).rollout.partial_rollout  # the session server continues a turn
+    # the direct multi-turn generate fn does not continue its engine calls
+    with pytest.raises(ConfigError, match=r"rollout.generate_fn = 'verst.rollout.multiturn:generate' is refused: .*"
+                                          r"for multi-turn episodes use the agentic one"):
+        load_config(None, [*partial, "--rollout.generate-fn", "verst.rollout.multiturn:generate"])
     with pytest.raises(ConfigError, match=r"rollout.partial_rollout = true with cluster.engine = 'vllm' is refused"):
         load_config(None, [*partial, *VLLM])
     with pytest.raises(ConfigError, match=r"rollout.partial_rollout = true with rollout.generate_fn = 'm:f' is refused"):

@@ -65,3 +65,19 @@ def test_no_turn_is_an_aborted_sample_and_bad_turns_are_refused():
         Trajectory().add_turn([1], [2], [-0.1, -0.2], "stop", "0")
     with pytest.raises(ValueError, match="finish_reason 'tool_calls'"):
         Trajectory().add_turn([1], [2], [-0.1], "tool_calls", "0")
+
+
+def test_token_versions_line_up_with_the_response_when_every_turn_recorded_them():
+    t = Trajectory()
+    t.add_turn([1, 2, 3], [10, 11], [-0.1, -0.2], "stop", "4", token_versions=[4, 4])
+    # continued across an update: two calls, the tokens before it by 5, after it by 6
+    t.add_turn([20, 21], [12, 13, 14], [-0.3, -0.4, -0.5], "stop", "5", later_versions=["6"],
+               token_versions=[5, 6, 6])
+    sample = assemble(t)
+    # the environment ids between the turns carry the version of the call that read them (the next turn's first)
+    assert sample.token_versions == [4, 4, 5, 5, 5, 6, 6] and sample.weight_versions == ["4", "5", "6"]
+    assert sample.metadata["turns"][1]["continued"] == 1
+    t.add_turn([22], [15], [-0.6], "stop", "6")  # a turn without versions (unknown, or not recorded)
+    assert assemble(t).token_versions is None and assemble(t, max_tokens=10).token_versions is not None  # cut before it
+    with pytest.raises(ValueError, match="turn 3: 1 token versions for 2 output ids"):
+        t.add_turn([1], [2, 3], [-0.1, -0.2], "stop", "0", token_versions=[0])

@@ -32,7 +32,7 @@ from verst.config.training import AlgorithmConfig, CriticConfig, LoraConfig, Tra
 MAX_ADAPTERS = 8  # the embedded engine's default --max-loaded-loras: every adapter stays resident
 MULTI_LORA_SCHEDULES = ("sync", "fully_async")
 # The generate fns that continue a request a weight update aborted (`rollout.partial_rollout`); None: the default.
-PARTIAL_ROLLOUT_GENERATE_FNS = (None, "verst.rollout.generate:generate")
+PARTIAL_ROLLOUT_GENERATE_FNS = (None, "verst.rollout.generate:generate", "verst.rollout.agentic:generate")
 
 
 # ---- batch arithmetic ------------------------------------------------------------------------------
@@ -152,7 +152,8 @@ def partial_rollouts_abort_on_a_weight_update(rollout: RolloutConfig, sync: Sync
         raise ValueError(
             f"rollout.partial_rollout = true with rollout.generate_fn = {rollout.generate_fn!r} is refused: a generate "
             f"fn owns its engine calls, and only {', '.join(g for g in PARTIAL_ROLLOUT_GENERATE_FNS if g)} (or the "
-            "default, None) continue the ones a weight update aborted")
+            "default, None) continue the ones a weight update aborted; for multi-turn episodes use the agentic one, "
+            "whose session server continues a turn")
 
 
 def restarts_need_checkpoints(fault: FaultConfig, checkpoint: CheckpointConfig) -> None:

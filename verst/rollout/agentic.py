@@ -9,6 +9,9 @@ or messages), `request_kwargs` keyword arguments for `chat.completions.create` (
 max_tokens, logprobs=True, seed and stop when configured; sampling params OpenAI lacks, such as top_k,
 apply as the session server's defaults) and `metadata` a copy of the sample's metadata (tools included
 when the task has them). The dict it returns is merged into the sample's metadata.
+
+With `rollout.partial_rollout` the session server continues a turn that a weight update aborted, and the sample
+records each token's version (`Sample.token_versions`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from verst.rollout.generate import CACHED_TOKENS_KEY, ENGINE_PROMPT_TOKENS_KEY, mark_aborted
+from verst.rollout.generate import CACHED_TOKENS_KEY, CONTINUED_KEY, ENGINE_PROMPT_TOKENS_KEY, mark_aborted
 from verst.rollout.worker import GENERATE_ERROR_KEY
 from verst.session.assemble import ERROR_KEY
 from verst.session.manager import MISMATCH_KEY, SessionManager
@@ -52,7 +55,8 @@ async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
     server = await session_server(ctx)
     manager: SessionManager = server.manager
     session_id = manager.create({"sample_index": sample.index, "group_index": sample.group_index},
-                                on_request=_track_requests(ctx, sample))
+                                on_request=_track_requests(ctx, sample),
+                                stopped=lambda: sample.index in ctx.state.stopped)
     error, extra = None, None
     try:
         try:
@@ -88,17 +92,21 @@ def request_kwargs(ctx: RolloutContext, sample: Sample) -> dict[str, Any]:
 
 
 def record_trajectory(ctx: RolloutContext, sample: Sample, assembled: Sample) -> None:
-    """Copy an assembled trajectory's tokens, masks, logprobs, status and versions onto `sample`."""
+    """Copy an assembled trajectory's tokens, masks, logprobs, status and versions onto `sample`; the engine
+    calls that went on after a weight update are counted in `metadata[CONTINUED_KEY]`."""
     sample.tokens, sample.response_length = assembled.tokens, assembled.response_length
     sample.loss_mask, sample.rollout_logprobs = assembled.loss_mask, assembled.rollout_logprobs
     sample.status, sample.response = assembled.status, assembled.response
     sample.weight_versions.extend(assembled.weight_versions)
+    sample.token_versions = assembled.token_versions
     for version in assembled.weight_versions:
         ctx.state.observe_version(version)
     meta = sample.metadata
     turns = assembled.metadata.get("turns", [])
     meta[CACHED_TOKENS_KEY] = meta.get(CACHED_TOKENS_KEY, 0) + sum(t["cached_tokens"] for t in turns)
     meta[ENGINE_PROMPT_TOKENS_KEY] = meta.get(ENGINE_PROMPT_TOKENS_KEY, 0) + sum(t["prompt_tokens"] for t in turns)
+    if continued := sum(t["continued"] for t in turns):
+        meta[CONTINUED_KEY] = meta.get(CONTINUED_KEY, 0) + continued
     meta.update({k: assembled.metadata[k] for k in _TRAJECTORY_KEYS if k in assembled.metadata})
     if ERROR_KEY in assembled.metadata:
         meta[ERROR_KEY] = assembled.metadata[ERROR_KEY]
@@ -117,7 +125,7 @@ async def session_server(ctx: RolloutContext) -> SessionServer:
     if server is None or (server.loop is not None and server.loop is not loop):
         manager = SessionManager(ctx.engine, ctx.tokenizer, max_context_tokens=ctx.rollout.max_context_tokens,
                                  max_new_tokens=ctx.rollout.max_response_tokens,
-                                 default_sampling=ctx.sampling_params)
+                                 default_sampling=ctx.sampling_params, partial_rollout=ctx.rollout.partial_rollout)
         server = ctx.resources[SERVER_KEY] = SessionServer(manager, host="127.0.0.1", port=0)
     await server.start()
     return server

@@ -18,17 +18,25 @@ ERROR_KEY = "session_error"  # sample.metadata: why the trajectory could not be 
 
 @dataclasses.dataclass
 class Turn:
-    """One engine call. ids[env_start:out_start] came from the environment and the template (for the
-    first turn: the prompt); ids[out_start:out_end] are the engine's output ids."""
+    """One reply: an engine call, and with partial rollouts one more after each weight update that aborted
+    the last. ids[env_start:out_start] came from the environment and the template (for the first turn: the
+    prompt); ids[out_start:out_end] are the engine's output ids, joined across its calls."""
 
     env_start: int
     out_start: int
     logprobs: list[float]
-    finish_reason: str  # stop | length | abort
-    weight_version: str
-    prompt_tokens: int  # what the engine reported it was sent
+    finish_reason: str  # stop | length | abort (the last call's)
+    weight_version: str  # the oldest weights behind the first call's tokens
+    prompt_tokens: int  # what the engine reported it was sent (every call's)
     cached_tokens: int
     n_messages_before: int  # messages of the history before this turn's request
+    later_versions: list[str] = dataclasses.field(default_factory=list)  # the continuing calls', one each
+    token_versions: list[int] | None = None  # per output id: the version that sampled it; None: not recorded
+
+    @property
+    def continued(self) -> int:
+        """Engine calls that went on after a weight update aborted the one before."""
+        return len(self.later_versions)
 
     @property
     def out_end(self) -> int:
@@ -37,7 +45,7 @@ class Turn:
     def to_dict(self) -> dict[str, Any]:
         return {"finish_reason": self.finish_reason, "weight_version": self.weight_version,
                 "env_tokens": self.out_start - self.env_start, "output_tokens": len(self.logprobs),
-                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "continued": self.continued}
 
 
 @dataclasses.dataclass
@@ -50,15 +58,21 @@ class Trajectory:
 
     def add_turn(self, env_ids: list[int], output_ids: list[int], logprobs: list[float], finish_reason: str,
                  weight_version: str, *, prompt_tokens: int = 0, cached_tokens: int = 0,
-                 n_messages_before: int = 0) -> Turn:
-        """Join `env_ids` (new prompt or environment ids) and the engine's output after the stored ids."""
+                 n_messages_before: int = 0, later_versions: list[str] | None = None,
+                 token_versions: list[int] | None = None) -> Turn:
+        """Join `env_ids` (new prompt or environment ids) and the engine's output after the stored ids.
+        `later_versions`: those of the calls that continued the turn; `token_versions`: one per output id."""
         if len(logprobs) != len(output_ids):
             raise ValueError(f"turn {len(self.turns)}: {len(logprobs)} logprobs for {len(output_ids)} output ids")
+        if token_versions is not None and len(token_versions) != len(output_ids):
+            raise ValueError(f"turn {len(self.turns)}: {len(token_versions)} token versions for {len(output_ids)} "
+                             "output ids")
         if finish_reason not in FINISH_STATUS:
             raise ValueError(f"turn {len(self.turns)}: finish_reason {finish_reason!r} is not one of "
                              f"{sorted(FINISH_STATUS)}")
         turn = Turn(len(self.ids), len(self.ids) + len(env_ids), list(logprobs), finish_reason, str(weight_version),
-                    prompt_tokens, cached_tokens, n_messages_before)
+                    prompt_tokens, cached_tokens, n_messages_before, [str(v) for v in later_versions or []],
+                    None if token_versions is None else list(token_versions))
         self.ids += list(env_ids) + list(output_ids)
         self.turns.append(turn)
         return turn
@@ -88,8 +102,10 @@ def assemble(
     """One Sample: tokens = the first prompt + every later turn's environment ids and output ids, cut at
     a turn boundary so it fits `max_tokens`. Status: ABORTED if any kept turn was aborted, else from
     the last kept turn's finish reason (stop -> COMPLETED, length -> TRUNCATED), and TRUNCATED when
-    turns were cut. One weight version per kept engine call. `response` is `decode` of the last kept
-    turn's output ids (the final answer, for rewards)."""
+    turns were cut. One weight version per kept engine call. `token_versions` when every kept turn recorded
+    its own (else None): each output id's, and on the environment ids before a turn the version of the
+    turn's first engine call, which read them. `response` is `decode` of the last kept turn's output ids
+    (the final answer, for rewards)."""
     turns = trajectory.turns
     if not turns:
         return _aborted("the trajectory has no engine call (the agent never asked for a completion)")
@@ -115,11 +131,24 @@ def assemble(
         status = Status.TRUNCATED
         metadata[ERROR_KEY] = trajectory.truncated
     sample = Sample(tokens=trajectory.ids[:end], response_length=end - prompt_len, loss_mask=mask,
-                    rollout_logprobs=logprobs, status=status, weight_versions=[t.weight_version for t in kept],
+                    rollout_logprobs=logprobs, status=status, token_versions=_token_versions(kept),
+                    weight_versions=[v for t in kept for v in (t.weight_version, *t.later_versions)],
                     metadata=metadata)
     if decode is not None:
         sample.response = decode(trajectory.ids[kept[-1].out_start:end])
     return sample.validate()
+
+
+def _token_versions(kept: list[Turn]) -> list[int] | None:
+    """Aligned with the response; None when a kept turn has none (not recorded, or unknown)."""
+    if any(t.token_versions is None for t in kept):
+        return None
+    versions: list[int] = []
+    for i, t in enumerate(kept):
+        if i:  # the environment ids before the turn: its first call read them (the first turn's are the prompt)
+            versions += [int(t.weight_version)] * (t.out_start - t.env_start)
+        versions += t.token_versions or []
+    return versions
 
 
 def _aborted(reason: str) -> Sample:

@@ -19,6 +19,7 @@ from typing import Any
 
 from verst.inference_client.client import EngineClient, EngineError, GenerateResult
 from verst.session.assemble import ERROR_KEY, FINISH_STATUS, Trajectory, assemble
+from verst.session.continued import OnTokens, after, joined, token_versions
 from verst.session.errors import SessionError
 from verst.session.messages import check_tool_results, first_difference, parse_reply
 from verst.session.openai_wire import OPENAI_NAMES, ChatRequest, TokenTexts, completion, parse_request
@@ -27,8 +28,8 @@ from verst.types import Sample
 
 OnRequest = Callable[[str, bool], None]
 """`on_request(rid, started)`: called before (True) and after (False) each engine request of a session."""
-OnTokens = Callable[[GenerateResult], None]
-"""`on_tokens(partial)`: a streamed turn's output so far (every output id and logprob), after each update."""
+Stopped = Callable[[], bool]
+"""`stopped()`: whether the session's episode was stopped from outside (its aborts are then that stop)."""
 logger = logging.getLogger(__name__)
 _ENGINE_FIELD = re.compile(r"sampling_params\.\w+")
 _URL = re.compile(r"https?://[^\s'\")]+")  # an engine's or router's address inside an error message
@@ -40,6 +41,7 @@ class Session:
     id: str
     metadata: dict[str, Any]
     on_request: OnRequest | None
+    stopped: Stopped | None = None
     created: float = dataclasses.field(default_factory=time.time)
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # history incl. the server's replies
     trajectory: Trajectory = dataclasses.field(default_factory=Trajectory)
@@ -68,11 +70,13 @@ class SessionManager:
     room left); `max_new_tokens` is the per-turn default when a request names none; `default_sampling`
     holds SGLang sampling_params that requests override field by field. `context_length` is the model's
     context (prompt + completion of one engine request); None: the engine's `/get_model_info` tells it.
+    `partial_rollout`: a turn's engine call that a weight update aborted goes on inside the turn with the new
+    weights (input ids + the output so far, the rest of the budget), and each output id's version is recorded.
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Any, *, max_context_tokens: int | None = None,
                  max_new_tokens: int = 256, default_sampling: dict[str, Any] | None = None, model_name: str = "verst",
-                 context_length: int | None = None):
+                 context_length: int | None = None, partial_rollout: bool = False):
         if max_context_tokens is not None and max_context_tokens < 2:
             raise ValueError(f"SessionManager: max_context_tokens = {max_context_tokens} must be >= 2")
         if max_new_tokens < 1:
@@ -83,7 +87,7 @@ class SessionManager:
         self.default_sampling = dict(default_sampling or {})
         self.default_sampling.pop("max_new_tokens", None)
         self.model_name, self.created = model_name, int(time.time())
-        self.context_length = context_length
+        self.context_length, self.partial_rollout = context_length, partial_rollout
         self._context_asked = False  # the engine was asked for its context length (it may not report one)
         self._sessions: dict[str, Session] = {}
         self._rid_counter = itertools.count()
@@ -92,9 +96,11 @@ class SessionManager:
         self._mismatched = 0
 
     # ---- lifecycle --------------------------------------------------------------------------------
-    def create(self, metadata: dict[str, Any] | None = None, *, on_request: OnRequest | None = None) -> str:
-        """A new empty session; its id (also the routing key of its engine requests)."""
-        session = Session(uuid.uuid4().hex, dict(metadata or {}), on_request)
+    def create(self, metadata: dict[str, Any] | None = None, *, on_request: OnRequest | None = None,
+               stopped: Stopped | None = None) -> str:
+        """A new empty session; its id (also the routing key of its engine requests). `stopped` tells whether
+        its caller ended the episode: an abort then is never continued, whatever its message says."""
+        session = Session(uuid.uuid4().hex, dict(metadata or {}), on_request, stopped)
         self._sessions[session.id] = session
         return session.id
 
@@ -143,11 +149,11 @@ class SessionManager:
             max_new = self._budget(req, len(input_ids), context_length)
             if max_new == 0:
                 return self._context_full(session, req, len(input_ids))
-            result = await self._generate(session, input_ids, {**self.default_sampling, **req.sampling,
-                                                               "max_new_tokens": max_new}, on_tokens)
+            calls = await self._generate(session, input_ids, {**self.default_sampling, **req.sampling,
+                                                              "max_new_tokens": max_new}, on_tokens)
             if session.deleted:
                 raise SessionError(404, f"session {session_id} was deleted while its turn was generating", "session_id")
-            return self._commit(session, req, plan, result, len(input_ids))
+            return self._commit(session, req, plan, calls, len(input_ids))
 
     def _plan(self, session: Session, req: ChatRequest) -> _Plan:
         stored, turns = session.messages, session.trajectory.turns
@@ -250,7 +256,26 @@ class SessionManager:
                           n_out=0, prompt_tokens=n_input, cached_tokens=0, metadata={"session_id": session.id})
 
     async def _generate(self, session: Session, input_ids: list[int], params: dict[str, Any],
-                        on_tokens: OnTokens | None = None) -> GenerateResult:
+                        on_tokens: OnTokens | None = None) -> list[GenerateResult]:
+        """The turn's engine calls: one, and with partial rollouts one more after each weight update that
+        aborted the last, sent the input ids + the output so far with the rest of the budget (tokens in,
+        tokens out). A streamed continuation reports the whole turn's output so far, the ids streamed first."""
+        budget = params["max_new_tokens"]
+        calls = [await self._call(session, input_ids, params, on_tokens)]
+        while self._continues(session, calls[-1]) and (n := sum(len(c.output_ids) for c in calls)) < budget:
+            so_far = joined(calls)
+            streamed = None if on_tokens is None else after(so_far, on_tokens)
+            calls.append(await self._call(session, input_ids + so_far.output_ids,
+                                          {**params, "max_new_tokens": budget - n}, streamed))
+        return calls
+
+    def _continues(self, session: Session, result: GenerateResult) -> bool:
+        """A weight update aborted the call, not the caller's stop (SGLang's abort by rid reads the same)."""
+        return (self.partial_rollout and result.aborted_for_weight_update and not session.deleted
+                and not (session.stopped is not None and session.stopped()))
+
+    async def _call(self, session: Session, input_ids: list[int], params: dict[str, Any],
+                    on_tokens: OnTokens | None) -> GenerateResult:
         rid = f"session-{session.id}-{next(self._rid_counter)}"
         if session.on_request is not None:
             session.on_request(rid, True)
@@ -276,16 +301,19 @@ class SessionManager:
                                     f"finish_reason {result.finish_reason!r}", "engine")
         return result
 
-    def _commit(self, session: Session, req: ChatRequest, plan: _Plan, result: GenerateResult,
+    def _commit(self, session: Session, req: ChatRequest, plan: _Plan, calls: list[GenerateResult],
                 n_input: int) -> dict[str, Any]:
         trajectory = session.trajectory
         if plan.rollback:
             trajectory.rollback()
             session.rollbacks += 1
         kept = session.messages[:plan.n_kept]
+        result = joined(calls)
         turn = trajectory.add_turn(plan.env_ids, result.output_ids, result.logprobs or [], result.finish_reason,
-                                   result.oldest_weight_version, prompt_tokens=result.prompt_tokens,
-                                   cached_tokens=result.cached_tokens, n_messages_before=len(kept))
+                                   calls[0].oldest_weight_version, prompt_tokens=result.prompt_tokens,
+                                   cached_tokens=result.cached_tokens, n_messages_before=len(kept),
+                                   later_versions=[c.oldest_weight_version for c in calls[1:]],
+                                   token_versions=token_versions(calls) if self.partial_rollout else None)
         text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         reply = parse_reply(text, req.parse_tools)
         session.template = plan.template

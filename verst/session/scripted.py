@@ -20,10 +20,15 @@ from verst.inference_client.client import ROUTING_KEY_HEADER
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
-    """One scripted engine reply: `text` encoded; `finish` 'stop' appends the end-of-turn token."""
+    """One scripted engine reply: `text` encoded; `finish` 'stop' appends the end-of-turn token. An 'abort'
+    carries `message` (a weight update's, or another); `weight_version` and `oldest_weight_version` replace
+    the engine's version (an update that fell inside the call, as under retract, gives the two differently)."""
 
     text: str
     finish: str = "stop"
+    message: str | None = None
+    weight_version: str | None = None
+    oldest_weight_version: str | None = None
 
 
 @dataclasses.dataclass
@@ -74,7 +79,7 @@ class ScriptedEngine(httpx.AsyncBaseTransport):
         if reply.finish == "stop":
             output.append(self.tokenizer.eos_token_id)
         limit = body.get("sampling_params", {}).get("max_new_tokens")
-        finish: dict[str, Any] = {"type": reply.finish}
+        finish: dict[str, Any] = {"type": reply.finish} | ({"message": reply.message} if reply.message else {})
         if limit is not None and len(output) > limit:
             output, finish = output[:limit], {"type": "length", "length": limit}
         elif reply.finish == "stop":
@@ -84,15 +89,17 @@ class ScriptedEngine(httpx.AsyncBaseTransport):
         self.calls.append(GenerateCall(key, body.get("rid"), list(body["input_ids"]), body.get("sampling_params", {}),
                                        output, logprobs))
         if body.get("stream"):  # SGLang's cumulative stream form: one event per output id
-            events = [self._reply(body, reply.text, output[:n], logprobs[:n], finish if n == len(output) else None)
+            events = [self._reply(body, reply, output[:n], logprobs[:n], finish if n == len(output) else None)
                       for n in range(1, len(output) + 1)]
             lines = "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
             return httpx.Response(200, content=lines.encode(), headers={"content-type": "text/event-stream"})
-        return httpx.Response(200, json=self._reply(body, reply.text, output, logprobs, finish))
+        return httpx.Response(200, json=self._reply(body, reply, output, logprobs, finish))
 
-    def _reply(self, body: dict[str, Any], text: str, output: list[int], logprobs: list[float],
+    def _reply(self, body: dict[str, Any], reply: Reply, output: list[int], logprobs: list[float],
                finish: dict[str, Any] | None) -> dict[str, Any]:
+        version = reply.weight_version or self.weight_version
         meta = {"id": body.get("rid") or "", "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
-                "completion_tokens": len(output), "cached_tokens": 0, "weight_version": self.weight_version,
+                "completion_tokens": len(output), "cached_tokens": 0, "weight_version": version,
+                "oldest_weight_version": reply.oldest_weight_version or version,
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, output, strict=True)]}
-        return {"text": text, "output_ids": output, "meta_info": meta}
+        return {"text": reply.text, "output_ids": output, "meta_info": meta}

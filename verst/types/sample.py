@@ -38,10 +38,11 @@ class Sample:
     measured from the oldest one. `routed_experts` (MoE) is `[len(tokens) - 1][layers][top_k]`: the experts
     the engine ran for every token but the last, prompt included (`algorithm.routing_replay`).
     `token_versions` is the weight version that sampled each response token, aligned with the response like
-    `rollout_logprobs` (on environment tokens the version of the engine call that read them); None where a
-    generate fn could not tell (an engine call a weight update fell inside, under `retract` or `in_place`).
-    With `rollout.partial_rollout` one response spans versions: the tokens before a weight update carry the old
-    one, its continuation's the new one.
+    `rollout_logprobs` (on environment tokens, which carry loss mask 0, the version of the engine call that read
+    them: the first call of the turn that follows them); None where a generate fn could not tell (an engine call
+    a weight update fell inside, under `retract` or `in_place`), or did not record them (they are recorded with
+    `rollout.partial_rollout`). Then one response, even one turn, spans versions: the tokens before a weight
+    update carry the old one, its continuation's the new one.
     `teacher_logprobs` (on-policy distillation) are a teacher model's logprobs of the response tokens,
     aligned with the response like `rollout_logprobs` (0.0 on environment tokens); None without a teacher.
     """
