@@ -5,9 +5,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from verst.config import BufferConfig, ConfigError
+from verst.config import BufferConfig, ConfigError, RolloutConfig
+from verst.config.registries import GROUP_FILTERS
 from verst.rollout import (
-    FILTERS,
     FifoBuffer,
     ZeroStdFilter,
     apply_filter,
@@ -196,12 +196,16 @@ def test_discard_handler_drops_or_returns_prompts():
 
 
 def test_filters_registry_import_paths_and_return_type():
-    assert set(FILTERS) == {"zero_std"}
+    assert GROUP_FILTERS.names() == ["zero_std"]
     assert build_filter(None) is None
     by_path = build_filter("verst.rollout.filters:ZeroStdFilter")
     assert by_path is ZeroStdFilter  # an import path names the filter itself
-    with pytest.raises(ConfigError, match="neither a built-in"):
+    with pytest.raises(ConfigError, match="'nonzero' is not registered; registered: zero_std"):
         build_filter("nonzero")
+    # refused when the config loads, naming the field and the closest name
+    with pytest.raises(ValueError, match=r"rollout.dynamic_filter = 'zero-std' is not registered.*did you mean 'zero_std'"):
+        RolloutConfig(dynamic_filter="zero-std")
+    assert RolloutConfig(dynamic_filter="my_filters:keep_long").dynamic_filter == "my_filters:keep_long"
     keyed = build_filter("zero_std", reward_key="acc")
     group = make_group(0, rewards=(0.0, 0.0))
     group[0].reward, group[1].reward = {"acc": 1.0, "len": 1.0}, {"acc": 0.0, "len": 1.0}

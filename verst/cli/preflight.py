@@ -10,14 +10,13 @@ import json
 from pathlib import Path
 
 from verst.config import VerstConfig
+from verst.config.registries import GROUP_FILTERS
 from verst.config.rules import check_sft_rules
 from verst.engine_kinds.kinds import preflight_problems
 from verst.models.loader import check_checkpoint_dir, check_same_tokenizer
 from verst.models.native_config import native_config_reason
 from verst.monitor import RunDirError, check_run_dir
 from verst.monitor.checkpoint_dirs import CheckpointError, check_resume_config, resolve
-
-BUILTIN_FILTERS = ("zero_std",)
 
 
 class PreflightError(ValueError):
@@ -70,7 +69,7 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
         imports |= {"eval.backend": cfg.eval.backend, "rollout.rollout_fn": cfg.rollout.rollout_fn, "rollout.generate_fn": cfg.rollout.generate_fn,
                     "rollout.agent_fn": cfg.rollout.agent_fn}
         problems += preflight_problems(cfg.cluster.engine, cfg.cluster.engine_python)
-        if cfg.rollout.dynamic_filter not in BUILTIN_FILTERS:
+        if cfg.rollout.dynamic_filter not in GROUP_FILTERS:
             imports["rollout.dynamic_filter"] = cfg.rollout.dynamic_filter
         if cfg.reward.type == "custom":
             imports["reward.path"] = cfg.reward.path

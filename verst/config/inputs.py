@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from verst.config.registries import RewardName
+from verst.config.registries import GroupFilterSpec, RewardName
 from verst.config.section import ModelImpl, Section
 from verst.types.sampling import SamplingKnobs
 
@@ -57,7 +57,7 @@ class RolloutConfig(Section):
     max_response_tokens: int = Field(16, ge=1, description="Maximum new tokens per engine call.")
     max_context_tokens: int | None = Field(None, ge=2, description="Cap on prompt + response of one trajectory.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
-    dynamic_filter: str | None = Field(
+    dynamic_filter: GroupFilterSpec | None = Field(
         None, description="Group filter by name ('zero_std', DAPO) or import path; rejected groups are dropped."
     )
     rollout_fn: str | None = Field(None, description="Import path of a rollout fn (owns data, batching, rewards).")

@@ -233,6 +233,8 @@ def iter_fields(model: type[BaseModel] = VerstConfig, prefix: str = ""):
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a checked name: the type it checks
+        return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
     if origin in (typing.Union, types.UnionType):

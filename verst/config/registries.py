@@ -1,5 +1,5 @@
 """The built-in names of every registry, in one visible place: advantage estimators, policy losses, mismatch
-corrections, rewards, engine kinds and weight transports. Each name is written here once, with the import
+corrections, rewards, engine kinds, weight transports and group filters. Each name is written here once, with the import
 path of what it stands for and the traits the config's rules and the run read; nothing here imports torch.
 
 Add your own with `register` (e.g. `ADVANTAGE_ESTIMATORS.register("my_baseline")(fn)`, re-exported by
@@ -67,7 +67,9 @@ MISMATCH_CORRECTIONS: Registry[CorrectionEntry] = Registry("algorithm.mismatch_c
 REWARDS: Registry[Entry] = Registry("reward.type")
 ENGINE_KINDS: Registry[EngineEntry] = Registry("cluster.engine", EngineEntry)
 WEIGHT_TRANSPORTS: Registry[TransportEntry] = Registry("sync.transport", TransportEntry)
-REGISTRIES = (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, MISMATCH_CORRECTIONS, REWARDS, ENGINE_KINDS, WEIGHT_TRANSPORTS)
+GROUP_FILTERS: Registry[Entry] = Registry("rollout.dynamic_filter")
+REGISTRIES = (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, MISMATCH_CORRECTIONS, REWARDS, ENGINE_KINDS, WEIGHT_TRANSPORTS,
+              GROUP_FILTERS)
 
 _ADV = "verst.algo.advantages"
 for _name, _doc, _traits in (
@@ -131,6 +133,9 @@ WEIGHT_TRANSPORTS.add("tensor", TransportEntry(
 WEIGHT_TRANSPORTS.add("disk", TransportEntry(
     "verst.sync.disk:DiskTransport", "safetensors snapshots the engines load from disk", keeps_snapshots=True))
 
+GROUP_FILTERS.add("zero_std", Entry(
+    "verst.rollout.filters:ZeroStdFilter", "drop groups whose rewards all agree (DAPO's dynamic sampling)"))
+
 # The config fields that name an entry: a string checked against the registry when the config loads.
 EstimatorName = Annotated[str, AfterValidator(ADVANTAGE_ESTIMATORS.check)]
 PolicyLossName = Annotated[str, AfterValidator(POLICY_LOSSES.check)]
@@ -150,5 +155,11 @@ def _reward(name: str) -> str:
     raise ValueError(f"{REWARDS.unknown(name)}; or 'remote' (with reward.url) or 'custom' (with reward.path)")
 
 
+def _group_filter(spec: str) -> str:
+    """A registered filter's name, or an import path (`module:attr` or `module.attr`), imported at start-up."""
+    return spec if "." in spec or ":" in spec else GROUP_FILTERS.check(spec)
+
+
 CorrectionName = Annotated[str, AfterValidator(_correction)]
+GroupFilterSpec = Annotated[str, AfterValidator(_group_filter)]
 RewardName = Annotated[str, AfterValidator(_reward)]

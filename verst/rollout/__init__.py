@@ -11,7 +11,7 @@ from verst.rollout.buffer import (
     discard_handler,
     is_unusable,
 )
-from verst.rollout.filters import FILTERS, GroupFilter, ZeroStdFilter, apply_filter, build_filter, filter_metrics
+from verst.rollout.filters import GroupFilter, ZeroStdFilter, apply_filter, build_filter, filter_metrics
 from verst.rollout.generate import generate
 from verst.rollout.plugins import (
     AgentFn,
@@ -50,7 +50,6 @@ from verst.rollout.worker import (
 )
 
 __all__ = [
-    "FILTERS",
     "GENERATE_ERROR_KEY",
     "AgentFn",
     "AsyncRolloutWorker",

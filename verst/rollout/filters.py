@@ -1,6 +1,7 @@
 """Group filters: `filter(group) -> bool` (True keeps the group), applied to finished groups.
 
-Built-ins are registered by name in `FILTERS`; anything else is an import path to a filter.
+Built-ins are registered by name in `verst.config.registries.GROUP_FILTERS` (each a class built from the run's
+reward key); anything else is an import path to a filter.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from verst.config import ConfigError, load_object
+from verst.config.registries import GROUP_FILTERS
 from verst.types import Group, group_rewards
 
 GroupFilter = Callable[[Group], bool]
@@ -45,25 +47,19 @@ class ZeroStdFilter:
         return {"rollout/zero_std_groups_dropped_total": float(self.dropped)}  # over the run
 
 
-# Built-in filters by name: each entry builds a filter from the run's reward key.
-FILTERS: dict[str, Callable[[str | None], GroupFilter]] = {
-    "zero_std": lambda reward_key: ZeroStdFilter(reward_key),
-}
-
-
 def build_filter(
     spec: str | None, reward_key: str | None = None, field: str = "rollout.dynamic_filter"
 ) -> GroupFilter | None:
-    """The filter named by `spec`: a key of `FILTERS`, an import path to a filter, or None for none.
+    """The filter named by `spec`: a name in `GROUP_FILTERS`, an import path to a filter, or None for none.
 
     An import path must name a ready filter (a function or an instance), not a factory.
     """
     if spec is None:
         return None
-    if spec in FILTERS:
-        return FILTERS[spec](reward_key)
+    if spec in GROUP_FILTERS:
+        return GROUP_FILTERS.load(spec)(reward_key)
     if "." not in spec and ":" not in spec:
-        raise ConfigError(f"{field} = {spec!r} is neither a built-in filter {sorted(FILTERS)} nor an import path")
+        raise ConfigError(f"{GROUP_FILTERS.unknown(spec)}; or an import path to a filter")
     fn = load_object(spec, field)
     if not callable(fn):
         raise ConfigError(f"{field} = {spec!r} is not callable ({fn!r}); expected filter(group) -> bool")
