@@ -12,6 +12,7 @@ from examples.coding import agent as coding_agent
 from examples.coding.make_data import make_data, split_problems, task_problem
 from examples.coding.reward import pass_fraction
 from examples.coding.teacher import FINAL_ANSWER
+from examples.coding.tool_template import with_tool_template
 from tests.agent_accounting import assert_engine_tokens
 from tests.component.test_calculator_agent import gold_script
 from verst.config import VerstConfig
@@ -185,3 +186,12 @@ def test_the_reward_needs_the_agents_grade():
     assert asyncio.run(pass_fraction(Sample(prompt="p", metadata={"pass_fraction": 0.75}))) == 0.75
     with pytest.raises(RewardError, match="no 'pass_fraction'.*examples.coding.agent:run"):
         asyncio.run(pass_fraction(Sample(prompt="p", metadata={})))
+
+
+def test_the_tool_template_copy_renders_tools_and_tool_calls(tmp_path, tok):
+    source = save_tokenizer(tmp_path / "plain", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    copy = load_tokenizer(with_tool_template(source, tmp_path / "tools"))
+    problem = split_problems("train", 1)[0]
+    text = copy.apply_chat_template([*problem.to_row()["prompt"], *problem.metadata["conversation"]],
+                                    tools=problem.metadata["tools"], tokenize=False)
+    assert '"name": "edit_file"' in text and '<tool_call>\n{"name": "shell"' in text and "PASSED 4/4" in text
