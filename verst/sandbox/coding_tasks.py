@@ -25,6 +25,8 @@ for name in names:
 print(f'PASSED {passed}/{len(names)}')
 """
 
+TEST_COMMAND = "/usr/bin/python3 -B run_tests.py"
+
 OPERATIONS = {"add": ("a + b", "a - b"), "multiply": ("a * b", "a + b"), "subtract": ("a - b", "a + b"),
               "maximum": ("a if a > b else b", "a if a < b else b")}
 
@@ -64,11 +66,29 @@ def generate(split: str, count: int, seed: int = 0) -> list[CodingTask]:
     return [make_task(rng.choice(ops), rng.choice(["fix", "write"]), rng) for _ in range(count)]
 
 
-def grade(sandbox: Sandbox, timeout_s: float = 20) -> float:
-    """The fraction of the task's tests that pass in the sandbox as it is now."""
-    result = sandbox.exec("/usr/bin/python3 -B run_tests.py", timeout_s)
+@dataclass(frozen=True)
+class TestReport:
+    """One run of a task's tests: how many passed of how many, and the runner's output (capped)."""
+
+    passed: int
+    total: int
+    output: str
+
+    @property
+    def fraction(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+def run_tests(sandbox: Sandbox, timeout_s: float = 20) -> TestReport:
+    """The task's tests run in the sandbox as it is now; output without a last `PASSED k/n` line counts 0/0."""
+    result = sandbox.exec(TEST_COMMAND, timeout_s)
     last = result.output.strip().splitlines()[-1] if result.output.strip() else ""
     if not last.startswith("PASSED "):
-        return 0.0
+        return TestReport(0, 0, result.output)
     passed, total = (int(n) for n in last.removeprefix("PASSED ").split("/"))
-    return passed / total if total else 0.0
+    return TestReport(passed, total, result.output)
+
+
+def grade(sandbox: Sandbox, timeout_s: float = 20) -> float:
+    """The fraction of the task's tests that pass in the sandbox as it is now."""
+    return run_tests(sandbox, timeout_s).fraction
