@@ -89,14 +89,16 @@ def test_a_background_process_does_not_outlive_close(sandbox):
     assert sandbox.exec("sleep 300 & echo started", 10).output == "started\n"
     assert time.monotonic() - started < 10  # the exec ends with its shell; its pid namespace takes the rest
     before = len(sandbox.pids)
-    worker = threading.Thread(target=sandbox.exec, args=("sleep 300 & sleep 300", 600), daemon=True)
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(sandbox.exec("sleep 300 & sleep 300", 600)), daemon=True)
     worker.start()
     deadline = time.monotonic() + 60  # generous: the suite may run on a loaded machine
     while (len(sandbox.pids) <= before or len(descendants(sandbox.pids[-1])) < 2) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(sandbox.pids) > before, "the second exec never started"
     recorded = [sandbox.pids[-1]] + descendants(sandbox.pids[-1])
-    assert len(recorded) >= 3 and all(alive(p) for p in recorded), recorded
+    nobody = subprocess.run(["ps", "-u", "65534", "-o", "pid,ppid,stat,cmd"], capture_output=True, text=True).stdout
+    assert len(recorded) >= 3 and all(alive(p) for p in recorded), (recorded, outcome, nobody[-2000:])
     sandbox.close()
     worker.join(timeout=10)
     assert [p for p in recorded if alive(p)] == []

@@ -2,13 +2,13 @@
 
 Each exec runs `bwrap` with every namespace unshared (no network: its own empty net namespace), the host
 system read-only, a private writable workspace bound at /tmp/workspace on a fresh /tmp, `--die-with-parent` and
-its own pid namespace, so nothing it starts outlives the exec or the driver. rlimits set in the child cap
-CPU time, address space, processes and file size; output is read up to a cap; the workspace's total size
-is checked after every exec and a sandbox over it is refused further use.
+its own pid namespace, so nothing it starts outlives the exec or the driver. rlimits on the command (`prlimit`,
+inside the sandbox, just before the shell) cap CPU time, address space, processes and file size: they bind the
+command's small image, not bwrap or a forked copy of the driver; output is read up to a cap; the workspace's
+total size is checked after every exec and a sandbox over it is refused further use.
 """
 
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -55,6 +55,8 @@ class BubblewrapProvider:
     def __init__(self, limits: SandboxLimits = SandboxLimits(), root: str | None = None):
         """`root` holds the workspaces (the system temp dir by default)."""
         self.binary = bwrap_binary()
+        if shutil.which("prlimit") is None:
+            raise SandboxError("the local sandbox sets its limits with prlimit (util-linux), which is not on PATH")
         if os.geteuid() == 0 and shutil.which("setpriv") is None:
             raise SandboxError("a driver running as root runs its sandboxes' commands as an unprivileged user through "
                                "setpriv (util-linux), which is not on PATH; install it or run the driver as a user")
@@ -104,21 +106,20 @@ class BubblewrapSandbox:
         return [self.binary, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
                 "--bind", str(self.workspace), WORKSPACE, *unshare, "--die-with-parent", "--new-session",
                 "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORKSPACE,
-                "--chdir", WORKSPACE, *run_as, "/bin/sh", "-c", command]
+                "--chdir", WORKSPACE, *run_as, *self.prlimit(), "/bin/sh", "-c", command]
 
-    def set_limits(self) -> None:
+    def prlimit(self) -> list[str]:
+        """The limits, set on the command as it starts (after setpriv: the process count is the user's)."""
         limits = self.limits
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
+        return ["prlimit", f"--cpu={limits.cpu_s}", f"--as={limits.memory_bytes}", f"--nproc={limits.processes}",
+                f"--fsize={limits.file_bytes}", "--"]
 
     def exec(self, command: str, timeout_s: float) -> ExecResult:
         self.check_open()
         # Output goes to a host file outside the workspace, so RLIMIT_FSIZE bounds it too; only a cap is read back.
         with tempfile.TemporaryFile() as sink:
             process = subprocess.Popen(self.command(command), stdout=sink, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, preexec_fn=self.set_limits, start_new_session=True)
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
             self.pids.append(process.pid)
             timed_out = False
             try:
