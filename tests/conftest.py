@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny model and the addition task, made once per test session; the real SmolLM2 model."""
+"""Shared fixtures: a tiny model, its tokenizer with the chat template, and the addition task, made once per test
+session; the real SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ def tiny_model_dir(tmp_path_factory):
     from verst.models import init_model
 
     return init_model("qwen3", "tiny", tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """The tiny models' tokenizer and chat template, without making a model."""
+    from verst.models.chat_template import TINY_CHAT_TEMPLATE
+    from verst.models.loader import load_tokenizer
+    from verst.models.tokenizer import save_tokenizer
+
+    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tokenizer"), TINY_CHAT_TEMPLATE))
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,6 @@ import pytest
 from verst.config import RolloutConfig
 from verst.inference_client.client import EngineClient
 from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
-from verst.models.loader import load_tokenizer
-from verst.models.tokenizer import save_tokenizer
 from verst.rollout.agentic import generate
 from verst.rollout.generate import CONTINUED_KEY
 from verst.rollout.plugins import RolloutContext
@@ -21,11 +18,6 @@ from verst.types import Sample, Status
 
 SCRIPT = [Reply("The sum", finish="abort", message=WEIGHT_UPDATE_ABORT, weight_version="3"),
           Reply(" is 3.", weight_version="4")]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok"), TINY_CHAT_TEMPLATE))
 
 
 async def answer_agent(base_url, prompt, request_kwargs, metadata):

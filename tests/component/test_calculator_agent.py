@@ -14,11 +14,8 @@ from verst.data.calculator import CONVERSATION_KEY, calculator_problem
 from verst.eval import MixedVersionError
 from verst.eval.agentic import evaluate_agentic, evaluate_agentic_local
 from verst.inference_client.client import EngineClient
-from verst.models import load_tokenizer
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import load_model_and_tokenizer
 from verst.models.prompts import encode_sft_conversation
-from verst.models.tokenizer import save_tokenizer
 from verst.rollout import RolloutContext, generate_and_reward
 from verst.session.scripted import Reply, ScriptedEngine
 from verst.types import Sample, Status
@@ -28,11 +25,6 @@ CFG = VerstConfig.model_validate({
                 "max_response_tokens": 96, "max_context_tokens": 1024, "max_prompt_tokens": 1024},
     "reward": {"type": "custom", "path": "examples.calculator.reward:final_answer"},
 })
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tokenizer"), TINY_CHAT_TEMPLATE))
 
 
 def prompt_sample(seed, index=0):

@@ -19,7 +19,6 @@ from verst.config import VerstConfig
 from verst.data.loading import load_prompts
 from verst.inference_client.client import EngineClient
 from verst.models import load_tokenizer
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.tokenizer import save_tokenizer
 from verst.rewards import RewardError
 from verst.rollout import RolloutContext, generate_and_reward
@@ -34,11 +33,6 @@ CFG = VerstConfig.model_validate({
                 "max_response_tokens": 512, "max_context_tokens": 8192, "max_prompt_tokens": 8192},
     "reward": {"type": "custom", "path": "examples.coding.reward:pass_fraction"},
 })
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tokenizer"), TINY_CHAT_TEMPLATE))
 
 
 class RecordingProvider:

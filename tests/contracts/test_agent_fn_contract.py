@@ -19,9 +19,6 @@ import pytest
 
 from verst.config import RolloutConfig, SamplingConfig
 from verst.inference_client.client import EngineClient
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
-from verst.models.loader import load_tokenizer
-from verst.models.tokenizer import save_tokenizer
 from verst.rollout.agentic import SERVER_KEY
 from verst.rollout.plugins import RolloutContext
 from verst.rollout.worker import GENERATE_ERROR_KEY
@@ -71,11 +68,6 @@ async def sloppy_agent(base_url, prompt, request_kwargs, metadata):
 
 
 # ---- harness --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok"), TINY_CHAT_TEMPLATE))
-
-
 def run_episode(tok, agent_path, sample, **rollout_kw):
     """The agentic generate fn and agent fn resolved from the config tree, one sample generated."""
     engine = ScriptedEngine(tok, [CALL, "The sum is 3."])

@@ -7,19 +7,11 @@ import pytest
 
 from tests.contracts.test_agent_fn_contract import make_sample, run_episode
 from verst.config import DataConfig, RewardConfig, RolloutConfig, load_object
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
-from verst.models.loader import load_tokenizer
-from verst.models.tokenizer import save_tokenizer
 from verst.rewards import compute_rewards
 from verst.rollout.filters import apply_filter, build_filter
 from verst.rollout.plugins import RolloutContext
 from verst.rollout.rollout_fn import run_rollout
 from verst.types import Sample, Status
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok"), TINY_CHAT_TEMPLATE))
 
 
 def source():

@@ -8,9 +8,7 @@ import httpx
 import pytest
 
 from verst.inference_client.client import EngineClient
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
-from verst.models.loader import chat_prompt_ids, load_tokenizer
-from verst.models.tokenizer import save_tokenizer
+from verst.models.loader import chat_prompt_ids
 from verst.session.errors import SessionError
 from verst.session.manager import SessionManager
 from verst.session.scripted import Reply, ScriptedEngine
@@ -20,11 +18,6 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "o
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 USER = {"role": "user", "content": "What is 1+2?"}
 TOOL_TURN = "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok"), TINY_CHAT_TEMPLATE))
 
 
 def session_run(tok, script, body, **manager_kw):

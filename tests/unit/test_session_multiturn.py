@@ -8,9 +8,7 @@ import pytest
 
 from verst.config import ImportPathError, RolloutConfig
 from verst.inference_client.client import EngineClient
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
-from verst.models.loader import chat_prompt_ids, load_tokenizer
-from verst.models.tokenizer import save_tokenizer
+from verst.models.loader import chat_prompt_ids
 from verst.rollout.multiturn import MultiTurnGenerate
 from verst.rollout.plugins import RolloutContext
 from verst.session.scripted import Reply, ScriptedEngine
@@ -39,11 +37,6 @@ async def chatty(messages, metadata):
 
 async def impostor(messages, metadata):
     return [{"role": "assistant", "content": "I am the model"}]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok"), TINY_CHAT_TEMPLATE))
 
 
 def run(tok, script, sample, generate_fn="verst.rollout.multiturn:generate", **rollout_kw):

@@ -9,9 +9,6 @@ import pytest
 
 from verst.inference_client.client import EngineClient
 from verst.inference_client.protocol import SGLANG_ABORT, WEIGHT_UPDATE_ABORT
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
-from verst.models.loader import load_tokenizer
-from verst.models.tokenizer import save_tokenizer
 from verst.session.manager import SessionManager
 from verst.session.scripted import Reply, ScriptedEngine
 from verst.types import Status
@@ -20,11 +17,6 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "o
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 USER = {"role": "user", "content": "What is 1+2?"}
 BUDGET = 40  # max_tokens of the answer turn
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok"), TINY_CHAT_TEMPLATE))
 
 
 def aborted(text, message=WEIGHT_UPDATE_ABORT, version="3"):

@@ -7,19 +7,11 @@ import json
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
-from verst.models.loader import load_tokenizer
-from verst.models.tokenizer import save_tokenizer
 from verst.session.messages import parse_reply
 from verst.session.openai_wire import TokenTexts, completion
 from verst.session.streaming import ChunkStream, final_prefix
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok"), TINY_CHAT_TEMPLATE))
 
 
 @pytest.mark.parametrize("text, parse_tools, expected", [

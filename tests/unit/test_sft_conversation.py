@@ -7,19 +7,10 @@ import pytest
 
 from verst.config import VerstConfig
 from verst.data.calculator import CONVERSATION_KEY, calculator_problem
-from verst.models import load_tokenizer
-from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import render_chat
 from verst.models.prompts import encode_prompt, encode_sft_conversation, encode_sft_example
-from verst.models.tokenizer import save_tokenizer
 from verst.schedules.sft import sft_sample
 from verst.types import Sample
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    # the tiny models' tokenizer and chat template, without making a model
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tokenizer"), TINY_CHAT_TEMPLATE))
 
 
 def problem(seed=0):
