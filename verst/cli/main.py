@@ -27,7 +27,8 @@ COMMANDS = {
 
 def usage() -> str:
     lines = ["usage: verst <command> [args]  (verst <command> --help for details)", "", "commands:"]
-    lines += [f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     return "\n".join(lines)
 
 
