@@ -1,10 +1,11 @@
-"""The coding environment's agent fn (official `openai` client): each episode starts a sandbox from the task's
-files, lets the model call the shell, read_file and edit_file tools until it answers without a tool call or
-reaches the turn limit, then grades the workspace with the task's tests and closes the sandbox.
+"""The coding environment's agent fn (official `openai` client): in the episode's sandbox, which holds the task's
+files, the model calls the shell, read_file and edit_file tools until it answers without a tool call or reaches
+the turn limit; then the task's tests grade the workspace.
 
-verst calls `run(base_url, prompt, request_kwargs, metadata)`; the row's metadata carries the task
-(`files`, `test_files`, the tools' schemas, and optionally `sandbox_provider`, "local" by default). The dict
-it returns is merged into the sample's metadata, where the reward (reward.py) reads `pass_fraction`.
+verst calls `run(base_url, prompt, request_kwargs, metadata, sandbox=...)` with `sandbox.provider` set in the
+recipe, which also chooses the sandbox's lifetime; the row's metadata carries the task (`files`, `test_files`,
+the tools' schemas). The dict it returns is merged into the sample's metadata, where the reward (reward.py)
+reads `pass_fraction`.
 """
 
 from __future__ import annotations
@@ -15,40 +16,27 @@ from typing import Any
 import openai
 
 from examples.coding.tools import OUTPUT_CHARS, run_tool
-from verst.sandbox import Lifetime, Sandbox, SandboxProvider, SandboxScopes, provider
+from verst.sandbox import Sandbox
 from verst.sandbox.coding_tasks import TestReport, run_tests
 
 MAX_TURNS = 8  # model calls per episode: the teacher's transcript takes 4 (read, edit, test, answer)
-PROVIDER_KEY = "sandbox_provider"
 TIMEOUT = openai.Timeout(600.0, connect=60.0)  # the session server shares a busy process with every episode
-# One provider per name in this process: the local one checks bwrap once when built.
-PROVIDERS: dict[str, SandboxProvider] = {}
 
 
-def sandbox_provider(name: str) -> SandboxProvider:
-    if name not in PROVIDERS:
-        PROVIDERS[name] = provider(name)
-    return PROVIDERS[name]
-
-
-async def run(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+async def run(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any], *,
+              sandbox: Sandbox | None = None) -> dict[str, Any]:
     """One episode; returns {"pass_fraction", "tests_passed", "tests_total", "test_output", "commands" (each
     shell call's command, exit code and output), "agent_turns", "tool_calls", "tool_errors", "agent_end":
     "answer" | "length" | "max_turns"}."""
+    if sandbox is None:
+        raise ValueError("the coding agent runs in a sandbox: set sandbox.provider (e.g. 'local') in the recipe")
     missing = [key for key in ("files", "test_files", "tools") if key not in metadata]
     if missing:
         raise ValueError(f"the coding agent needs the task in the sample's metadata; missing {missing} "
                          f"(keys {sorted(metadata)}); write the data with examples.coding.make_data")
-    # The sandbox lives for this trajectory alone; blocking sandbox calls run in threads, off the event loop
-    # that the session server shares.
-    scopes = SandboxScopes(sandbox_provider(metadata.get(PROVIDER_KEY, "local")), Lifetime.TRAJECTORY,
-                           metadata["files"])
-    sandbox = await asyncio.to_thread(scopes.get, 0, 0)
-    try:
-        result = await episode(sandbox, base_url, prompt, request_kwargs, metadata["tools"])
-        report = await asyncio.to_thread(grade_workspace, sandbox, metadata["files"], metadata["test_files"])
-    finally:
-        await asyncio.to_thread(scopes.close)
+    # blocking sandbox calls run in threads, off the event loop that the session server shares
+    result = await episode(sandbox, base_url, prompt, request_kwargs, metadata["tools"])
+    report = await asyncio.to_thread(grade_workspace, sandbox, metadata["files"], metadata["test_files"])
     return {**result, "pass_fraction": report.fraction, "tests_passed": report.passed, "tests_total": report.total,
             "test_output": report.output[-OUTPUT_CHARS:]}
 

@@ -2,8 +2,8 @@
 
 train.jsonl and test.jsonl hold one row per task of the train and held-out splits
 (`verst.sandbox.coding_tasks.generate`): the prompt is the task's with the workspace's file listing, the
-metadata carries the task's files, which of them are tests, the tools' schemas, the sandbox provider, and
-the scripted teacher's transcript (`conversation`, the SFT target of recipes/sft_coding.toml).
+metadata carries the task's files (where `sandbox.files_key` finds them), which of them are tests, the tools'
+schemas, and (`conversation`, the SFT target of recipes/sft_coding.toml), made in sandboxes of `--provider`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from examples.coding.agent import PROVIDER_KEY, sandbox_provider
 from examples.coding.teacher import teach
 from examples.coding.tools import RUN_TESTS, TOOLS
 from verst.data import write_jsonl
 from verst.data.calculator import CONVERSATION_KEY
 from verst.data.tasks import Problem
+from verst.sandbox import provider
 from verst.sandbox.coding_tasks import CodingTask, generate
 
 N_TRAIN, N_TEST = 240, 40
@@ -28,11 +28,10 @@ def task_prompt(task: CodingTask) -> str:
             f"Run the tests with `{RUN_TESTS}`.")
 
 
-def task_problem(task: CodingTask, provider_name: str, conversation: list[dict[str, Any]] | None) -> Problem:
+def task_problem(task: CodingTask, conversation: list[dict[str, Any]] | None) -> Problem:
     """One data row: the label is the task's name (the reward reads the tests, not a label)."""
     metadata: dict[str, Any] = {"task": "coding", "name": task.name, "kind": task.kind, "files": task.files,
-                                "test_files": sorted(set(task.files) - set(task.solution)), "tools": TOOLS,
-                                PROVIDER_KEY: provider_name}
+                                "test_files": sorted(set(task.files) - set(task.solution)), "tools": TOOLS}
     if conversation is not None:
         metadata[CONVERSATION_KEY] = conversation
     return Problem(task_prompt(task), task.name, metadata)
@@ -40,9 +39,8 @@ def task_problem(task: CodingTask, provider_name: str, conversation: list[dict[s
 
 def split_problems(split: str, count: int, seed: int = 0, provider_name: str = "local",
                    with_teacher: bool = True) -> list[Problem]:
-    provider = sandbox_provider(provider_name)
-    return [task_problem(task, provider_name, teach(task, provider) if with_teacher else None)
-            for task in generate(split, count, seed)]
+    sandboxes = provider(provider_name) if with_teacher else None
+    return [task_problem(task, teach(task, sandboxes) if sandboxes else None) for task in generate(split, count, seed)]
 
 
 def make_data(out: Path, n_train: int = N_TRAIN, n_test: int = N_TEST, seed: int = 0,
@@ -59,7 +57,7 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=N_TRAIN)
     parser.add_argument("--n-test", type=int, default=N_TEST)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--provider", default="local", help="the sandbox provider's name (verst.sandbox.provider)")
+    parser.add_argument("--provider", default="local", help="the teacher's sandbox provider (a sandbox.provider name)")
     args = parser.parse_args()
     for name, path in make_data(args.out, args.n_train, args.n_test, args.seed, args.provider).items():
         print(f"{name}: {path}")

@@ -1,28 +1,31 @@
 """The coding environment (examples/coding/) through the real session server and bubblewrap sandboxes, over a
 scripted engine: a model that writes the solution and runs the tests earns 1.0, one that does nothing the
 task's starting grade; tool results reach the model as tool messages; the sandbox is closed whatever the
-episode's end; the token accounting holds; the teacher's transcripts, replayed, solve every task."""
+episode's end, and a group shares one when the recipe says so; the token accounting holds; the teacher's
+transcripts, replayed, solve every task."""
 
 import asyncio
 import json
 
 import pytest
 
-from examples.coding import agent as coding_agent
 from examples.coding.make_data import make_data, split_problems, task_problem
 from examples.coding.reward import pass_fraction
 from examples.coding.teacher import FINAL_ANSWER
 from examples.coding.tool_template import with_tool_template
 from tests.agent_accounting import assert_engine_tokens
 from tests.component.test_calculator_agent import gold_script
-from verst.config import VerstConfig
+from verst.config import ConfigError, VerstConfig
+from verst.config.registries import SANDBOX_PROVIDERS
+from verst.config.registry import Entry
 from verst.data.loading import load_prompts
 from verst.inference_client.client import EngineClient
 from verst.models import load_tokenizer
 from verst.models.tokenizer import save_tokenizer
 from verst.rewards import RewardError
 from verst.rollout import RolloutContext, generate_and_reward
-from verst.sandbox import BubblewrapProvider
+from verst.rollout.agentic import SANDBOXES_KEY
+from verst.sandbox import BubblewrapProvider, SandboxPool
 from verst.sandbox.coding_tasks import generate, grade
 from verst.session.manager import MISMATCH_KEY
 from verst.session.scripted import ScriptedEngine
@@ -32,6 +35,7 @@ CFG = VerstConfig.model_validate({
     "rollout": {"generate_fn": "verst.rollout.agentic:generate", "agent_fn": "examples.coding.agent:run",
                 "max_response_tokens": 512, "max_context_tokens": 8192, "max_prompt_tokens": 8192},
     "reward": {"type": "custom", "path": "examples.coding.reward:pass_fraction"},
+    "sandbox": {"provider": "local"},
 })
 
 
@@ -47,10 +51,8 @@ class RecordingProvider:
 
 
 @pytest.fixture
-def provider(monkeypatch):
-    recording = RecordingProvider()
-    monkeypatch.setitem(coding_agent.PROVIDERS, "local", recording)
-    return recording
+def provider():
+    return RecordingProvider()
 
 
 def problem_sample(problem, index=0):
@@ -59,19 +61,21 @@ def problem_sample(problem, index=0):
 
 
 def task_sample(task, index=0):
-    return problem_sample(task_problem(task, "local", None), index)
+    return problem_sample(task_problem(task, None), index)
 
 
 def call(name, **arguments):
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
-def run_episode(tok, script, sample, engine=None):
+def run_episode(tok, script, sample, provider, engine=None):
+    """One episode, its sandbox from `provider` (each trajectory its own)."""
     engine = engine or ScriptedEngine(tok, script, context_length=16384)
 
     async def main():
         async with EngineClient("http://scripted-engine", transport=engine) as client:
             ctx = RolloutContext.from_config(CFG, client, tok, source=None)
+            ctx.resources[SANDBOXES_KEY] = SandboxPool(provider, "trajectory", group_size=1)
             try:
                 return await generate_and_reward(ctx, sample)
             finally:
@@ -84,7 +88,7 @@ def test_writing_the_solution_and_running_the_tests_earns_one(tok, provider):
     task = generate("train", 1, seed=5)[0]
     script = [call("edit_file", path="project.py", content=task.solution["project.py"]),
               call("shell", command="python3 run_tests.py"), "Done."]
-    done, engine = run_episode(tok, script, task_sample(task))
+    done, engine = run_episode(tok, script, task_sample(task), provider)
     assert done.status is Status.COMPLETED and done.reward == 1.0
     meta = done.metadata
     assert (meta["pass_fraction"], meta["tests_passed"], meta["tests_total"]) == (1.0, 4, 4)
@@ -111,7 +115,7 @@ def test_a_model_that_does_nothing_gets_the_starting_grade(tok, provider):
             box.close()
     assert 0.0 in starting and any(0.0 < s < 1.0 for s in starting)  # some "fix" bugs pass a test by chance
     for i, (task, expected) in enumerate(zip(tasks, starting)):
-        done, _ = run_episode(tok, ["I am done."], task_sample(task, i))
+        done, _ = run_episode(tok, ["I am done."], task_sample(task, i), provider)
         assert done.reward == expected and done.metadata["commands"] == []
     assert len(provider.started) == len(tasks) and all(box.closed for box in provider.started)
 
@@ -120,7 +124,7 @@ def test_rewriting_the_tests_does_not_pass_them(tok, provider):
     task = generate("train", 1, seed=5)[0]
     fake = "print('PASSED 4/4')\n"
     done, _ = run_episode(tok, [call("edit_file", path="run_tests.py", content=fake),
-                                call("shell", command="python3 run_tests.py"), "Done."], task_sample(task))
+                                call("shell", command="python3 run_tests.py"), "Done."], task_sample(task), provider)
     assert done.metadata["commands"][0]["output"] == "PASSED 4/4\n"  # the model fooled itself
     assert done.reward < 1.0 and done.metadata["tests_total"] == 4  # the grade ran the task's own runner
 
@@ -128,7 +132,7 @@ def test_rewriting_the_tests_does_not_pass_them(tok, provider):
 def test_refused_calls_are_reported_to_the_model(tok, provider):
     task = generate("train", 1, seed=5)[0]
     done, engine = run_episode(tok, [call("read_file", path="../etc/passwd"), call("delete", path="a"),
-                                     call("shell", cmd="ls"), "Done."], task_sample(task))
+                                     call("shell", cmd="ls"), "Done."], task_sample(task), provider)
     assert done.metadata["tool_errors"] == 3 and done.status is Status.COMPLETED
     last = tok.decode(engine.calls[-1].input_ids)
     assert "outside the workspace" in last and "unknown tool 'delete'" in last and "exactly command" in last
@@ -142,7 +146,7 @@ def test_the_sandbox_is_closed_when_the_episode_fails(tok, provider):
     task = generate("train", 1, seed=5)[0]
     engine = ScriptedEngine(tok, ["Done."], context_length=16384)
     engine.down = Everyone()  # every engine call fails, so the agent's first completion raises
-    done, _ = run_episode(tok, None, task_sample(task), engine)
+    done, _ = run_episode(tok, None, task_sample(task), provider, engine)
     assert done.status is Status.ABORTED
     assert len(provider.started) == 1 and provider.started[0].closed and not provider.started[0].workspace.exists()
 
@@ -154,12 +158,64 @@ def test_the_teachers_transcripts_replayed_solve_every_task(tok, provider, split
         sample = problem_sample(problem, i)
         script, ids, mask = gold_script(tok, sample)
         assert script[-1] == FINAL_ANSWER
-        done, engine = run_episode(tok, script, sample)
+        done, engine = run_episode(tok, script, sample, provider)
         assert done.reward == 1.0 and done.metadata["agent_end"] == "answer"
         assert done.tokens == ids and done.loss_mask == mask  # what SFT teaches is what RL trains on
         assert_engine_tokens(done, engine.calls)
         assert done.metadata[MISMATCH_KEY] == []
     assert all(box.closed for box in provider.started)
+
+
+@pytest.mark.parametrize("lifetime, started", [("trajectory", 2), ("group", 1)])
+def test_the_recipe_chooses_the_provider_by_name_and_a_group_may_share_one_sandbox(tok, registries_restored,
+                                                                                  lifetime, started):
+    recording = RecordingProvider()
+    SANDBOX_PROVIDERS.add("recording", Entry(lambda: recording, "the local provider, recorded"))
+    cfg = VerstConfig.model_validate({**CFG.model_dump(exclude_unset=True),
+                                      "sandbox": {"provider": "recording", "lifetime": lifetime}})
+    cfg.rollout.n_samples_per_prompt = 2
+    task = generate("train", 1, seed=5)[0]
+    engine = ScriptedEngine(tok, [call("edit_file", path="project.py", content=task.solution["project.py"]),
+                                  call("shell", command="python3 run_tests.py"), "Done."], context_length=16384)
+    samples = [task_sample(task, 0), task_sample(task, 1)]
+    samples[1].group_index = 0  # one group of two episodes, at once
+
+    async def main():
+        async with EngineClient("http://scripted-engine", transport=engine) as client:
+            ctx = RolloutContext.from_config(cfg, client, tok, source=None)
+            try:
+                return await asyncio.gather(*(generate_and_reward(ctx, sample) for sample in samples))
+            finally:
+                await ctx.aclose()
+
+    done = asyncio.run(main())
+    assert [d.reward for d in done] == [1.0, 1.0] and all(d.metadata["tests_total"] == 4 for d in done)
+    assert len(recording.started) == started and all(box.closed for box in recording.started)
+
+
+def test_an_agent_fn_without_a_sandbox_parameter_is_refused_with_a_provider(tok):
+    cfg = CFG.model_copy(update={"rollout": CFG.rollout.model_copy(
+        update={"agent_fn": "examples.calculator.agent:run"})})
+    with pytest.raises(ConfigError, match=r"sandbox.provider = 'local'.*add a `sandbox` parameter"):
+        RolloutContext.from_config(cfg, None, tok, source=None)
+
+
+def test_sandbox_settings_are_checked_when_the_config_loads():
+    with pytest.raises(ValueError, match=r"sandbox.provider.*'docker'.*local"):
+        VerstConfig.model_validate({"sandbox": {"provider": "docker"}})
+    with pytest.raises(ValueError, match=r"sandbox.provider = 'local' hands each episode's sandbox to the agent fn"):
+        VerstConfig.model_validate({"sandbox": {"provider": "local"}})
+    with pytest.raises(ValueError, match="lifetime"):
+        VerstConfig.model_validate({"sandbox": {"lifetime": "episode"}})
+
+
+def test_a_sample_without_its_files_fails_its_episode_naming_the_key(tok, provider):
+    task = generate("train", 1, seed=5)[0]
+    sample = task_sample(task)
+    sample.metadata = {k: v for k, v in sample.metadata.items() if k != "files"}
+    done, _ = run_episode(tok, ["Done."], sample, provider)
+    assert done.status is Status.ABORTED and "sandbox.files_key = 'files'" in done.metadata["generate_error"]
+    assert provider.started == []
 
 
 def test_the_data_rows_load_as_prompts_with_the_task_in_their_metadata(tmp_path):

@@ -111,6 +111,9 @@ CASES: dict[str, tuple[list[str], str]] = {
                                                 "no_ipc", "--sync.transport", "tensor", "--cluster.device", "cuda"],
                                                r"sync.transport = 'tensor' with cluster.engine = 'no_ipc' on "
                                                r"cluster.device = 'cuda' \(CUDA\)"),
+    "sandboxes_go_to_an_agent_fn": (["--sandbox.provider", "local", "--rollout.agent-fn", "examples.coding.agent:run"],
+                                    r"sandbox.provider = 'local' hands each episode's sandbox to the agent fn: set "
+                                    r"rollout.generate_fn = 'verst.rollout.agentic:generate' \(it is None\)"),
     "eval_fleet_or_backend": (["--eval.num-engines", "1", "--eval.backend", "m:f"],
                               r"eval.num_engines = 1 with eval.backend = 'm:f'"),
     "reward_source_has_its_setting": (["--reward.type", "remote"], r"reward.type = 'remote' needs reward.url"),

@@ -1,5 +1,5 @@
-"""What a run starts from and how it rolls out: the model, the prompts, sampling and rollout volume, and the
-reward."""
+"""What a run starts from and how it rolls out: the model, the prompts, sampling and rollout volume, the agent's
+sandboxes, and the reward."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from verst.config.registries import GroupFilterSpec, RewardName
+from verst.config.registries import GroupFilterSpec, RewardName, SandboxProviderName
 from verst.config.section import ModelImpl, Section
 from verst.types.sampling import SamplingKnobs
 
@@ -92,6 +92,20 @@ class RolloutConfig(Section):
         64, ge=1, description="Generate calls started together go to an engine as batched requests of up to this "
         "many prompts (1: one HTTP request per call). Only without a router: sglang-router 0.3 takes one rid per request."
     )
+
+
+class SandboxConfig(Section):
+    provider: SandboxProviderName | None = Field(
+        None, description="Sandbox provider by name ('local': bubblewrap; 'daytona', 'e2b', 'modal'; or one a plug-in "
+        "registers): each agent episode gets a workspace of its own, seeded with its task's files, passed to the "
+        "agent fn as `sandbox`. Needs the agentic generate fn. None: no sandboxes.")
+    lifetime: Literal["trajectory", "group", "run"] = Field(
+        "trajectory", description="How long one sandbox lives: each trajectory its own; one per group, or one for "
+        "the whole run, each trajectory then in a directory of its own inside it (fewer starts, no isolation "
+        "between the trajectories that share it).")
+    files_key: str = Field(
+        "files", min_length=1, description="The sample metadata key holding the files (path to text) a trajectory's "
+        "workspace starts from.")
 
 
 class RewardConfig(Section):

@@ -1,6 +1,7 @@
 """The built-in names of every registry, in one visible place: advantage estimators, policy losses, mismatch
-corrections, rewards, engine kinds, weight transports and group filters. Each name is written here once, with the import
-path of what it stands for and the traits the config's rules and the run read; nothing here imports torch.
+corrections, rewards, engine kinds, weight transports, group filters and sandbox providers. Each name is written
+here once, with the import path of what it stands for and the traits the config's rules and the run read;
+nothing here imports torch.
 
 Add your own with `register` (e.g. `ADVANTAGE_ESTIMATORS.register("my_baseline")(fn)`, re-exported by
 `verst.algo`, `verst.rewards` and `verst.sync`) in a module that the config's `plugins` lists.
@@ -68,8 +69,9 @@ REWARDS: Registry[Entry] = Registry("reward.type")
 ENGINE_KINDS: Registry[EngineEntry] = Registry("cluster.engine", EngineEntry)
 WEIGHT_TRANSPORTS: Registry[TransportEntry] = Registry("sync.transport", TransportEntry)
 GROUP_FILTERS: Registry[Entry] = Registry("rollout.dynamic_filter")
+SANDBOX_PROVIDERS: Registry[Entry] = Registry("sandbox.provider")  # each a class or factory: (**options) -> provider
 REGISTRIES = (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, MISMATCH_CORRECTIONS, REWARDS, ENGINE_KINDS, WEIGHT_TRANSPORTS,
-              GROUP_FILTERS)
+              GROUP_FILTERS, SANDBOX_PROVIDERS)
 
 _ADV = "verst.algo.advantages"
 for _name, _doc, _traits in (
@@ -136,11 +138,21 @@ WEIGHT_TRANSPORTS.add("disk", TransportEntry(
 GROUP_FILTERS.add("zero_std", Entry(
     "verst.rollout.filters:ZeroStdFilter", "drop groups whose rewards all agree (DAPO's dynamic sampling)"))
 
+SANDBOX_PROVIDERS.add("local", Entry("verst.sandbox.local:BubblewrapProvider",
+                                     "bubblewrap on this machine (extra: sandbox)"))
+SANDBOX_PROVIDERS.add("daytona", Entry("verst.sandbox.cloud.daytona:DaytonaProvider",
+                                       "Daytona's cloud sandboxes (extra: daytona; DAYTONA_API_KEY)"))
+SANDBOX_PROVIDERS.add("e2b", Entry("verst.sandbox.cloud.e2b:E2BProvider",
+                                   "E2B's cloud sandboxes (extra: e2b; E2B_API_KEY)"))
+SANDBOX_PROVIDERS.add("modal", Entry("verst.sandbox.cloud.modal:ModalProvider",
+                                     "Modal's cloud sandboxes (extra: modal; MODAL_TOKEN_ID, MODAL_TOKEN_SECRET)"))
+
 # The config fields that name an entry: a string checked against the registry when the config loads.
 EstimatorName = Annotated[str, AfterValidator(ADVANTAGE_ESTIMATORS.check)]
 PolicyLossName = Annotated[str, AfterValidator(POLICY_LOSSES.check)]
 EngineKindName = Annotated[str, AfterValidator(ENGINE_KINDS.check)]
 TransportName = Annotated[str, AfterValidator(WEIGHT_TRANSPORTS.check)]
+SandboxProviderName = Annotated[str, AfterValidator(SANDBOX_PROVIDERS.check)]
 NO_CORRECTION = "none"  # algorithm.mismatch_correction's off value
 REWARD_SOURCES = ("remote", "custom")  # reward.type besides the registered rewards: reward.url, reward.path
 

@@ -15,7 +15,7 @@ from verst.config.adapters import adapter_run_config
 from verst.config.arithmetic import batch_plan
 from verst.config.core_rules import CORE_RULES
 from verst.config.engine_rules import ENGINE_RULES, engines_with
-from verst.config.inputs import ModelConfig, RewardConfig, RolloutConfig
+from verst.config.inputs import ModelConfig, RewardConfig, RolloutConfig, SandboxConfig
 from verst.config.registries import ADVANTAGE_ESTIMATORS, ENGINE_KINDS, NO_CORRECTION, WEIGHT_TRANSPORTS
 from verst.config.runtime import (
     BufferConfig,
@@ -32,7 +32,8 @@ from verst.config.training import AlgorithmConfig, CriticConfig, LoraConfig, Tra
 MAX_ADAPTERS = 8  # the embedded engine's default --max-loaded-loras: every adapter stays resident
 MULTI_LORA_SCHEDULES = ("sync", "fully_async")
 # The generate fns that continue a request a weight update aborted (`rollout.partial_rollout`); None: the default.
-PARTIAL_ROLLOUT_GENERATE_FNS = (None, "verst.rollout.generate:generate", "verst.rollout.agentic:generate")
+AGENTIC_GENERATE_FN = "verst.rollout.agentic:generate"
+PARTIAL_ROLLOUT_GENERATE_FNS = (None, "verst.rollout.generate:generate", AGENTIC_GENERATE_FN)
 
 
 # ---- batch arithmetic ------------------------------------------------------------------------------
@@ -261,6 +262,15 @@ def routing_replay_needs_routed_experts(algorithm: AlgorithmConfig, cluster: Clu
                          "record them: set algorithm.routing_replay = 'off'")
 
 
+def sandboxes_go_to_an_agent_fn(sandbox: SandboxConfig, rollout: RolloutConfig) -> None:
+    if sandbox.provider is None:
+        return
+    if rollout.generate_fn != AGENTIC_GENERATE_FN or not rollout.agent_fn:
+        raise ValueError(f"sandbox.provider = {sandbox.provider!r} hands each episode's sandbox to the agent fn: set "
+                         f"rollout.generate_fn = {AGENTIC_GENERATE_FN!r} (it is {rollout.generate_fn!r}) and "
+                         f"rollout.agent_fn (it is {rollout.agent_fn!r})")
+
+
 def eval_fleet_or_backend(eval: EvalConfig) -> None:
     if eval.num_engines and eval.backend is not None:
         raise ValueError(f"eval.num_engines = {eval.num_engines} with eval.backend = {eval.backend!r}: an evaluation "
@@ -368,7 +378,7 @@ RULES: tuple[Callable[..., None], ...] = (
     importance_weighted_kl_needs_a_kl_loss, kl_penalty_needs_a_token_level_estimator, something_to_train_on,
     mismatch_band_is_ordered, critic_settings_need_a_critic, distillation_needs_a_teacher,
     a_teacher_needs_distillation, true_on_policy_needs_one_forward, routing_replay_needs_routed_experts,
-    *ENGINE_RULES,
+    sandboxes_go_to_an_agent_fn, *ENGINE_RULES,
     eval_fleet_or_backend, reward_source_has_its_setting, group_rewards_need_a_group_fn, adapters_train_with_lora,
     adapters_on_a_multi_lora_schedule, adapters_train_one_policy_each, every_adapter_is_a_valid_run, *CORE_RULES,
 )

@@ -46,8 +46,10 @@ async def evaluate_agentic(
         "max_response_tokens": cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens,
         "concurrency": concurrency,
         "dynamic_filter": None,
+        "n_samples_per_prompt": 1,  # every episode is its own group (a `group` sandbox lifetime closes at its end)
     })
-    ctx = RolloutContext(engine=engine, tokenizer=tokenizer, rollout=rollout, data=cfg.data, reward=cfg.reward)
+    ctx = RolloutContext(engine=engine, tokenizer=tokenizer, rollout=rollout, data=cfg.data, reward=cfg.reward,
+                         sandbox=cfg.sandbox)
     samples = [Sample(prompt=p.prompt, label=p.label, metadata=dict(p.metadata), index=i, group_index=i)
                for i, p in enumerate(prompts)]
     try:

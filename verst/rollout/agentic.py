@@ -8,7 +8,9 @@ agent fn is called as `run(base_url, prompt, request_kwargs, metadata)`: `base_u
 or messages), `request_kwargs` keyword arguments for `chat.completions.create` (temperature, top_p,
 max_tokens, logprobs=True, seed and stop when configured; sampling params OpenAI lacks, such as top_k,
 apply as the session server's defaults) and `metadata` a copy of the sample's metadata (tools included
-when the task has them). The dict it returns is merged into the sample's metadata.
+when the task has them). The dict it returns is merged into the sample's metadata. With `sandbox.provider`
+set it is also given `sandbox=`: the episode's workspace, holding the files in `metadata[sandbox.files_key]`,
+from the run's `SandboxPool` (`sandbox.lifetime`), released when the agent fn returns or raises.
 
 With `rollout.partial_rollout` the session server continues a turn that a weight update aborted, and the sample
 records each token's version (`Sample.token_versions`).
@@ -17,11 +19,15 @@ records each token's version (`Sample.token_versions`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from verst.rollout.generate import CACHED_TOKENS_KEY, CONTINUED_KEY, ENGINE_PROMPT_TOKENS_KEY, mark_aborted
 from verst.rollout.worker import GENERATE_ERROR_KEY
+from verst.sandbox import Sandbox, SandboxPool
+from verst.sandbox import provider as sandbox_provider
 from verst.session.assemble import ERROR_KEY
 from verst.session.manager import MISMATCH_KEY, SessionManager
 from verst.session.tito import mismatch_rates
@@ -34,6 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SERVER_KEY = "session_server"  # ctx.resources: the context's SessionServer
+SANDBOXES_KEY = "sandboxes"  # ctx.resources: the context's SandboxPool (with sandbox.provider)
 # per-sample fields an assembled trajectory brings; the rest of the sample (index, prompt, label, ...) stays
 _TRAJECTORY_KEYS = ("turns", MISMATCH_KEY, "messages", "rollbacks")
 
@@ -60,8 +67,10 @@ async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
     error, extra = None, None
     try:
         try:
-            extra = await ctx.agent_fn(f"{server.url}/sessions/{session_id}/v1", sample.prompt,
-                                       request_kwargs(ctx, sample), dict(sample.metadata))
+            async with episode_sandbox(ctx, sample) as sandbox:
+                extra = await ctx.agent_fn(f"{server.url}/sessions/{session_id}/v1", sample.prompt,
+                                           request_kwargs(ctx, sample), dict(sample.metadata),
+                                           **({} if sandbox is None else {"sandbox": sandbox}))
         except Exception as exc:  # the agent failing is this episode's outcome, not the rollout's
             logger.warning("agent fn failed for sample %d (group %d): %r", sample.index, sample.group_index, exc)
             error = f"agent fn raised {exc!r}"
@@ -129,6 +138,39 @@ async def session_server(ctx: RolloutContext) -> SessionServer:
         server = ctx.resources[SERVER_KEY] = SessionServer(manager, host="127.0.0.1", port=0)
     await server.start()
     return server
+
+
+@contextlib.asynccontextmanager
+async def episode_sandbox(ctx: RolloutContext, sample: Sample) -> AsyncIterator[Sandbox | None]:
+    """The episode's sandbox from the context's pool (None without `sandbox.provider`), released at the end. A
+    sample without the files is a broken data set and raises; a sandbox that fails to start or to close fails
+    the episode."""
+    if ctx.sandbox.provider is None:
+        yield None
+        return
+    files = sample.metadata.get(ctx.sandbox.files_key)
+    if not isinstance(files, dict):
+        raise ValueError(f"sandbox.files_key = {ctx.sandbox.files_key!r}: sample {sample.index}'s metadata holds "
+                         f"{type(files).__name__} there, not the files (path to text) its workspace starts from "
+                         f"(metadata keys {sorted(sample.metadata)})")
+    pool = await sandbox_pool(ctx)
+    sandbox = await pool.acquire(sample.group_index, sample.index, files)
+    try:
+        yield sandbox
+    finally:
+        await pool.release(sample.group_index, sample.index, sandbox)
+
+
+async def sandbox_pool(ctx: RolloutContext) -> SandboxPool:
+    """The context's sandbox pool (in `ctx.resources`), built on first use; `ctx.aclose()` closes every sandbox
+    it still holds."""
+    pool = ctx.resources.get(SANDBOXES_KEY)
+    if pool is None:
+        # the provider checks its tools once when built (bwrap's probe, a cloud credential), in a thread
+        provider = await asyncio.to_thread(sandbox_provider, ctx.sandbox.provider)
+        pool = ctx.resources.setdefault(SANDBOXES_KEY, SandboxPool(provider, ctx.sandbox.lifetime,
+                                                                   ctx.rollout.n_samples_per_prompt))
+    return pool
 
 
 def session_metrics(ctx: RolloutContext) -> dict[str, float]:

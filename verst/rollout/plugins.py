@@ -16,6 +16,7 @@ Signatures (each an `async def`, or an instance with an `async def __call__`; no
 - agent fn: `async run(base_url, prompt, request_kwargs, metadata) -> dict | None` — owns only the
   episode loop; talks to the session server's OpenAI-compatible base URL `{server}/sessions/{id}/v1`
   (requests go to `{base_url}/chat/completions`); the dict it returns is merged into the sample's metadata.
+  With `sandbox.provider` set it is also given `sandbox=`, the episode's workspace (`verst.sandbox.Sandbox`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from verst.config import ConfigError, DataConfig, RewardConfig, RolloutConfig, SamplingConfig, load_object
+from verst.config import (
+    ConfigError,
+    DataConfig,
+    RewardConfig,
+    RolloutConfig,
+    SamplingConfig,
+    SandboxConfig,
+    load_object,
+)
 from verst.rewards import build_reward_fn
 from verst.rollout.filters import GroupFilter, build_filter
 from verst.types import Group, Sample
@@ -119,6 +128,19 @@ def load_rollout_fn(cfg: RolloutConfig) -> RolloutFn:
     return load_plugin(cfg.rollout_fn or DEFAULT_ROLLOUT_FN, "rollout")
 
 
+def check_takes_a_sandbox(agent_fn: AgentFn | None, provider: str) -> None:
+    """With `sandbox.provider` set, the agent fn is called with `sandbox=` (its episode's sandbox) as well."""
+    where = f"sandbox.provider = {provider!r}"
+    if agent_fn is None:
+        raise ConfigError(f"{where} hands each episode a sandbox through rollout.agent_fn, which is not set")
+    try:
+        inspect.signature(agent_fn).bind(*range(_LAYERS["agent"][1]), sandbox=None)
+    except TypeError:
+        raise ConfigError(f"{where}: the agent fn is called as `run(base_url, prompt, request_kwargs, metadata, "
+                          f"sandbox=...)`; rollout.agent_fn ({agent_fn!r:.80}) has signature "
+                          f"{inspect.signature(agent_fn)}: add a `sandbox` parameter") from None
+
+
 def load_agent_fn(cfg: RolloutConfig) -> AgentFn | None:
     """`rollout.agent_fn`, or None (no agent: the generate fn talks to the engines itself)."""
     return None if cfg.agent_fn is None else load_plugin(cfg.agent_fn, "agent")
@@ -198,6 +220,7 @@ class RolloutContext:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)  # the agent's sandboxes, if any
     source: DataSource | None = None
     generate_fn: GenerateFn | None = None
     rollout_fn: RolloutFn | None = None
@@ -231,6 +254,8 @@ class RolloutContext:
             self.agent_fn = load_agent_fn(self.rollout)  # used by an agentic generate fn; None when unset
         else:
             check_plugin(self.agent_fn, "agent")
+        if self.sandbox.provider is not None:
+            check_takes_a_sandbox(self.agent_fn, self.sandbox.provider)
         if self.reward_fn is None:
             self.reward_fn = build_reward_fn(self.reward)
         if self.group_filter is None:
@@ -251,7 +276,7 @@ class RolloutContext:
         settings = dict(max_rounds=cfg.rollout.max_over_sampling_rounds, abort_timeout_s=cfg.rollout.abort_timeout_s,
                         dump_dir=cfg.rollout.dump_dir, routed_experts_top_k=routed_experts_top_k(cfg))
         return cls(engine=engine, tokenizer=tokenizer, rollout=cfg.rollout, data=cfg.data, reward=cfg.reward,
-                   source=source, **{**settings, **overrides})
+                   sandbox=cfg.sandbox, source=source, **{**settings, **overrides})
 
     async def aclose(self) -> None:
         """Close what the context built (a remote reward client) and what plug-ins put in `resources`."""

@@ -44,6 +44,8 @@ def capped(output: bytes, cap: int) -> tuple[str, bool]:
 
 
 class Sandbox(Protocol):
+    closed: bool  # set by close(), or by the sandbox itself when a limit ends it
+
     def exec(self, command: str, timeout_s: float) -> ExecResult: ...
 
     def read_file(self, path: str) -> str: ...

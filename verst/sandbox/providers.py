@@ -1,22 +1,17 @@
-"""The sandbox providers by name, so a recipe chooses one: `provider("e2b", options=E2BOptions(...))`.
+"""The sandbox providers by name, so a recipe chooses one (`sandbox.provider`); in code,
+`provider("e2b", options=E2BOptions(...))`.
 
-Each name stands for an import path, imported when chosen, so a cloud SDK loads only for the provider that uses it.
+The names live in `verst.config.registries.SANDBOX_PROVIDERS`, each standing for an import path imported when
+chosen, so a cloud SDK loads only for the provider that uses it. Register a provider of your own (or one of these
+built with options of yours) under a new name in a module that `plugins` lists.
 """
 
 from typing import Any
 
-from verst.config.registry import Entry, Registry
+from verst.config.registries import SANDBOX_PROVIDERS
 from verst.sandbox.base import SandboxProvider
 
-SANDBOX_PROVIDERS: Registry[Entry] = Registry("sandbox provider")
-SANDBOX_PROVIDERS.add("local", Entry("verst.sandbox.local:BubblewrapProvider",
-                                     "bubblewrap on this machine (extra: sandbox)"))
-SANDBOX_PROVIDERS.add("daytona", Entry("verst.sandbox.cloud.daytona:DaytonaProvider",
-                                       "Daytona's cloud sandboxes (extra: daytona; DAYTONA_API_KEY)"))
-SANDBOX_PROVIDERS.add("e2b", Entry("verst.sandbox.cloud.e2b:E2BProvider",
-                                   "E2B's cloud sandboxes (extra: e2b; E2B_API_KEY)"))
-SANDBOX_PROVIDERS.add("modal", Entry("verst.sandbox.cloud.modal:ModalProvider",
-                                     "Modal's cloud sandboxes (extra: modal; MODAL_TOKEN_ID, MODAL_TOKEN_SECRET)"))
+__all__ = ["SANDBOX_PROVIDERS", "provider"]
 
 
 def provider(name: str, **options: Any) -> SandboxProvider:

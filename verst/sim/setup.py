@@ -25,7 +25,7 @@ def check_simulable(cfg: VerstConfig) -> None:
         "sync.check_weights": cfg.sync.check_weights, "algorithm.routing_replay": cfg.algorithm.routing_replay != "off",
         "algorithm.true_on_policy": cfg.algorithm.true_on_policy, "checkpoint.load": cfg.checkpoint.load is not None,
         "buffer.path": cfg.buffer.path not in (None, BUFFER), "data.source": cfg.data.source not in (None, SOURCE),
-        "rollout.rollout_fn": cfg.rollout.rollout_fn is not None,
+        "rollout.rollout_fn": cfg.rollout.rollout_fn is not None, "sandbox.provider": cfg.sandbox.provider is not None,
     }
     named = [field for field, set_ in refused.items() if set_]
     if named:
