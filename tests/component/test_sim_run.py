@@ -39,6 +39,7 @@ def test_64_engines_fully_async_with_engines_killed_and_stalled(tmp_path, tiny_m
     assert scale["faults"]["engine_restarts"] >= 4  # each restarted (once: a stale verdict restarts none again)
     assert 0 < scale["engine_busy_fraction"] <= 1 and scale["control_ms_per_trajectory"] > 0
     assert scale["sync"]["pushes"] == steps
+    assert scale["cpu_s"]["weight_sync"] > 0  # the syncer's own process, metered by its pid
     assert json.loads((tmp_path / "run" / "scale.json").read_text()) == scale
     assert (tmp_path / "run" / "report.html").is_file()
     assert undocumented(read_metrics(tmp_path / "run")) == []

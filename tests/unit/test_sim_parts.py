@@ -1,13 +1,14 @@
 """The simulation's bookkeeping: the ledger that accounts for every served group, the fault plan, the settings a
-simulated run refuses, and the config it makes."""
+simulated run refuses, and the config it makes; the weight-sync process's errors."""
 
 import pytest
 
-from verst.config import ConfigError, load_config
+from verst.config import ConfigError, SyncConfig, load_config
 from verst.sim.accounting import Ledger
 from verst.sim.config import SimConfig
 from verst.sim.faults import fault_plan
 from verst.sim.setup import simulated_config
+from verst.sim.syncer_process import SyncerProcess
 from verst.types import Sample
 
 
@@ -47,7 +48,9 @@ def test_the_fault_plan_is_disjoint_and_the_same_every_run():
 def test_a_simulated_run_refuses_the_parts_it_does_not_simulate_by_field(registries_restored):
     for overrides, field in ((["--lora.enabled", "true"], "lora.enabled"),
                              (["--sync.check-weights", "true"], "sync.check_weights"),
-                             (["--buffer.path", "m:f"], "buffer.path")):
+                             (["--buffer.path", "m:f"], "buffer.path"),
+                             (["--sandbox.provider", "local", "--rollout.generate-fn", "verst.rollout.agentic:generate",
+                               "--rollout.agent-fn", "examples.coding.agent:run"], "sandbox.provider")):
         with pytest.raises(ConfigError, match=field):
             simulated_config(load_config(None, overrides), SimConfig())
 
@@ -67,3 +70,16 @@ def test_the_simulated_config_names_the_simulated_parts(tmp_path, registries_res
     assert (cfg.rollout.generate_fn, cfg.rollout.agent_fn) == ("verst.rollout.agentic:generate",
                                                               "verst.sim.workload:agent")
     assert cfg.buffer.path == "verst.sim.accounting:AccountedBuffer"
+
+
+def test_the_weight_sync_process_raises_what_opening_it_raised_and_names_its_death():
+    # without the simulation's plug-in the child knows no 'sim' transport: its error comes back here
+    with pytest.raises(ValueError, match="sync.transport.*'sim'"):
+        SyncerProcess(SyncConfig.model_construct(transport="sim", bucket_bytes=2**20), ["http://127.0.0.1:9"], {}, [])
+    syncer = SyncerProcess(SyncConfig.model_construct(transport="sim", bucket_bytes=2**20), ["http://127.0.0.1:9"],
+                           {}, ["verst.sim.plugin"])
+    syncer.process.kill()
+    syncer.process.join()
+    with pytest.raises(RuntimeError, match=rf"weight-sync process \(pid {syncer.pid}\) died: exit code -9"):
+        syncer.sync([], 1, first=False, reconnect=False)
+    syncer.close()

@@ -66,7 +66,7 @@ async def open_sim_run(cfg: VerstConfig, restarts: int = 0, *, sim: SimConfig) -
         manager = LocalRolloutManager(functools.partial(build_rollout_parts, cfg),
                                       router=logged_router_spec(cfg, cfg))
         trainer = SimTrainerRanks(SimBackend(sim.total_params, sim.bytes_per_param),
-                                  sim.trainer_costs(cfg.cluster.trainer_ranks), clock)
+                                  sim.trainer_costs(cfg.cluster.trainer_ranks), clock, cfg.plugins)
         recorder = ScaleRecorder(cfg, sim, engines, manager, trainer)
         try:
             await asyncio.to_thread(manager.start, urls)
@@ -126,10 +126,10 @@ class ScaleRecorder:
 
     def _meter(self) -> CpuMeter:
         threads = {"rollout_manager": self.manager.thread_id}
-        if self.trainer.weight_sync is not None:
-            threads["weight_sync"] = self.trainer.weight_sync.thread.native_id
+        syncer = self.trainer.weight_sync
         router = self.manager.pids.get("router")
         return CpuMeter({k: v for k, v in threads.items() if v}, {"router": [router] if router else [],
+                                                                  "weight_sync": [syncer.pid] if syncer else [],
                                                                   "fleet": self.engines.pids})
 
     @contextlib.asynccontextmanager

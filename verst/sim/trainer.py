@@ -1,8 +1,9 @@
 """The simulated trainer: a `TrainBackend` whose weights are placeholders of the declared model's size, and the
 trainer ranks of a simulated run. A train step takes what the latency model says (6 · N · tokens over the
 trainer's GPUs at its MFU) and records the groups it trained; the weight push is rank 0's real one: the
-syncer (pause, bucketed loads, versions, continue) over every simulated engine, with a transport that sends
-each bucket's names, dtypes and shapes, from which the engines charge the transfer time.
+syncer (pause, bucketed loads, versions, continue) over every simulated engine, in a process of its own as on a
+real rank (`syncer_process`), with a transport that sends each bucket's names, dtypes and shapes, from which the
+engines charge the transfer time.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any
 
 from verst.config import SyncConfig, VerstConfig, batch_plan
 from verst.monitor.checkpoint_dirs import TRAINER_COMPLETE
-from verst.orchestration.rank_sync import DrainOnClose, SyncerLoop
 from verst.sim.accounting import LEDGER
 from verst.sim.clock import SimClock
 from verst.sim.latency import TrainerCosts
-from verst.sync.syncer import SyncFailure, WeightSyncError
+from verst.sim.syncer_process import SyncerProcess
+from verst.sync.syncer import SyncFailure
 from verst.trainer.rl_steps import train_adapter_step, train_rollout_step
 from verst.types import Group, WeightBucket
 
@@ -92,9 +93,10 @@ class SimTrainerRanks:
     infos: list[dict[str, Any]] = []
     ready_infos: list[dict[str, Any]] = []
 
-    def __init__(self, backend: SimBackend, costs: TrainerCosts, clock: SimClock):
-        self.backend, self.costs, self.clock = backend, costs, clock
-        self.weight_sync: SyncerLoop | None = None
+    def __init__(self, backend: SimBackend, costs: TrainerCosts, clock: SimClock, plugins: list[str]):
+        """`plugins`: the run's, imported by the weight-sync process (the simulation's transport is one)."""
+        self.backend, self.costs, self.clock, self.plugins = backend, costs, clock, plugins
+        self.weight_sync: SyncerProcess | None = None
         self.step_seconds: list[float] = []  # the modelled seconds of each step (simulated)
         self._kept: list[Group] = []
         self._lock = threading.Lock()  # one collective call at a time, as on real ranks
@@ -129,21 +131,13 @@ class SimTrainerRanks:
 
     # ---- rank 0's weight sync -------------------------------------------------------------------
     def open_weight_sync(self, sync: SyncConfig, engine_urls: list[str], **transport_options: Any) -> None:
-        self.weight_sync = SyncerLoop(sync, engine_urls, transport_options)
+        self.weight_sync = SyncerProcess(sync, engine_urls, transport_options, self.plugins)
 
     def sync_weights(self, version: int, bucket_bytes: int, reconnect: bool = False,
                      first: bool = False) -> dict[str, float] | SyncFailure:
         if self.weight_sync is None:
             raise RuntimeError("sync_weights before open_weight_sync")
-        buckets = DrainOnClose(self.backend.synced_weights(bucket_bytes))
-        try:
-            if reconnect:
-                self.weight_sync.run(self.weight_sync.syncer.reconnect())
-            return self.weight_sync.sync(buckets, version, first)
-        except WeightSyncError as error:  # an engine failed: the trainer lives on
-            return SyncFailure(str(error))
-        finally:
-            buckets.close()
+        return self.weight_sync.sync(list(self.backend.synced_weights(bucket_bytes)), version, first, reconnect)
 
     def close_weight_sync(self) -> None:
         if self.weight_sync is not None:
