@@ -141,3 +141,22 @@ def test_workspaces_in_a_shared_local_sandbox_hold_each_trajectorys_own_files():
         assert a.closed and not a.sandbox.workspace.exists()
 
     asyncio.run(main())
+
+
+def test_trajectories_sharing_a_local_sandbox_run_commands_at_the_same_time():
+    """One trajectory creates and removes files while another runs commands: each exec measures the shared
+    workspace's size as files come and go, and none fails for it."""
+    pool = SandboxPool(BubblewrapProvider(), "group", group_size=2)
+
+    async def main():
+        churn, steady = await asyncio.gather(pool.acquire(0, 0, {}), pool.acquire(0, 1, {}))
+        many_files = "mkdir -p d{n}; for i in $(seq 400); do echo x > d{n}/f$i; done; rm -rf d{n}"
+        results = await asyncio.gather(
+            *(asyncio.to_thread(churn.exec, many_files.format(n=n), 20) for n in range(8)),
+            *(asyncio.to_thread(steady.exec, "echo ok", 20) for _ in range(60)))
+        assert all(r.exit_code == 0 for r in results)
+        await pool.release(0, 0, churn)
+        await pool.release(0, 1, steady)
+        assert churn.closed
+
+    asyncio.run(main())

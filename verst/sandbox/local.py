@@ -132,12 +132,24 @@ class BubblewrapSandbox:
             cap = self.limits.output_bytes
             sink.seek(0)
             out = sink.read(cap + 1)
-        used = sum(f.stat().st_size for f in self.workspace.rglob("*") if f.is_file())
+        used = self.workspace_bytes()
         if used > self.limits.workspace_bytes:
             self.close()
             raise SandboxError(f"workspace holds {used} bytes, over its limit of {self.limits.workspace_bytes}; closed")
         output, truncated = capped(out, cap)
         return ExecResult(process.returncode if not timed_out else -signal.SIGKILL, output, timed_out, truncated)
+
+    def workspace_bytes(self) -> int:
+        """The workspace's size; a file removed while it is measured (by a command of another trajectory sharing
+        this sandbox) no longer counts."""
+        used = 0
+        for directory, _, names in os.walk(self.workspace):
+            for name in names:
+                try:
+                    used += os.lstat(os.path.join(directory, name)).st_size
+                except FileNotFoundError:
+                    pass
+        return used
 
     @staticmethod
     def kill(pid: int) -> None:
