@@ -51,6 +51,7 @@ def run_args(args: Any, work: Path, repeat: int) -> list[str]:
         "--sim.fleet-processes", str(args.fleet_processes), "--sim.trainer-gpus", str(args.trainer_gpus),
         "--sim.kill-fraction", str(args.kill), "--sim.stall-fraction", str(args.stall),
         "--sim.fault-after-steps", str(args.warmup + 1), "--fault.health-interval-s", "2",
+        "--sync.bucket-bytes", str(args.bucket_bytes),
     ]
     if args.turns:
         out += ["--sim.agent-turns", str(args.turns), "--sim.env-seconds", str(args.env_seconds),

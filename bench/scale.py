@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--trainer-gpus", type=int, default=64)
     p.add_argument("--fleet-processes", type=int, default=1)
+    p.add_argument("--bucket-bytes", type=int, default=512 * 2**20, help="sync.bucket_bytes")
     p.add_argument("--kill", type=float, default=0.0)
     p.add_argument("--stall", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1)

@@ -4,8 +4,8 @@ the turn limit; then the task's tests grade the workspace.
 
 verst calls `run(base_url, prompt, request_kwargs, metadata, sandbox=...)` with `sandbox.provider` set in the
 recipe, which also chooses the sandbox's lifetime; the row's metadata carries the task (`files`, `test_files`,
-the tools' schemas). The dict it returns is merged into the sample's metadata, where the reward (reward.py)
-reads `pass_fraction`.
+the tools' schemas and, when the task has them, its hidden `checks`). The dict it returns is merged into the
+sample's metadata, where the reward (reward.py) reads `pass_fraction`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import openai
 
 from examples.coding.tools import OUTPUT_CHARS, run_tool
 from verst.sandbox import Sandbox
-from verst.sandbox.coding_tasks import TestReport, run_tests
+from verst.sandbox.coding_tasks import Check, TestReport, run_checks, run_tests
 
 MAX_TURNS = 8  # model calls per episode: the teacher's transcript takes 4 (read, edit, test, answer)
 TIMEOUT = openai.Timeout(600.0, connect=60.0)  # the session server shares a busy process with every episode
@@ -25,7 +25,8 @@ TIMEOUT = openai.Timeout(600.0, connect=60.0)  # the session server shares a bus
 
 async def run(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any], *,
               sandbox: Sandbox | None = None) -> dict[str, Any]:
-    """One episode; returns {"pass_fraction", "tests_passed", "tests_total", "test_output", "commands" (each
+    """One episode; returns {"pass_fraction" (the grade: the hidden checks passing, or without checks the
+    visible tests), "checks_passed", "checks_total", "tests_passed", "tests_total", "test_output", "commands" (each
     shell call's command, exit code and output), "agent_turns", "tool_calls", "tool_errors", "agent_end":
     "answer" | "length" | "max_turns"}."""
     if sandbox is None:
@@ -36,9 +37,12 @@ async def run(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metada
                          f"(keys {sorted(metadata)}); write the data with examples.coding.make_data")
     # blocking sandbox calls run in threads, off the event loop that the session server shares
     result = await episode(sandbox, base_url, prompt, request_kwargs, metadata["tools"])
-    report = await asyncio.to_thread(grade_workspace, sandbox, metadata["files"], metadata["test_files"])
-    return {**result, "pass_fraction": report.fraction, "tests_passed": report.passed, "tests_total": report.total,
-            "test_output": report.output[-OUTPUT_CHARS:]}
+    checks = [Check(**check) for check in metadata.get("checks", [])]
+    tests, hidden = await asyncio.to_thread(grade_workspace, sandbox, metadata["files"], metadata["test_files"],
+                                            checks)
+    return {**result, "pass_fraction": (hidden or tests).fraction, "checks_passed": hidden.passed if hidden else 0,
+            "checks_total": len(checks), "tests_passed": tests.passed, "tests_total": tests.total,
+            "test_output": tests.output[-OUTPUT_CHARS:]}
 
 
 async def episode(sandbox: Sandbox, base_url: str, prompt: Any, request_kwargs: dict[str, Any],
@@ -70,9 +74,11 @@ async def episode(sandbox: Sandbox, base_url: str, prompt: Any, request_kwargs: 
     return result
 
 
-def grade_workspace(sandbox: Sandbox, files: dict[str, str], test_files: list[str]) -> TestReport:
-    """The task's tests run on the workspace, after the test files are put back as the task gave them: an
-    episode that rewrote the tests or the runner is graded by the task's own."""
+def grade_workspace(sandbox: Sandbox, files: dict[str, str], test_files: list[str], checks: list[Check]
+                    ) -> tuple[TestReport, TestReport | None]:
+    """The task's tests run on the workspace, after the test files are put back as the task gave them (an
+    episode that rewrote the tests or the runner is graded by the task's own), and its hidden checks (None
+    without): a project that prints the runner's verdict itself passes no check."""
     for path in test_files:
         sandbox.write_file(path, files[path])
-    return run_tests(sandbox)
+    return run_tests(sandbox), run_checks(sandbox, checks) if checks else None

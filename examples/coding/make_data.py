@@ -31,7 +31,8 @@ def task_prompt(task: CodingTask) -> str:
 def task_problem(task: CodingTask, conversation: list[dict[str, Any]] | None) -> Problem:
     """One data row: the label is the task's name (the reward reads the tests, not a label)."""
     metadata: dict[str, Any] = {"task": "coding", "name": task.name, "kind": task.kind, "files": task.files,
-                                "test_files": sorted(set(task.files) - set(task.solution)), "tools": TOOLS}
+                                "test_files": sorted(set(task.files) - set(task.solution)), "tools": TOOLS,
+                                "checks": [check.to_dict() for check in task.checks]}
     if conversation is not None:
         metadata[CONVERSATION_KEY] = conversation
     return Problem(task_prompt(task), task.name, metadata)

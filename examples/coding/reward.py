@@ -1,5 +1,5 @@
-"""The coding environment's reward: the fraction of the task's tests that pass in the workspace at the
-episode's end (`metadata['pass_fraction']`, set by examples/coding/agent.py).
+"""The coding environment's reward: the fraction of the task's hidden checks (without checks, of its tests) that
+pass in the workspace at the episode's end (`metadata['pass_fraction']`, set by examples/coding/agent.py).
 
 `reward.type = "custom"`, `reward.path = "examples.coding.reward:pass_fraction"`.
 """

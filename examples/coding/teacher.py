@@ -9,7 +9,7 @@ from typing import Any
 
 from examples.coding.tools import RUN_TESTS, run_tool
 from verst.sandbox import Sandbox, SandboxProvider
-from verst.sandbox.coding_tasks import CodingTask
+from verst.sandbox.coding_tasks import CodingTask, run_checks
 
 FINAL_ANSWER = "The tests pass."
 
@@ -23,7 +23,8 @@ def teacher_steps(task: CodingTask) -> list[tuple[str, dict[str, str]]]:
 
 def transcript(task: CodingTask, sandbox: Sandbox) -> list[dict[str, Any]]:
     """The messages after the prompt (assistant tool calls, tool results, the closing answer) as the teacher
-    solves `task` in `sandbox`, a fresh one holding the task's files; refuses a solution whose tests fail."""
+    solves `task` in `sandbox`, a fresh one holding the task's files; refuses a solution whose tests or hidden
+    checks fail."""
     conversation: list[dict[str, Any]] = []
     for index, (name, args) in enumerate(teacher_steps(task), start=1):
         call_id = f"call_{index}"
@@ -36,6 +37,9 @@ def transcript(task: CodingTask, sandbox: Sandbox) -> list[dict[str, Any]]:
     last = outcome.result
     if last is None or last.exit_code != 0 or "PASSED" not in last.output or not tests_all_pass(last.output):
         raise RuntimeError(f"task {task.name}: the teacher's solution does not pass its tests: {outcome.content!r:.300}")
+    checks = run_checks(sandbox, task.checks)
+    if checks.passed != checks.total:
+        raise RuntimeError(f"task {task.name}: the teacher's solution fails hidden checks: {checks.output:.300}")
     return conversation + [{"role": "assistant", "content": FINAL_ANSWER}]
 
 

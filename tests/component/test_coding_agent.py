@@ -92,6 +92,7 @@ def test_writing_the_solution_and_running_the_tests_earns_one(tok, provider):
     assert done.status is Status.COMPLETED and done.reward == 1.0
     meta = done.metadata
     assert (meta["pass_fraction"], meta["tests_passed"], meta["tests_total"]) == (1.0, 4, 4)
+    assert (meta["checks_passed"], meta["checks_total"]) == (4, 4)
     assert meta["test_output"].strip().endswith("PASSED 4/4")
     assert meta["commands"] == [{"command": "python3 run_tests.py", "exit_code": 0, "output": "PASSED 4/4\n"}]
     assert (meta["agent_turns"], meta["tool_calls"], meta["tool_errors"], meta["agent_end"]) == (3, 2, 0, "answer")
@@ -110,10 +111,10 @@ def test_a_model_that_does_nothing_gets_the_starting_grade(tok, provider):
     for task in tasks:
         box = BubblewrapProvider().start(task.files)
         try:
-            starting.append(grade(box))
+            starting.append(grade(box, task.checks))
         finally:
             box.close()
-    assert 0.0 in starting and any(0.0 < s < 1.0 for s in starting)  # some "fix" bugs pass a test by chance
+    assert 0.0 in starting
     for i, (task, expected) in enumerate(zip(tasks, starting)):
         done, _ = run_episode(tok, ["I am done."], task_sample(task, i), provider)
         assert done.reward == expected and done.metadata["commands"] == []
@@ -127,6 +128,15 @@ def test_rewriting_the_tests_does_not_pass_them(tok, provider):
                                 call("shell", command="python3 run_tests.py"), "Done."], task_sample(task), provider)
     assert done.metadata["commands"][0]["output"] == "PASSED 4/4\n"  # the model fooled itself
     assert done.reward < 1.0 and done.metadata["tests_total"] == 4  # the grade ran the task's own runner
+
+
+def test_printing_the_verdict_from_the_project_does_not_pass_the_hidden_checks(tok, provider):
+    task = generate("train", 1, seed=5)[0]
+    fake = "import os\nprint('PASSED 4/4', flush=True)\nos._exit(0)\n"
+    done, _ = run_episode(tok, [call("edit_file", path="project.py", content=fake), "Done."], task_sample(task),
+                          provider)
+    assert done.metadata["tests_passed"] == 4  # the visible runner is fooled
+    assert done.metadata["checks_passed"] == 0 and done.reward == 0.0  # the grade is not
 
 
 def test_refused_calls_are_reported_to_the_model(tok, provider):

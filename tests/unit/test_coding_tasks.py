@@ -1,9 +1,10 @@
-"""Templated coding tasks: seeded, split, and graded in a bubblewrap sandbox; the teacher's solution passes."""
+"""Templated coding tasks: seeded, split, and graded in a bubblewrap sandbox by their tests and hidden checks; the
+teacher's solution passes; a project that prints the runner's verdict itself passes no hidden check."""
 
 import pytest
 
 from verst.sandbox import BubblewrapProvider
-from verst.sandbox.coding_tasks import generate, grade
+from verst.sandbox.coding_tasks import generate, grade, run_checks, run_tests
 
 
 def test_tasks_are_seeded_and_the_splits_disjoint():
@@ -29,3 +30,22 @@ def test_grade_is_the_fraction_of_tests_passing():
             assert 0.0 <= grade(box) < 1.0
         finally:
             box.close()
+
+
+def test_hidden_checks_grade_and_cannot_be_passed_by_printing_a_verdict():
+    provider = BubblewrapProvider()
+    task = generate("train", 1, seed=5)[0]
+    assert len(task.checks) == 4 and all(check.expected not in str(task.files) for check in task.checks)
+    box = provider.start(task.files)
+    try:
+        for path, text in task.solution.items():
+            box.write_file(path, text)
+        assert grade(box, task.checks) == 1.0 and run_checks(box, task.checks).output == ""
+        # a project that prints the runner's verdict and leaves before any test runs
+        box.write_file("project.py", "import os\nprint('PASSED 4/4', flush=True)\nos._exit(0)\n")
+        assert run_tests(box).fraction == 1.0  # the runner's line is fooled
+        report = run_checks(box, task.checks)
+        assert (report.passed, report.total) == (0, 4) and "last line 'PASSED 4/4'" in report.output
+        assert grade(box, task.checks) == 0.0
+    finally:
+        box.close()

@@ -1,13 +1,18 @@
 """Terminal-use coding tasks from templates, seeded, with held-out splits, graded in a sandbox.
 
 A task is a few files of a small Python project plus a test file; `solution` holds the files that solve it
-(what a scripted teacher writes). The grade is the fraction of test functions passing, run in the sandbox by
-a small runner with the system interpreter (no pytest needed inside).
+(what a scripted teacher writes). The visible tests run in the sandbox by a small runner with the system
+interpreter (no pytest needed inside), which prints `PASSED k/n`. The grade is the fraction of the task's hidden
+checks that pass: each a command whose output's last line must equal an expected value, which never enters the
+workspace and is compared outside the sandbox. Code the model wrote runs in the same process as the runner and
+could print any verdict line; to pass a hidden check it has to compute the answer.
 """
 
 import hashlib
 import random
-from dataclasses import dataclass
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from verst.sandbox.base import Sandbox
 
@@ -25,10 +30,22 @@ for name in names:
 print(f'PASSED {passed}/{len(names)}')
 """
 
-TEST_COMMAND = "/usr/bin/python3 -B run_tests.py"
+PYTHON = "/usr/bin/python3 -B"
+TEST_COMMAND = f"{PYTHON} run_tests.py"
 
 OPERATIONS = {"add": ("a + b", "a - b"), "multiply": ("a * b", "a + b"), "subtract": ("a - b", "a + b"),
               "maximum": ("a if a > b else b", "a if a < b else b")}
+
+
+@dataclass(frozen=True)
+class Check:
+    """A hidden check: `command` run in the workspace, passing when its output's last line is `expected`."""
+
+    command: str
+    expected: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"command": self.command, "expected": self.expected}
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,7 @@ class CodingTask:
     prompt: str
     files: dict[str, str]
     solution: dict[str, str]
+    checks: tuple[Check, ...] = field(default=())  # the grade; none: the visible tests' fraction
 
 
 def reference(op: str, a: int, b: int) -> int:
@@ -52,9 +70,18 @@ def make_task(op: str, kind: str, rng: random.Random) -> CodingTask:
     solved = f"def {op}(a, b):\n    return {right}\n"
     broken = f"def {op}(a, b):\n    return {wrong}\n" if kind == "fix" else f"def {op}(a, b):\n    raise NotImplementedError\n"
     verb = "Fix the bug in" if kind == "fix" else "Write"
-    return CodingTask(f"{kind}-{op}-{hashlib.sha1(tests.encode()).hexdigest()[:8]}", kind,
-                      f"{verb} `{op}(a, b)` in project.py so that the tests in test_project.py pass.",
-                      {"project.py": broken, "test_project.py": tests, "run_tests.py": RUNNER}, {"project.py": solved})
+    name = f"{kind}-{op}-{hashlib.sha1(tests.encode()).hexdigest()[:8]}"
+    return CodingTask(name, kind, f"{verb} `{op}(a, b)` in project.py so that the tests in test_project.py pass.",
+                      {"project.py": broken, "test_project.py": tests, "run_tests.py": RUNNER}, {"project.py": solved},
+                      hidden_checks(op, random.Random(name)))
+
+
+def hidden_checks(op: str, rng: random.Random, count: int = 4) -> tuple[Check, ...]:
+    """`count` calls of `op` on inputs wider than the visible tests', each printing its result's repr."""
+    cases = [(rng.randint(-99, 99), rng.randint(-99, 99)) for _ in range(count)]
+    code = "import sys; sys.path.insert(0, '.'); from project import {op}; print(repr({op}({a}, {b})))"
+    return tuple(Check(f"{PYTHON} -c {shlex.quote(code.format(op=op, a=a, b=b))}", repr(reference(op, a, b)))
+                 for a, b in cases)
 
 
 def generate(split: str, count: int, seed: int = 0) -> list[CodingTask]:
@@ -68,7 +95,7 @@ def generate(split: str, count: int, seed: int = 0) -> list[CodingTask]:
 
 @dataclass(frozen=True)
 class TestReport:
-    """One run of a task's tests: how many passed of how many, and the runner's output (capped)."""
+    """One run of a task's tests or checks: how many passed of how many, and the output (capped)."""
 
     passed: int
     total: int
@@ -89,6 +116,17 @@ def run_tests(sandbox: Sandbox, timeout_s: float = 20) -> TestReport:
     return TestReport(passed, total, result.output)
 
 
-def grade(sandbox: Sandbox, timeout_s: float = 20) -> float:
-    """The fraction of the task's tests that pass in the sandbox as it is now."""
-    return run_tests(sandbox, timeout_s).fraction
+def run_checks(sandbox: Sandbox, checks: Sequence[Check], timeout_s: float = 10) -> TestReport:
+    """Each hidden check run in the sandbox as it is now; the output names the ones that failed."""
+    failed = []
+    for index, check in enumerate(checks):
+        result = sandbox.exec(check.command, timeout_s)
+        lines = result.output.strip().splitlines()
+        if result.exit_code != 0 or not lines or lines[-1].strip() != check.expected:
+            failed.append(f"check {index}: exit code {result.exit_code}, last line {lines[-1] if lines else ''!r:.80}")
+    return TestReport(len(checks) - len(failed), len(checks), "\n".join(failed))
+
+
+def grade(sandbox: Sandbox, checks: Sequence[Check] = (), timeout_s: float = 20) -> float:
+    """The fraction of the hidden checks that pass in the sandbox as it is now; without checks, of the tests."""
+    return run_checks(sandbox, checks).fraction if checks else run_tests(sandbox, timeout_s).fraction
