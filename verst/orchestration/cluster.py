@@ -270,6 +270,10 @@ class RolloutManagerHandle:
         """Fully async: the assembled train batch (a reference, as `generate_train_batch`) and its metrics."""
         return self._batch("taken_batch")
 
+    def progress(self) -> str:
+        """Fully async: what the worker made of its groups so far."""
+        return self._call("progress")
+
     def pause(self) -> None:
         self._call("pause")
 

@@ -51,6 +51,10 @@ class RolloutSource(Protocol):
         """Fully async: the assembled train batch."""
         ...
 
+    def progress(self) -> str:
+        """Fully async: what the worker made of its groups so far (finished, dropped by reason, generating)."""
+        ...
+
     def stop_async(self) -> int:
         """Fully async: stop the worker; how many unfinished groups it handed back."""
         ...

@@ -6,6 +6,7 @@ trainer's stack (torch.distributed, FSDP2, the weight transports) while the othe
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 
 from verst.config import VerstConfig, batch_plan, load_object
@@ -76,14 +77,29 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
     if cfg.schedule == "fully_async":
         plan = batch_plan(cfg)
         gate = admission_gate(cfg)
-        on_discard = counted(discard_handler(cfg.buffer.unused, source.return_prompts), gate)
+        discarded: collections.Counter[str] = collections.Counter()
+        on_discard = counted(discard_handler(cfg.buffer.unused, source.return_prompts), gate, discarded)
         parts.buffer = build_buffer(cfg.buffer, plan.buffer_capacity_groups, on_discard, group_filter=ctx.group_filter)
         hooks = worker_hooks(ctx)
         parts.worker = AsyncRolloutWorker.from_config(
             cfg.rollout, source, parts.buffer, generate_sample=hooks.generate_sample, finish_group=hooks.finish_group,
             on_leftover=source.return_prompts if cfg.buffer.unused == "return" else None, admission=gate,
         )
+        parts.progress = functools.partial(worker_progress, cfg, parts.worker, discarded)
     return parts
+
+
+def worker_progress(cfg: VerstConfig, worker: AsyncRolloutWorker, discarded: collections.Counter[str]) -> str:
+    """What the fully async worker made of its groups so far, for a trainer waiting on them: finished, dropped
+    by reason (the setting that drops them named), generating."""
+    reasons = {"filtered": f"by rollout.dynamic_filter = {cfg.rollout.dynamic_filter!r}",
+               "aborted": "aborted (an error or an abort in a sample)",
+               "stale": f"stale (over buffer.max_staleness = {cfg.buffer.max_staleness})"}
+    dropped = ", ".join(f"{discarded[reason]} {text}" for reason, text in reasons.items() if discarded[reason])
+    progress = worker.progress()
+    return (f"{progress['groups_finished']} groups finished since the worker started, "
+            f"{'dropped: ' + dropped if dropped else 'none dropped'}; "
+            f"{progress['generating']} trajectories generating")
 
 
 def admission_gate(cfg: VerstConfig) -> StalenessGate | None:
@@ -94,13 +110,13 @@ def admission_gate(cfg: VerstConfig) -> StalenessGate | None:
     return StalenessGate(batch_plan(cfg).groups_per_train_step, staleness, served_lag=cfg.sync.interval - 1)
 
 
-def counted(on_discard: OnDiscard, gate: StalenessGate | None) -> OnDiscard:
-    """`on_discard`, telling the gate of each discarded group."""
-    if gate is None:
-        return on_discard
+def counted(on_discard: OnDiscard, gate: StalenessGate | None, discarded: collections.Counter[str]) -> OnDiscard:
+    """`on_discard`, counting each discarded group by reason and telling the gate (when there is one)."""
 
     def count(group: Group, reason: DiscardReason) -> None:
-        gate.count_discard(reason)
+        discarded[reason] += 1
+        if gate is not None:
+            gate.count_discard(reason)
         on_discard(group, reason)
 
     return count

@@ -48,7 +48,8 @@ class RolloutParts:
     of the last rollout step; `batch_metrics(groups)` gives the metrics of the groups of one train batch
     taken from the buffer (the fully async path, whose rollout steps are single groups);
     `record_batch(groups, rollout_id, version)` sees every train batch: a rollout step's (with its id) or
-    a fully async batch (id None) taken at trainer `version` (e.g. to log sample generations)."""
+    a fully async batch (id None) taken at trainer `version` (e.g. to log sample generations); `progress()`
+    says what the fully async worker made of its groups so far, for a trainer waiting on them."""
 
     generate_batch: GenerateBatch | None = None
     worker: AsyncRolloutWorker | None = None
@@ -58,6 +59,7 @@ class RolloutParts:
     metrics: Callable[[], dict[str, float]] | None = None
     batch_metrics: Callable[[list[Group]], dict[str, float]] | None = None
     record_batch: Callable[[list[Group], int | None, int], None] | None = None
+    progress: Callable[[], str] | None = None  # fully async: what the worker made of its groups so far
 
 
 PartsFactory = Callable[[RolloutEndpoints], RolloutParts | Awaitable[RolloutParts]]
@@ -215,6 +217,12 @@ class RolloutManager:
         self._taken.extend(got)
         self._taken_version = version
         return len(got)
+
+    async def progress(self) -> str:
+        """Fully async: what the worker made of its groups so far (finished, dropped by reason, generating),
+        without resetting any metric window; empty when the parts say nothing."""
+        parts = self._ready("progress")
+        return parts.progress() if parts.progress is not None else ""
 
     async def taken_batch(self) -> tuple[list[Group], BatchSummary]:
         """The train batch `take_into_batch` assembled (a new one begins) and its summary: `metrics` and the

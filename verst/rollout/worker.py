@@ -201,6 +201,10 @@ class AsyncRolloutWorker:
         self._generate_errors = counters["errors"]
 
     # ---- metrics -------------------------------------------------------------------------
+    def progress(self) -> dict[str, int]:
+        """Groups handed to the buffer since the start, and samples generating now (no window is reset)."""
+        return {"groups_finished": self._groups_produced, "generating": self._generating}
+
     def metrics(self) -> dict[str, float]:
         """`*_total` counters are cumulative over the run (groups_produced_total: groups handed to the
         buffer, kept or discarded); slot_occupancy is the time-weighted mean of generating samples / limit

@@ -54,7 +54,9 @@ class Rollouts:
         while have < need:
             got = await asyncio.to_thread(lane.rollout.take_into_batch, need - have, version, TAKE_TIMEOUT_S)
             if not got:
-                log.info("no finished group for %.0f s (have %d/%d); waiting", TAKE_TIMEOUT_S, have, need)
+                progress = await asyncio.to_thread(lane.rollout.progress)
+                log.info("no finished group for %.0f s (have %d/%d); waiting: %s", TAKE_TIMEOUT_S, have, need,
+                         progress)
             have += got
         batch, metrics = await asyncio.to_thread(lane.rollout.taken_batch)
         metrics["perf/trainer_wait_s"] = time.perf_counter() - start

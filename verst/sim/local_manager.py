@@ -89,6 +89,9 @@ class LocalRolloutManager:
         groups, (count, metrics) = self.call("taken_batch")
         return TrainBatchRef(groups, count), metrics
 
+    def progress(self) -> str:
+        return self.call("progress")
+
     def stop_async(self) -> int:
         handed_back = self.call("stop_async")
         self.unfinished += handed_back
