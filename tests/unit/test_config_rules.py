@@ -168,10 +168,8 @@ def test_partial_rollouts_need_abort_pauses_an_engine_with_partial_output_and_a_
     assert load_config(None, [*partial, "--rollout.generate-fn", "verst.rollout.generate:generate"]).rollout.partial_rollout
     agentic = ["--rollout.generate-fn", "verst.rollout.agentic:generate", "--rollout.agent-fn", "m:agent"]
     assert load_config(None, [*partial, *agentic]).rollout.partial_rollout  # the session server continues a turn
-    # the direct multi-turn generate fn does not continue its engine calls
-    with pytest.raises(ConfigError, match=r"rollout.generate_fn = 'verst.rollout.multiturn:generate' is refused: .*"
-                                          r"for multi-turn episodes use the agentic one"):
-        load_config(None, [*partial, "--rollout.generate-fn", "verst.rollout.multiturn:generate"])
+    # the direct multi-turn generate fn continues a turn itself
+    assert load_config(None, [*partial, "--rollout.generate-fn", "verst.rollout.multiturn:generate"]).rollout.partial_rollout
     with pytest.raises(ConfigError, match=r"rollout.partial_rollout = true with cluster.engine = 'vllm' is refused"):
         load_config(None, [*partial, *VLLM])
     with pytest.raises(ConfigError, match=r"rollout.partial_rollout = true with rollout.generate_fn = 'm:f' is refused"):

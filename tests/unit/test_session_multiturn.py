@@ -8,6 +8,7 @@ import pytest
 
 from verst.config import ImportPathError, RolloutConfig
 from verst.inference_client.client import EngineClient
+from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT
 from verst.models.loader import chat_prompt_ids
 from verst.rollout.multiturn import MultiTurnGenerate
 from verst.rollout.plugins import RolloutContext
@@ -93,3 +94,26 @@ def test_bad_environment_steps_fail_naming_the_problem(tok):
 
 
 CHATTY = MultiTurnGenerate(chatty, max_turns=8)
+
+
+def test_with_partial_rollouts_a_turn_a_weight_update_aborted_goes_on_with_the_new_weights(tok):
+    sample = Sample(prompt="What is 1+2?", metadata={"tools": [ADD], "env_step": f"{HERE}:calculator"})
+    script = [Reply(CALL, weight_version="2"),
+              Reply("The sum", finish="abort", message=WEIGHT_UPDATE_ABORT, weight_version="3"),
+              Reply(" is 3.", weight_version="4")]
+    result, (c0, cut, rest) = run(tok, script, sample, partial_rollout=True)
+    # token in, token out: the continuation is sent the turn's input and its output so far, with the rest
+    assert rest.input_ids == cut.input_ids + cut.output_ids and rest.routing_key == cut.routing_key
+    assert rest.sampling_params["max_new_tokens"] == cut.sampling_params["max_new_tokens"] - len(cut.output_ids)
+    n_env = len(cut.input_ids) - len(c0.input_ids) - len(c0.output_ids)
+    assert result.tokens == rest.input_ids + rest.output_ids
+    assert result.loss_mask == [1] * len(c0.output_ids) + [0] * n_env + [1] * (len(cut.output_ids) + len(rest.output_ids))
+    assert result.rollout_logprobs == c0.logprobs + [0.0] * n_env + cut.logprobs + rest.logprobs
+    # each token's version: the tool call by 2, the tool result read by 3, the answer by 3 then by 4
+    assert result.token_versions == ([2] * len(c0.output_ids) + [3] * n_env + [3] * len(cut.output_ids)
+                                     + [4] * len(rest.output_ids))
+    assert result.status is Status.COMPLETED and result.response == "The sum is 3."
+    assert result.metadata["continued_after_weight_update"] == 1 and result.metadata["tito_mismatch"] == []
+    # without partial rollouts the same abort ends the episode aborted
+    ended, calls = run(tok, script, Sample(prompt="What is 1+2?", metadata=dict(sample.metadata)))
+    assert len(calls) == 2 and ended.status is Status.ABORTED and ended.token_versions is None

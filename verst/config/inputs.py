@@ -77,8 +77,8 @@ class RolloutConfig(Section):
     partial_rollout: bool = Field(
         False, description="A request a weight update aborted continues from its last token on the new weights "
         "(prompt + the output so far sent again, the rest of the token budget) instead of ending aborted; each "
-        "response token keeps the version that sampled it (Sample.token_versions); the agentic generate fn's session "
-        "server continues a turn so. Needs sync.pause_mode = 'abort'.")
+        "response token keeps the version that sampled it (Sample.token_versions); the multi-turn and agentic generate "
+        "fns continue a turn so. Needs sync.pause_mode = 'abort'.")
     return_partial_to_source: bool = Field(
         False, description="Return the prompts (not the partial output) of groups aborted at the end of a step to the source."
     )

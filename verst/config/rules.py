@@ -33,7 +33,8 @@ MAX_ADAPTERS = 8  # the embedded engine's default --max-loaded-loras: every adap
 MULTI_LORA_SCHEDULES = ("sync", "fully_async")
 # The generate fns that continue a request a weight update aborted (`rollout.partial_rollout`); None: the default.
 AGENTIC_GENERATE_FN = "verst.rollout.agentic:generate"
-PARTIAL_ROLLOUT_GENERATE_FNS = (None, "verst.rollout.generate:generate", AGENTIC_GENERATE_FN)
+PARTIAL_ROLLOUT_GENERATE_FNS = (None, "verst.rollout.generate:generate", AGENTIC_GENERATE_FN,
+                                "verst.rollout.multiturn:generate")
 
 
 # ---- batch arithmetic ------------------------------------------------------------------------------
@@ -153,8 +154,7 @@ def partial_rollouts_abort_on_a_weight_update(rollout: RolloutConfig, sync: Sync
         raise ValueError(
             f"rollout.partial_rollout = true with rollout.generate_fn = {rollout.generate_fn!r} is refused: a generate "
             f"fn owns its engine calls, and only {', '.join(g for g in PARTIAL_ROLLOUT_GENERATE_FNS if g)} (or the "
-            "default, None) continue the ones a weight update aborted; for multi-turn episodes use the agentic one, "
-            "whose session server continues a turn")
+            "default, None) continue the ones a weight update aborted")
 
 
 def restarts_need_checkpoints(fault: FaultConfig, checkpoint: CheckpointConfig) -> None:

@@ -7,6 +7,10 @@ reply called tools), and a copy of the sample's metadata; it returns the message
 results, user turns; never assistant ones), or None / [] to end the episode. Name it by import path in
 `sample.metadata["env_step"]` (used by `generate`), or bind one: `MultiTurnGenerate(step, max_turns=8)`
 is a generate fn. `sample.metadata["max_turns"]` overrides the turn limit; `["tools"]` are the tools.
+
+With `rollout.partial_rollout` a turn whose engine call a weight update aborted goes on inside the turn: the
+input ids and the output so far are sent again with the rest of the budget, and each output id keeps the
+version that produced it (`Sample.token_versions`), as in the session server.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 from verst.config import load_object
 from verst.models.prompts import prompt_messages
 from verst.rollout.agentic import record_trajectory
-from verst.rollout.generate import mark_aborted, response_budget
+from verst.rollout.generate import continues, mark_aborted, response_budget
 from verst.rollout.keys import PROMPT_TOO_LONG_KEY
 from verst.session.assemble import Trajectory, assemble
+from verst.session.continued import joined, token_versions
 from verst.session.manager import MISMATCH_KEY
 from verst.session.messages import normalize_messages, parse_reply
 from verst.session.tito import ChatTemplate, check_conversation
@@ -70,10 +75,13 @@ class MultiTurnGenerate:
             if budget <= 0:
                 trajectory.truncated = f"the next turn's prompt has {n_input} tokens, no room under max_context_tokens"
                 break
-            result = await _call_engine(ctx, sample, trajectory.ids + env_ids, budget, routing_key)
+            calls = await _turn_calls(ctx, sample, trajectory.ids + env_ids, budget, routing_key)
+            result = joined(calls)
             trajectory.add_turn(env_ids, result.output_ids, result.logprobs or [], result.finish_reason,
-                                result.oldest_weight_version, prompt_tokens=result.prompt_tokens,
-                                cached_tokens=result.cached_tokens, n_messages_before=len(messages))
+                                calls[0].oldest_weight_version, prompt_tokens=result.prompt_tokens,
+                                cached_tokens=result.cached_tokens, n_messages_before=len(messages),
+                                later_versions=[c.oldest_weight_version for c in calls[1:]],
+                                token_versions=token_versions(calls) if ctx.rollout.partial_rollout else None)
             reply = parse_reply(ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True), bool(tools))
             messages.append(reply)
             if result.finish_reason != "stop" or sample.index in ctx.state.stopped:
@@ -117,6 +125,16 @@ def _environment_messages(new: Any) -> list[dict[str, Any]]:
 def _room(ctx: RolloutContext, n_input: int) -> int:
     limit = ctx.rollout.max_context_tokens
     return ctx.rollout.max_response_tokens if limit is None else min(ctx.rollout.max_response_tokens, limit - n_input)
+
+
+async def _turn_calls(ctx: RolloutContext, sample: Sample, input_ids: list[int], budget: int,
+                      routing_key: str) -> list[GenerateResult]:
+    """The turn's engine calls: one, and with partial rollouts one more after each weight update that aborted
+    the last (the input ids + the output so far, the rest of the budget)."""
+    calls = [await _call_engine(ctx, sample, input_ids, budget, routing_key)]
+    while continues(ctx, sample, calls[-1]) and (n := sum(len(c.output_ids) for c in calls)) < budget:
+        calls.append(await _call_engine(ctx, sample, input_ids + joined(calls).output_ids, budget - n, routing_key))
+    return calls
 
 
 async def _call_engine(ctx: RolloutContext, sample: Sample, input_ids: list[int], max_new_tokens: int,
