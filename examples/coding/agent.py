@@ -1,6 +1,6 @@
 """The coding environment's agent fn (official `openai` client): in the episode's sandbox, which holds the task's
 files, the model calls the shell, read_file and edit_file tools until it answers without a tool call or reaches
-the turn limit; then the task's tests grade the workspace.
+the turn limit; then the task's tests and hidden checks grade the workspace.
 
 verst calls `run(base_url, prompt, request_kwargs, metadata, sandbox=...)` with `sandbox.provider` set in the
 recipe, which also chooses the sandbox's lifetime; the row's metadata carries the task (`files`, `test_files`,
