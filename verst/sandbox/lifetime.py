@@ -77,7 +77,7 @@ class SandboxPool:
         if self.lifetime is Lifetime.TRAJECTORY:
             sandbox = self.own[group, trajectory] = await asyncio.to_thread(self.provider.start, files)
             return sandbox
-        shared = await self.shared_sandbox(group if self.lifetime is Lifetime.GROUP else None)
+        shared = await self.shared_sandbox(self.shared_key(group))
         shared.users += 1
         workspace = Workspace(shared.sandbox, f"{TRAJECTORIES_DIR}/{group}-{trajectory}")
         try:
@@ -86,6 +86,10 @@ class SandboxPool:
             await self.release(group, trajectory, workspace)
             raise
         return workspace
+
+    def shared_key(self, group: Hashable) -> Hashable:
+        """What a shared sandbox is kept under: its group's index, or None for the run's one."""
+        return group if self.lifetime is Lifetime.GROUP else None
 
     async def shared_sandbox(self, key: Hashable) -> Shared:
         """The sandbox under `key`, started (once, however many ask at the same time) when there is none or the
@@ -113,7 +117,7 @@ class SandboxPool:
             self.own.pop((group, trajectory), None)
             await asyncio.to_thread(sandbox.close)
             return
-        key = group if self.lifetime is Lifetime.GROUP else None
+        key = self.shared_key(group)
         shared = self.shared.get(key)
         try:
             await asyncio.to_thread(sandbox.close)
