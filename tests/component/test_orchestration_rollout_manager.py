@@ -8,35 +8,12 @@ import threading
 
 import pytest
 
+from tests.fake_source import NumberedSource
 from verst.rollout import AsyncRolloutWorker, FifoBuffer
 from verst.rollout.manager import RolloutEndpoints, RolloutManager, RolloutParts
-from verst.types import Sample, Status, expand_group
+from verst.types import Sample, Status
 
 N = 2  # samples per prompt
-
-
-class Source:
-    """Numbered groups of a one-token prompt; remembers returned prompts and its position."""
-
-    def __init__(self):
-        self.position, self.returned = 0, []
-
-    def next_groups(self, n_prompts, n):
-        groups = []
-        for _ in range(n_prompts):
-            prompt = Sample(tokens=[1, 2], prompt=f"p{self.position}")
-            groups.append(expand_group(prompt, n, self.position, self.position * n))
-            self.position += 1
-        return groups
-
-    def return_prompts(self, samples):
-        self.returned.append(samples[0].group_index)
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
 
 
 async def generate_sample(sample, version=3):
@@ -51,7 +28,7 @@ async def generate_sample(sample, version=3):
 def parts_factory(seen):
     def factory(endpoints: RolloutEndpoints) -> RolloutParts:
         seen.append(endpoints)
-        source = Source()
+        source = NumberedSource()
         buffer = FifoBuffer(capacity_groups=8)
         worker = AsyncRolloutWorker(source, buffer, n_samples_per_prompt=N, max_in_flight=4 * N,
                                     generate_sample=generate_sample,

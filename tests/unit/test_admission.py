@@ -5,11 +5,12 @@ import asyncio
 
 import pytest
 
+from tests.fake_source import NumberedSource
 from verst.config import load_config
 from verst.rollout import AsyncRolloutWorker, FifoBuffer
 from verst.rollout.admission import KEEP_PRIOR, StalenessGate
 from verst.rollout.from_config import admission_gate
-from verst.types import Sample, Status, expand_group
+from verst.types import Sample, Status
 
 
 def group(version):
@@ -55,19 +56,6 @@ def test_auto_admission_follows_the_staleness_limit():
                                              "--rollout.admission", "fill"])) is None
 
 
-class Source:
-    def __init__(self):
-        self.count = 0
-
-    def next_groups(self, n_prompts, n):
-        out = []
-        for _ in range(n_prompts):
-            out.append(expand_group(Sample(tokens=[1, 2], metadata={"data_index": self.count}), n, self.count,
-                                    self.count * n))
-            self.count += 1
-        return out
-
-
 def engine_at(version):
     async def generate_sample(sample):
         await asyncio.sleep(0.002)
@@ -84,7 +72,7 @@ async def train(gate, steps=12, per_step=2, step_s=0.03):
     """A trainer slower than the engines: each step takes `per_step` groups, trains `step_s`, pushes a version."""
     version = [0]
     buffer = FifoBuffer(capacity_groups=64, max_staleness=1)
-    worker = AsyncRolloutWorker(Source(), buffer, n_samples_per_prompt=2, max_in_flight=64,
+    worker = AsyncRolloutWorker(NumberedSource(), buffer, n_samples_per_prompt=2, max_in_flight=64,
                                 generate_sample=engine_at(version), admission=gate)
     worker.start()
     trained = 0

@@ -5,28 +5,10 @@ import random
 
 import pytest
 
+from tests.fake_source import NumberedSource
 from verst.config import RolloutConfig
 from verst.rollout import GENERATE_ERROR_KEY, AsyncRolloutWorker, FifoBuffer
-from verst.types import Sample, Status, expand_group
-
-
-class Source:
-    """Numbers groups like the real data source; remembers every group it handed out."""
-
-    def __init__(self):
-        self.groups, self.returned = [], []
-
-    def next_groups(self, n_prompts, n):
-        out = []
-        for _ in range(n_prompts):
-            gi = len(self.groups)
-            prompt = Sample(tokens=[1, 2], prompt=f"p{gi}", metadata={"data_index": gi})
-            self.groups.append(expand_group(prompt, n, gi, gi * n))
-            out.append(self.groups[-1])
-        return out
-
-    def return_prompts(self, samples):
-        self.returned.append(samples[0].group_index)
+from verst.types import Status
 
 
 def long_tail(seed=0, fast=0.004, slow=0.08, p_slow=0.15):
@@ -76,7 +58,7 @@ async def drain(buffer, worker, seconds):
 
 def occupancy(granularity):
     async def go():
-        source, buffer = Source(), FifoBuffer(1000)
+        source, buffer = NumberedSource(), FifoBuffer(1000)
         worker = AsyncRolloutWorker(source, buffer, n_samples_per_prompt=4, max_in_flight=16, granularity=granularity,
                                     generate_sample=fake_generate(long_tail()))
         worker.start()
@@ -100,7 +82,7 @@ def test_sample_granularity_keeps_occupancy_higher_than_group_granularity():
 
 def test_never_more_than_max_in_flight_and_buffer_backpressure():
     async def go():
-        source, buffer = Source(), FifoBuffer(2)
+        source, buffer = NumberedSource(), FifoBuffer(2)
         peak = 0
 
         async def generate(sample):
@@ -125,7 +107,7 @@ def test_never_more_than_max_in_flight_and_buffer_backpressure():
 
 def test_pause_resume_loses_nothing():
     async def go():
-        source, buffer = Source(), FifoBuffer(1000)
+        source, buffer = NumberedSource(), FifoBuffer(1000)
         worker = AsyncRolloutWorker(source, buffer, n_samples_per_prompt=2, max_in_flight=6,
                                     generate_sample=fake_generate(lambda i: 0.01))
         worker.start()
@@ -152,7 +134,7 @@ def test_pause_resume_loses_nothing():
 
 def test_stop_returns_leftovers_aborted_through_callback():
     async def go():
-        source = Source()
+        source = NumberedSource()
         buffer = FifoBuffer(1000)
         slow = {1, 3}  # samples 1 and 3 (groups 0 and 1) never finish before stop
 
@@ -176,7 +158,7 @@ def test_stop_returns_leftovers_aborted_through_callback():
 
 def test_generation_exceptions_become_aborted_samples_counted_and_discarded():
     async def go():
-        source, discarded = Source(), []
+        source, discarded = NumberedSource(), []
         buffer = FifoBuffer(1000, on_discard=lambda g, reason: discarded.append((g, reason)))
         worker = AsyncRolloutWorker(source, buffer, n_samples_per_prompt=2, max_in_flight=4,
                                     generate_sample=fake_generate(fail={0, 5}))
@@ -198,7 +180,7 @@ def test_generation_exceptions_become_aborted_samples_counted_and_discarded():
 
 def test_generate_group_with_group_granularity_and_a_failing_finish_hook():
     async def go():
-        source, buffer = Source(), FifoBuffer(1000)
+        source, buffer = NumberedSource(), FifoBuffer(1000)
         per_sample = fake_generate()
 
         async def generate_group(group):
@@ -229,7 +211,7 @@ def test_worker_bug_propagates_to_take_and_stop():
             await asyncio.sleep(0.001)
             return {"not": "a sample"}
 
-        worker = AsyncRolloutWorker(Source(), FifoBuffer(10), n_samples_per_prompt=2, max_in_flight=2,
+        worker = AsyncRolloutWorker(NumberedSource(), FifoBuffer(10), n_samples_per_prompt=2, max_in_flight=2,
                                     generate_sample=wrong)
         worker.start()
         with pytest.raises(RuntimeError, match="rollout worker failed") as took:
@@ -243,7 +225,7 @@ def test_worker_bug_propagates_to_take_and_stop():
 
 
 def test_configuration_errors_and_from_config():
-    source, buffer, gen = Source(), FifoBuffer(2), fake_generate()
+    source, buffer, gen = NumberedSource(), FifoBuffer(2), fake_generate()
     with pytest.raises(ValueError, match="needs generate_sample"):
         AsyncRolloutWorker(source, buffer, n_samples_per_prompt=2, max_in_flight=4, generate_group=gen)
     with pytest.raises(ValueError, match="max_in_flight = 3"):

@@ -5,29 +5,14 @@ window."""
 import asyncio
 import collections
 
+from tests.fake_source import NumberedSource
 from verst.config import VerstConfig
 from verst.rollout import AsyncRolloutWorker, FifoBuffer
 from verst.rollout.filters import ZeroStdFilter
 from verst.rollout.from_config import counted, worker_progress
-from verst.types import Sample, Status, expand_group
+from verst.types import Status
 
 N = 2  # samples per prompt
-
-
-class Source:
-    def __init__(self):
-        self.position = 0
-
-    def next_groups(self, n_prompts, n):
-        groups = []
-        for _ in range(n_prompts):
-            groups.append(expand_group(Sample(tokens=[1, 2], prompt=f"p{self.position}"), n, self.position,
-                                       self.position * n))
-            self.position += 1
-        return groups
-
-    def return_prompts(self, samples):
-        pass
 
 
 async def same_reward(sample):
@@ -46,7 +31,7 @@ def test_a_waiting_trainer_is_told_every_group_was_filtered():
     discarded = collections.Counter()
     buffer = FifoBuffer(capacity_groups=4, max_staleness=2, group_filter=ZeroStdFilter(),
                         on_discard=counted(lambda group, reason: None, None, discarded))
-    worker = AsyncRolloutWorker(Source(), buffer, n_samples_per_prompt=N, max_in_flight=2 * N,
+    worker = AsyncRolloutWorker(NumberedSource(), buffer, n_samples_per_prompt=N, max_in_flight=2 * N,
                                 generate_sample=same_reward)
 
     async def main():
