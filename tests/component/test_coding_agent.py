@@ -68,20 +68,26 @@ def call(name, **arguments):
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
-def run_episode(tok, script, sample, provider, engine=None):
-    """One episode, its sandbox from `provider` (each trajectory its own)."""
-    engine = engine or ScriptedEngine(tok, script, context_length=16384)
-
+def run_episodes(tok, engine, samples, cfg=CFG, pool=None):
+    """The samples' episodes at once against `engine`, with the sandboxes `cfg` names or those of `pool`."""
     async def main():
         async with EngineClient("http://scripted-engine", transport=engine) as client:
-            ctx = RolloutContext.from_config(CFG, client, tok, source=None)
-            ctx.resources[SANDBOXES_KEY] = SandboxPool(provider, "trajectory", group_size=1)
+            ctx = RolloutContext.from_config(cfg, client, tok, source=None)
+            if pool is not None:
+                ctx.resources[SANDBOXES_KEY] = pool
             try:
-                return await generate_and_reward(ctx, sample)
+                return await asyncio.gather(*(generate_and_reward(ctx, sample) for sample in samples))
             finally:
                 await ctx.aclose()
 
-    return asyncio.run(main()), engine
+    return asyncio.run(main())
+
+
+def run_episode(tok, script, sample, provider, engine=None):
+    """One episode, its sandbox from `provider` (each trajectory its own)."""
+    engine = engine or ScriptedEngine(tok, script, context_length=16384)
+    [done] = run_episodes(tok, engine, [sample], pool=SandboxPool(provider, "trajectory", group_size=1))
+    return done, engine
 
 
 def test_writing_the_solution_and_running_the_tests_earns_one(tok, provider):
@@ -189,16 +195,7 @@ def test_the_recipe_chooses_the_provider_by_name_and_a_group_may_share_one_sandb
                                   call("shell", command="python3 run_tests.py"), "Done."], context_length=16384)
     samples = [task_sample(task, 0), task_sample(task, 1)]
     samples[1].group_index = 0  # one group of two episodes, at once
-
-    async def main():
-        async with EngineClient("http://scripted-engine", transport=engine) as client:
-            ctx = RolloutContext.from_config(cfg, client, tok, source=None)
-            try:
-                return await asyncio.gather(*(generate_and_reward(ctx, sample) for sample in samples))
-            finally:
-                await ctx.aclose()
-
-    done = asyncio.run(main())
+    done = run_episodes(tok, engine, samples, cfg)
     assert [d.reward for d in done] == [1.0, 1.0] and all(d.metadata["tests_total"] == 4 for d in done)
     assert len(recording.started) == started and all(box.closed for box in recording.started)
 
