@@ -30,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._scale_client import run_client_probe  # noqa: E402
 from bench._scale_run import run_once, run_sync_fanout  # noqa: E402
+from verst.config import SyncConfig  # noqa: E402
+
+BUCKET_BYTES = SyncConfig().bucket_bytes  # sync.bucket_bytes's default
 
 
 def spread(values: list[float]) -> str:
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--trainer-gpus", type=int, default=64)
     p.add_argument("--fleet-processes", type=int, default=1)
-    p.add_argument("--bucket-bytes", type=int, default=512 * 2**20, help="sync.bucket_bytes")
+    p.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES, help="sync.bucket_bytes")
     p.add_argument("--kill", type=float, default=0.0)
     p.add_argument("--stall", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1)
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("sync")
     p.add_argument("--engines", type=int, default=1024)
     p.add_argument("--total-params", type=float, default=8e9)
-    p.add_argument("--bucket-bytes", type=int, default=512 * 2**20)
+    p.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES)
     p.add_argument("--pushes", type=int, default=4)
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--fleet-processes", type=int, default=1)
