@@ -46,7 +46,7 @@ async def until(condition, timeout=2.0):
         await asyncio.sleep(0.005)
 
 
-async def drain(buffer, worker, seconds):
+async def drain(worker, seconds):
     """Consume groups like a trainer for `seconds`; return them."""
     got = []
     loop = asyncio.get_running_loop()
@@ -56,22 +56,26 @@ async def drain(buffer, worker, seconds):
     return got
 
 
-def occupancy(granularity):
+def occupancies(*granularities):
+    """One worker per granularity, all in one event loop over the same 0.8 s, so that a stall of the machine
+    falls on every one of them alike; each worker's metrics."""
     async def go():
-        source, buffer = NumberedSource(), FifoBuffer(1000)
-        worker = AsyncRolloutWorker(source, buffer, n_samples_per_prompt=4, max_in_flight=16, granularity=granularity,
-                                    generate_sample=fake_generate(long_tail()))
-        worker.start()
-        await drain(buffer, worker, 0.8)
-        m = worker.metrics()
-        await worker.stop()
-        return m
+        workers = [AsyncRolloutWorker(NumberedSource(), FifoBuffer(1000), n_samples_per_prompt=4, max_in_flight=16,
+                                      granularity=granularity, generate_sample=fake_generate(long_tail()))
+                   for granularity in granularities]
+        for worker in workers:
+            worker.start()
+        await asyncio.gather(*(drain(worker, 0.8) for worker in workers))
+        metrics = [worker.metrics() for worker in workers]
+        for worker in workers:
+            await worker.stop()
+        return metrics
 
     return asyncio.run(go())
 
 
 def test_sample_granularity_keeps_occupancy_higher_than_group_granularity():
-    by_sample, by_group = occupancy("sample"), occupancy("group")
+    by_sample, by_group = occupancies("sample", "group")
     # Expected (analytically) about 0.85 vs 0.45 for this latency mix.
     assert by_sample["rollout/slot_occupancy"] > by_group["rollout/slot_occupancy"] + 0.2, (by_sample, by_group)
     assert by_sample["rollout/slot_occupancy"] > 0.65
