@@ -7,12 +7,14 @@
             (per agentic turn with --turns), engine utilisation, weight pushes, driver memory, accounting
     sync    one weight push at a time fanned out to N simulated engines by the real syncer: wall seconds beyond
             the modelled transfer
+    memory  the rollout manager's memory per trajectory in flight, beyond its prompt's token ids (target <= 2 KB)
 
 Every figure comes with the machine's load average; repeat runs (--repeats) give the spread.
 
     .venv/bin/python bench/scale.py client [--engines 1024] [--requests 20000] [--concurrency 1000] [--repeats 3]
     .venv/bin/python bench/scale.py run --engines 64 --in-flight 64 [--turns 0] [--schedule fully_async] ...
     .venv/bin/python bench/scale.py sync --engines 1024 [--total-params 8e9] [--bucket-bytes 536870912]
+    .venv/bin/python bench/scale.py memory --engines 64 --in-flight 64 [--prompt-chars 64 1024]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -29,10 +32,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._scale_client import run_client_probe  # noqa: E402
-from bench._scale_run import run_once, run_sync_fanout  # noqa: E402
+from bench._scale_memory import measure_in_flight, per_trajectory  # noqa: E402
+from bench._scale_run import model_dir, run_once, run_sync_fanout  # noqa: E402
 from verst.config import SyncConfig  # noqa: E402
 
 BUCKET_BYTES = SyncConfig().bucket_bytes  # sync.bucket_bytes's default
+TARGET_BYTES_BEYOND_PROMPT = 2048  # docs/scale.md: rollout-manager memory per trajectory in flight, beyond token ids
 
 
 def spread(values: list[float]) -> str:
@@ -85,6 +90,22 @@ def sync(args: argparse.Namespace) -> dict:
     return out
 
 
+def memory(args: argparse.Namespace) -> dict:
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="verst-scale-memory-")).resolve()
+    in_flight = args.engines * args.in_flight
+    points = [measure_in_flight(model_dir(work), work, args.engines, in_flight, chars, args.group_size)
+              for chars in args.prompt_chars]
+    line = per_trajectory(points)
+    print(f"{args.engines} engines x {args.in_flight} in flight ({in_flight} trajectories), rollout manager's traced "
+          f"Python memory (load average {os.getloadavg()[0]:.1f})")
+    for p in points:
+        print(f"  prompt of {p['prompt_ids']:5d} ids: {p['bytes_per_trajectory']:9.0f} bytes per trajectory "
+              f"(resident {p['rss_bytes_per_trajectory']:.0f}; all in flight after {p['settle_s']:.1f} s)")
+    print(f"  per prompt id {line['bytes_per_prompt_id']:.1f} bytes; per trajectory beyond its prompt "
+          f"{line['bytes_beyond_prompt']:.0f} bytes (target <= {TARGET_BYTES_BEYOND_PROMPT})")
+    return {"args": vars(args), "points": points, **line}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,8 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--fleet-processes", type=int, default=1)
     p.add_argument("--out")
+    p = sub.add_parser("memory")
+    p.add_argument("--engines", type=int, default=64)
+    p.add_argument("--in-flight", type=int, default=64, help="trajectories in flight per engine")
+    p.add_argument("--prompt-chars", type=int, nargs=2, default=[64, 1024], help="the two prompt lengths")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--work-dir")
+    p.add_argument("--out")
     args = parser.parse_args(argv)
-    result = {"client": client, "run": run, "sync": sync}[args.command](args)
+    result = {"client": client, "run": run, "sync": sync, "memory": memory}[args.command](args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -205,8 +205,8 @@ class EngineClient:
                 "pass routing_key=<session id>"
             )
         body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
-        if input_ids is not None:
-            body["input_ids"] = list(input_ids)
+        if input_ids is not None:  # a list is sent as it is (encoded when the request goes out), not copied
+            body["input_ids"] = input_ids if isinstance(input_ids, list) else list(input_ids)
         if text is not None:
             body["text"] = text
         if rid is not None:

@@ -34,15 +34,14 @@ class PooledWire:
 
     async def request(self, method: str, path: str, body: Any, timeout_s: float,
                       headers: dict[str, str] | None = None) -> Reply:
-        content = orjson.dumps(body) if body is not None else b""
-        data = request_head(method, path, self._netloc, len(content), headers) + content
         connection: KeptConnection | None = None
         reply: Reply | None = None
         try:
             with self._deadlines.bound(timeout_s) as swept:
                 async with self._for_loop(), asyncio.timeout(None if swept else timeout_s):
                     connection = await self._connection()
-                    reply = await connection.send(data)
+                    # encoded once a connection is held, and not kept while the reply is awaited
+                    reply = await connection.send(self._encode(method, path, body, headers))
         except TimeoutError as exc:
             raise WireTimeout(f"timed out after {timeout_s:g}s (ReadTimeout)") from exc
         finally:
@@ -51,6 +50,12 @@ class PooledWire:
         if connection.usable:
             self._idle.append(connection)
         return reply
+
+    def _encode(self, method: str, path: str, body: Any, headers: dict[str, str] | None) -> bytes:
+        """The request's bytes: its head and JSON body in one buffer (orjson's own, which reserves far more than
+        the body, is freed at once)."""
+        content = orjson.dumps(body) if body is not None else b""
+        return request_head(method, path, self._netloc, len(content), headers) + content
 
     async def _connection(self) -> KeptConnection:
         while self._idle:
