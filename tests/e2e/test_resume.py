@@ -266,6 +266,7 @@ def dcp_weights(trainer_dir: Path, tmp_path: Path) -> dict[str, np.ndarray]:
     pytest.param("one rank", "tp 2", marks=pytest.mark.slow),
     pytest.param("dp 2", "one rank", marks=pytest.mark.slow),
     pytest.param("one rank", "dp 2", marks=pytest.mark.slow),
+    pytest.param("dp 2", "tp 2", marks=pytest.mark.slow),  # the same ranks on another mesh
 ])
 def test_a_run_resumes_on_another_trainer_mesh(ray_session, tiny_model_dir, addition_data_dir, tmp_path, caplog,  # noqa: F811
                                                saved_on, resumed_on):
