@@ -16,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.e2e.test_rl_schedules import (
     REPO,
@@ -27,6 +29,7 @@ from tests.e2e.test_rl_schedules import (
 )
 from verst.monitor import read_metrics
 from verst.monitor.checkpoint_dirs import CheckpointError, read_latest, read_manifest
+from verst.monitor.samples import read_samples
 
 SEEDED = ("--rollout.sampling.seed", "7", "--schedule", "sync", "--sync.transport", "disk")
 ACCOUNTED = ("--schedule", "fully_async", "--sync.transport", "disk", "--buffer.max-staleness", "0",
@@ -232,3 +235,69 @@ def check_accounting(events_file: Path, run_dir: Path, resumed_at: int, steps: i
     last = [r for r in records if "buffer/dropped_stale_total" in r][-1]
     assert last["buffer/dropped_stale_total"] == sum(e["event"] == "stale" for e in kept)
     assert last["buffer/dropped_aborted_total"] == sum(e["event"] == "aborted" for e in kept)
+
+
+# ---- resumed on another trainer mesh ------------------------------------------------------------------
+MESHES = {"one rank": ("--cluster.trainer-ranks", "1"),
+          "tp 2": ("--cluster.trainer-ranks", "2", "--trainer.tensor-parallel-size", "2"),
+          "dp 2": ("--cluster.trainer-ranks", "2")}
+# An RL learning rate. Each AdamW step moves a weight by about lr (its update is near lr x sign(m)), ten times
+# the 1e-6 tolerance, so a step lost or an optimizer state not resharded shows; the two meshes' float32 sums
+# differ in the last bits (~1e-7 relative), which moves an update by lr x that, far below the tolerance.
+RESHARD_LR = "1e-5"
+# Rewards that vary within a group (the addition task's are all 0 for a random model), so advantages and
+# gradients; an entropy bonus, so a loss that is not ~0 (GRPO's on-policy policy-gradient loss sums to 0).
+SIGNAL = ("--reward.type", "custom", "--reward.path", "tests.e2e.rl_plugins:non_digit_share",
+          "--algorithm.entropy-coef", "0.01")
+# The batch's logprobs: the trainer's entropy over it, and its distance from the engine's logprobs of the same tokens.
+RESHARD_COMPARED = ("rollout/reward_mean", "train/advantage_abs_mean", "train/loss", "train/pg_loss", "train/entropy",
+                    "train/rollout_logprob_abs_diff", "train/rollout_kl", "train/mismatch_ratio_mean")
+
+
+def dcp_weights(trainer_dir: Path, tmp_path: Path) -> dict[str, np.ndarray]:
+    """The model weights of a checkpoint's DCP shards, read without a process group."""
+    dcp_to_torch_save(trainer_dir / "dcp", tmp_path / "state.pt")
+    return {name: t.numpy() for name, t in torch.load(tmp_path / "state.pt", weights_only=False)["model"].items()}
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [
+    ("tp 2", "one rank"),
+    pytest.param("one rank", "tp 2", marks=pytest.mark.slow),
+    pytest.param("dp 2", "one rank", marks=pytest.mark.slow),
+    pytest.param("one rank", "dp 2", marks=pytest.mark.slow),
+    pytest.param("dp 2", "tp 2", marks=pytest.mark.slow),  # the same ranks on another mesh
+])
+def test_a_run_resumes_on_another_trainer_mesh(ray_session, tiny_model_dir, addition_data_dir, tmp_path, caplog,  # noqa: F811
+                                               saved_on, resumed_on):
+    """Run A, on the mesh `saved_on`, saves step 1 and trains step 2; run B resumes A's step 1 on `resumed_on`
+    and trains step 2: the same batch (the engines served the same weights), the step's loss and logprob
+    metrics and the weights after it within 1e-6, its gradient norm within 1e-5 relative."""
+    common = (*SEEDED, "--trainer.lr", RESHARD_LR, "--rollout.num-rollouts", "2", "--checkpoint.keep-last", "0",
+              *SIGNAL)
+    saved = rl_config(tmp_path / "saved", tiny_model_dir, addition_data_dir, *common, *MESHES[saved_on],
+                      "--checkpoint.interval", "1")
+    run_schedule(saved)
+    step_1 = Path(saved.run_dir) / "checkpoints" / "step_1"
+    resumed = rl_config(tmp_path / "resumed", tiny_model_dir, addition_data_dir, *common, *MESHES[resumed_on],
+                        "--checkpoint.load", str(step_1))
+    with caplog.at_level("WARNING", logger="verst.run.checkpointer"):
+        summary = run_schedule(resumed)
+    assert summary["train/steps"] == 2
+    assert "on another trainer mesh" in caplog.text, caplog.text
+
+    a, b = train_rows(Path(saved.run_dir)), train_rows(Path(resumed.run_dir))
+    assert sorted(b) == [2]  # the resumed run's own rows: only the step it took
+    for key in RESHARD_COMPARED:  # relative for the entropy (~5.5, where float32 values lie 4.8e-7 apart)
+        assert b[2][key] == pytest.approx(a[2][key], rel=1e-6, abs=1e-6), key
+    # the norm of ~0.5M gradients summed in float32 in each mesh's order (tp: local shards, then an all-reduce)
+    assert b[2]["train/grad_norm"] == pytest.approx(a[2]["train/grad_norm"], rel=1e-5)
+    assert read_samples(Path(resumed.run_dir))[2] == read_samples(Path(saved.run_dir))[2]  # the same batch
+
+    after_a = load_file(str(Path(saved.run_dir) / "hf" / "model.safetensors"))
+    after_b = load_file(str(Path(resumed.run_dir) / "hf" / "model.safetensors"))
+    before = dcp_weights(step_1 / "trainer", tmp_path)
+    assert after_a.keys() == after_b.keys() and after_a.keys() <= before.keys()
+    moved = max(float(np.abs(after_a[name] - before[name]).max()) for name in after_a)
+    assert moved > 5e-6, f"step 2 moved no weight by more than {moved}: the comparison would prove nothing"
+    for name in after_a:
+        np.testing.assert_allclose(after_b[name], after_a[name], atol=1e-6, rtol=0, err_msg=name)

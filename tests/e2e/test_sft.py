@@ -3,6 +3,8 @@
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.metrics_doc import undocumented
 from verst.cli.main import main
@@ -90,3 +92,25 @@ def test_sft_recipe_reaches_accuracy_target(tiny_model_dir, addition_data_dir, t
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval/accuracy_before"] <= 0.05
     assert summary["eval/accuracy_after"] >= 0.15
+
+
+def test_sft_resumes_on_another_number_of_ranks(tiny_model_dir, addition_data_dir, tmp_path):
+    """`verst sft --resume RUN --cluster.trainer-ranks 1` continues a run saved by two rank actors: the next
+    step's loss and the weights after it equal a run that went through on two ranks, within 1e-6 (lr 1e-5:
+    each step moves weights by ~1e-5, the float32 order of two ranks' sums by far less)."""
+    common = ("--sft.batch-size", "4", "--eval.max-prompts", "2", "--trainer.lr", "1e-5", "--cluster.device", "cpu")
+    through, stopped = tmp_path / "through", tmp_path / "stopped"
+    assert main(sft_args(tiny_model_dir, addition_data_dir, through, "--sft.num-steps", "3",
+                         "--cluster.trainer-ranks", "2", *common)) == 0
+    assert main(sft_args(tiny_model_dir, addition_data_dir, stopped, "--sft.num-steps", "2",
+                         "--cluster.trainer-ranks", "2", *common)) == 0
+    before = load_file(stopped / "hf" / "model.safetensors")  # after step 2; the resumed run exports again
+    assert main(["sft", "--resume", str(stopped), "--sft.num-steps", "3", "--cluster.trainer-ranks", "1"]) == 0
+    losses = [{r["step"]: r["train/loss"] for r in read_metrics(run) if "train/loss" in r} for run in (through, stopped)]
+    assert sorted(losses[1]) == [1, 2, 3]
+    assert losses[1][3] == pytest.approx(losses[0][3], abs=1e-6)
+    after = [load_file(run / "hf" / "model.safetensors") for run in (through, stopped)]
+    assert after[0].keys() == after[1].keys() == before.keys()
+    assert max(float((after[0][name] - before[name]).abs().max()) for name in before) > 5e-6  # step 3 moved them
+    for name, weight in after[0].items():
+        torch.testing.assert_close(after[1][name], weight, atol=1e-6, rtol=0, msg=name)

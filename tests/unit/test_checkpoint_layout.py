@@ -108,6 +108,29 @@ def test_only_safe_fields_may_change():
                                                     ("trainer.lr", 1e-4, 2e-4)]
 
 
+def test_the_trainer_mesh_may_change_and_is_named(tmp_path):
+    """cluster.trainer_ranks and trainer.tensor_parallel_size may change (the trainer reshards); a field
+    outside the mesh changed with them is still refused, naming it with both values."""
+    base = ["--model.path", "m", "--trainer.global-batch-size", "8"]
+    saved = load_config(None, [*base, "--cluster.trainer-ranks", "4", "--trainer.tensor-parallel-size", "2"])
+    one_rank = load_config(None, base)
+    dp_only = load_config(None, [*base, "--cluster.trainer-ranks", "2"])
+    assert layout.changed_fields(saved.model_dump(mode="json"), one_rank) == []
+    assert layout.mesh_change(saved.model_dump(mode="json"), one_rank) == "dp 2 x tp 2 -> dp 1 x tp 1"
+    assert layout.mesh_change(one_rank.model_dump(mode="json"), dp_only) == "dp 1 x tp 1 -> dp 2 x tp 1"
+    assert layout.mesh_change(dp_only.model_dump(mode="json"), dp_only) is None
+
+    step = fake_step(tmp_path, 1)
+    manifest = json.loads((step / layout.MANIFEST_FILE).read_text())
+    manifest["config"] = saved.model_dump(mode="json")
+    (step / layout.MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert layout.check_resume_config(step, one_rank)["step"] == 1
+    changed = load_config(None, [*base, "--cluster.num-engines", "2"])
+    with pytest.raises(layout.CheckpointError, match=r"cluster.num_engines: checkpoint 1, now 2") as refused:
+        layout.check_resume_config(step, changed)
+    assert "trainer_ranks:" not in str(refused.value)
+
+
 def test_trim_metrics_keeps_rows_up_to_the_checkpoint(tmp_path):
     rows = [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "train/loss": 1.0}, {"step": 2, "train/loss": 0.9},
             {"step": 2, "eval/accuracy": 0.2}, {"step": 3, "train/loss": 0.8}]

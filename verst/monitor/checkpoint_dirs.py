@@ -27,6 +27,13 @@ FORMAT = 1
 # Fields a resumed run may change: they do not touch what the checkpoint restores.
 SAFE_PREFIXES = ("logging.", "eval.", "checkpoint.", "name", "run_dir", "overwrite", "rollout.num_rollouts",
                  "sft.num_steps", "sft.eval_interval")
+# The trainer's data x tensor-parallel mesh: a resumed run may change it, the trainer's DCP shards are resharded
+# onto the new one (weights and optimizer state exact; see `MESH_CHANGE`).
+MESH_FIELDS = ("cluster.trainer_ranks", "trainer.tensor_parallel_size")
+MESH_CHANGE = ("the weights, optimizer state, lr schedule and step are resharded exactly (DCP); the per-rank RNG "
+               "states are not restored (each rank keeps its seed, trainer.seed + rank), and the train step's "
+               "float32 sums run in the new mesh's order, so its results differ from the old mesh's in the last "
+               "bits (docs/checkpoints.md#another-trainer-mesh)")
 
 
 class CheckpointError(ValueError):
@@ -217,7 +224,7 @@ def changed_fields(saved: dict[str, Any], current: VerstConfig) -> list[tuple[st
     old, new = _flatten(saved), _flatten(current.model_dump(mode="json"))
     out = []
     for key in sorted(old.keys() | new.keys()):
-        if not _same(old.get(key), new.get(key)) and not key.startswith(SAFE_PREFIXES):
+        if not _same(old.get(key), new.get(key)) and not key.startswith(SAFE_PREFIXES) and key not in MESH_FIELDS:
             out.append((key, old.get(key), new.get(key)))
     return out
 
@@ -230,8 +237,16 @@ def check_resume_config(step_dir: Path, current: VerstConfig) -> dict[str, Any]:
         lines = "\n  ".join(f"{key}: checkpoint {old!r}, now {new!r}" for key, old, new in changed)
         raise CheckpointError(f"resuming from {str(step_dir)!r} with a config that changes fields a resumed run "
                               f"must keep (safe to change: logging.*, eval.*, checkpoint.*, the number of steps, "
-                              f"name, run_dir, overwrite):\n  {lines}")
+                              f"name, run_dir, overwrite, and the trainer mesh: {', '.join(MESH_FIELDS)}):\n  {lines}")
     return manifest
+
+
+def mesh_change(saved: dict[str, Any], current: VerstConfig) -> str | None:
+    """"dp 2 x tp 2 -> dp 1 x tp 1" when the resumed run's trainer mesh (`MESH_FIELDS`) is not the one the
+    checkpoint's config (`saved`) was trained on; None when it is the same."""
+    old, new = _flatten(saved), _flatten(current.model_dump(mode="json"))
+    meshes = [_mesh(flat["cluster.trainer_ranks"], flat.get("trainer.tensor_parallel_size", 1)) for flat in (old, new)]
+    return None if meshes[0] == meshes[1] else " -> ".join(meshes)
 
 
 def trim_metrics(run_dir: Path, step: int, drop_eval_at_step: bool = False) -> None:
@@ -266,6 +281,10 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def _mesh(ranks: int, tensor_parallel_size: int) -> str:
+    return f"dp {ranks // tensor_parallel_size} x tp {tensor_parallel_size}"
 
 
 def _same(old: Any, new: Any) -> bool:

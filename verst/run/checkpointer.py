@@ -40,12 +40,16 @@ class ResumePoint:
 
 
 def prepare_resume(cfg: VerstConfig) -> ResumePoint | None:
-    """`checkpoint.load` resolved and checked (complete; no unsafe field changed); a run continuing in its
-    own directory keeps only the metrics rows up to the checkpoint. None when not resuming."""
+    """`checkpoint.load` resolved and checked (complete; no unsafe field changed; a changed trainer mesh logged
+    with what it keeps exact); a run continuing in its own directory keeps only the metrics rows up to the
+    checkpoint. None when not resuming."""
     if not cfg.checkpoint.load:
         return None
     step_dir = layout.resolve(cfg.checkpoint.load)
     manifest = layout.check_resume_config(step_dir, cfg)
+    mesh = layout.mesh_change(manifest["config"], cfg)
+    if mesh is not None:
+        log.warning("resuming %s on another trainer mesh, %s: %s", step_dir, mesh, layout.MESH_CHANGE)
     if resumes_here(cfg):
         pending = manifest.get("pending_eval_step") == manifest["step"]
         layout.trim_metrics(run_dir_of(cfg), manifest["step"], drop_eval_at_step=pending)

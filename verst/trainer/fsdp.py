@@ -395,7 +395,7 @@ class FSDP2Backend:
             group = self._checkpoint_group
         self._writing = persistence.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
                                         background_group=group, stager=self._stager, critic=self.critic,
-                                        extra={"adapter_step": dict(self.adapter_step)})
+                                        extra={"adapter_step": dict(self.adapter_step)}, tensor_parallel_size=self.tp)
 
     def wait_saves(self) -> None:
         """Wait for a background save's write (its error is raised here)."""
@@ -410,7 +410,7 @@ class FSDP2Backend:
 
     def load(self, directory: str | Path) -> None:
         self.wait_saves()
-        self._step = persistence.load(Path(directory), self.model, self.optimizer, self.scheduler, critic=self.critic)
+        self._step = persistence.load(Path(directory), self.model, self.optimizer, self.scheduler, self.critic, self.tp)
         if self.adapters:
             saved = persistence.saved_extra(Path(directory)).get("adapter_step", {})
             if set(saved) != set(self.adapters):
