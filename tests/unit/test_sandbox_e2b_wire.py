@@ -8,12 +8,8 @@ of written entries for a multipart upload to `/files`. A request no route expect
 reaches the network, and nothing here has run against E2B (no credentials).
 """
 
-import email.parser
-import email.policy
 import json
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 import e2b.api.client_sync
@@ -23,6 +19,7 @@ from e2b.envd.process import process_pb
 from protobuf import Oneof
 from pyqwest import Headers, SyncRequest, SyncResponse
 
+from tests.unit.sandbox_wire import Answer, Request, Routes, json_answer
 from verst.sandbox import SandboxError
 from verst.sandbox.cloud import shell_line
 from verst.sandbox.cloud.e2b import E2BOptions, E2BProvider
@@ -30,26 +27,6 @@ from verst.sandbox.cloud.e2b import E2BOptions, E2BProvider
 API, ENVD = "api.e2b.app", "sandbox.e2b.app"  # E2B's default domain; envd is reached through its sandbox proxy
 SANDBOX_ID, ACCESS_TOKEN, API_KEY = "i1a2b3c4d5e6f7g8h9", "envd-token-1", "e2b_test_key"
 END_STREAM = 0x02  # the Connect envelope flag of a stream's last frame, which carries its status
-
-
-@dataclass
-class Request:
-    method: str
-    host: str
-    path: str
-    query: dict[str, list[str]]
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self):
-        return json.loads(self.body)
-
-
-Answer = tuple[int, dict[str, str], bytes]
-
-
-def json_answer(payload, status: int = 200) -> Answer:
-    return status, {"content-type": "application/json"}, json.dumps(payload).encode()
 
 
 def envelope(flags: int, payload: bytes) -> bytes:
@@ -67,10 +44,8 @@ def envelopes(body: bytes) -> list[tuple[int, bytes]]:
 
 
 def multipart_files(request: Request) -> list[tuple[str, bytes]]:
-    """The (filename, content) of each part of a multipart/form-data body, in order."""
-    head = f"Content-Type: {request.headers['content-type']}\r\n\r\n".encode()
-    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + request.body)
-    return [(part.get_filename(), part.get_payload(decode=True)) for part in message.iter_parts()]
+    """The (filename, content) of each file part of an upload to envd's /files."""
+    return [(filename, content) for name, filename, content in request.multipart() if name == "file"]
 
 
 def process_event(kind: str, value) -> bytes:
@@ -95,14 +70,13 @@ def process_stream(*frames: bytes, exit_code: int | None = 0, error: dict | None
         END_STREAM, json.dumps(trailer).encode())
 
 
-class Wire:
-    """The SDK's transport: records each request and answers from `routes`, keyed by (method, host, path)."""
+class Wire(Routes):
+    """The SDK's transport, with routes answering as E2B's API and a sandbox's envd answer."""
 
     def __init__(self):
-        self.requests: list[Request] = []
-        self.unexpected: list[str] = []
+        super().__init__()
         self.files: dict[str, bytes] = {}  # what envd's /files holds
-        self.routes: dict[tuple[str, str, str], Callable[[Request], Answer]] = {
+        self.table.update({
             ("POST", API, "/v2/sandboxes"): lambda request: json_answer({
                 "templateID": request.json()["templateID"], "sandboxID": SANDBOX_ID, "clientID": "6532622b",
                 "envdVersion": "0.6.7", "envdAccessToken": ACCESS_TOKEN, "domain": None}, status=201),
@@ -110,10 +84,7 @@ class Wire:
             ("POST", ENVD, "/files"): self.upload,
             ("GET", ENVD, "/files"): self.download,
             ("DELETE", API, f"/sandboxes/{SANDBOX_ID}"): lambda request: (204, {}, b""),
-        }
-
-    def on(self, method: str, host: str, path: str, answer: Callable[[Request], Answer]) -> None:
-        self.routes[(method, host, path)] = answer
+        })
 
     def make_dir(self, request: Request) -> Answer:
         path = request.json()["path"]
@@ -132,20 +103,11 @@ class Wire:
         return 200, {"content-type": "application/octet-stream"}, self.files[path]
 
     def execute_sync(self, sent: SyncRequest) -> SyncResponse:
-        content = sent.content
-        url = urlsplit(sent.url)
-        request = Request(sent.method, url.hostname, url.path, parse_qs(url.query), dict(sent.headers.items()),
-                          content if isinstance(content, bytes) else b"".join(content or []))
-        self.requests.append(request)
-        route = self.routes.get((request.method, request.host, request.path))
-        if route is None:
-            self.unexpected.append(f"{sent.method} {sent.url}")
-            raise AssertionError(f"no route for {sent.method} {sent.url}")
-        status, headers, body = route(request)
+        content, url = sent.content, urlsplit(sent.url)
+        status, headers, body = self.answer(Request(
+            sent.method, url.hostname, url.path, parse_qs(url.query), dict(sent.headers.items()),
+            content if isinstance(content, bytes) else b"".join(content or [])))
         return SyncResponse(status=status, headers=Headers(headers), content=body)
-
-    def sent(self, method: str, host: str, path: str) -> list[Request]:
-        return [r for r in self.requests if (r.method, r.host, r.path) == (method, host, path)]
 
 
 @pytest.fixture
