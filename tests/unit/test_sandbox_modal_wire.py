@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field
 
 import grpclib.server
+import modal.client
 import pytest
 from grpclib import GRPCError, Status
 from modal_proto import api_grpc, api_pb2
@@ -68,6 +69,7 @@ class Command:
 
     chunks: list[bytes]
     exit_code: int | None = 0
+    kill_late_s: float = 0  # how long after `timeout_secs` the kill reaches the client
 
 
 class ModalService:
@@ -82,6 +84,7 @@ class ModalService:
         self.command = Command([])
         self.providers: list[ModalProvider] = []  # their clients are closed with the server
         self.refusals: dict[str, GRPCError] = {}  # a method's error answer
+        self.start_reply_delay_s = 0.0  # how long TaskExecStart's reply takes to reach the client
         self.port = 0
 
     def requests(self, method: str) -> list:
@@ -134,7 +137,8 @@ class ModalService:
             run.stdout += chunk
         if self.command.exit_code is not None:
             return run.end(self.command.exit_code)
-        await asyncio.sleep(run.request.timeout_secs)  # the router kills the command at its timeout
+        # The router kills the command once `timeout_secs` have passed since its start request.
+        await asyncio.sleep(run.request.timeout_secs + self.command.kill_late_s)
         run.killed_by = 9
         run.finished.set()
 
@@ -194,6 +198,7 @@ class Router(refuse_unimplemented(router_grpc.TaskCommandRouterBase)):
         run = self.service.execs[request.exec_id] = Exec(request)
         if request.command_args[0] != FS_TOOLS:
             asyncio.get_running_loop().create_task(self.service.run_command(run))
+            await asyncio.sleep(self.service.start_reply_delay_s)
         elif "WriteFile" not in request.command_args[1]:  # a write runs once its stdin is closed
             self.service.run_file_tool(run)
         await stream.send_message(router_pb2.TaskExecStartResponse())
@@ -320,11 +325,23 @@ def test_exec_runs_the_command_in_the_workspace_and_reads_its_output(service):
     assert (result.exit_code, result.output, result.timed_out, result.truncated) == (4, "abcdef", False, True)
 
 
-def test_exec_past_its_timeout_is_timed_out(service):
+# The SDK's own exec deadline starts when TaskExecStart's reply arrives, the router's kill timer when the request
+# did: whichever ends the command first, -1 (the SDK's deadline) or 128 + SIGKILL (the router's kill), is a timeout.
+@pytest.mark.parametrize(("start_reply_delay_s", "kill_late_s"), [(0.3, 0), (0, 0.3)],
+                         ids=["the router's kill first", "the SDK's deadline first"])
+def test_exec_past_its_timeout_is_timed_out_with_the_output_so_far(service, start_reply_delay_s, kill_late_s):
     sandbox = start(service)
-    service.command = Command([b"started\n"], exit_code=None)
+    service.start_reply_delay_s = start_reply_delay_s
+    service.command = Command([b"started\n"], exit_code=None, kill_late_s=kill_late_s)
     result = sandbox.exec("echo started; sleep 30", timeout_s=1)
     assert (result.exit_code, result.output, result.timed_out) == (-9, "started\n", True)
+
+
+def test_a_command_killed_before_its_timeout_is_not_timed_out(service):
+    sandbox = start(service)
+    service.command = Command([b"Killed\n"], exit_code=128 + 9)  # e.g. the kernel's OOM killer
+    result = sandbox.exec("python train.py", timeout_s=30)
+    assert (result.exit_code, result.timed_out) == (137, False)
 
 
 def test_read_and_write_go_through_the_file_tool(service):
@@ -361,3 +378,13 @@ def test_grpc_errors_are_sandbox_errors(service, method, status, message, raised
         start(service)
     if method == "TaskExecStart":  # a sandbox whose upload failed is terminated
         assert [request.sandbox_id for request in service.requests("SandboxTerminateV2")] == [SANDBOX_ID]
+
+
+def test_credentials_from_the_environment_reach_the_control_plane(service, monkeypatch):
+    monkeypatch.setattr(modal.client._Client, "_client_from_env", None)  # the SDK keeps one client per process
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-from-env")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-from-env")
+    ModalProvider(ModalOptions()).start({})
+    metadata = service.metadata("AppGetOrCreate")[0]
+    assert (metadata["x-modal-token-id"], metadata["x-modal-token-secret"]) == ("ak-from-env", "as-from-env")
+    modal.Client.from_env().close()
