@@ -23,6 +23,9 @@ from verst.sandbox import SandboxError
 from verst.sandbox.cloud import shell_line
 from verst.sandbox.cloud.daytona import DaytonaOptions, DaytonaProvider
 
+# The SDK reads its own deprecated `server_url` field whenever no API URL is given, as the provider's default is.
+pytestmark = pytest.mark.filterwarnings("ignore:`server_url` is deprecated:DeprecationWarning")
+
 API, TOOLBOX = "app.daytona.io", "proxy.app.daytona.io"  # Daytona's cloud; the toolbox URL comes in the Sandbox
 SANDBOX_ID, API_KEY = "4b6e1c2a-sandbox", "dtn_test_key"
 FILES_PATH = f"/toolbox/{SANDBOX_ID}/files"
