@@ -4,7 +4,8 @@ Each test replaces the SDK's sandbox client (`daytona.Daytona`, `e2b.Sandbox.cre
 `modal.App.lookup`) with a fake that records every call and answers as the service would, including the SDK's
 own error and timeout types; the parameter objects the providers build (Daytona's create params, resources and
 file uploads, Modal's image) are the SDKs' real classes. The SDKs' transports below that client (Daytona's REST
-calls, E2B's Connect RPC, Modal's gRPC) are not exercised here, and no test runs against the services.
+calls, E2B's Connect RPC, Modal's gRPC) are exercised by the `test_sandbox_*_wire.py` tests, and no test runs
+against the services.
 """
 
 import daytona

@@ -26,7 +26,12 @@ class E2BProvider:
         self.options = options
         self.api_key = credential(api_key, "E2B_API_KEY", PROVIDER)
         self.domain = domain
-        self.errors = (self.e2b.SandboxException, self.e2b.AuthenticationException)
+        # Besides its SandboxExceptions the SDK raises, unwrapped, a refused key, a busy service (HTTP 503) and a
+        # request that never reached the service: the REST API's over httpx, envd's RPCs over connectrpc.
+        transport_errors = (sdk("httpx", PROVIDER, PROVIDER).TransportError,
+                            sdk("connectrpc.errors", PROVIDER, PROVIDER).ConnectError)
+        self.errors = (self.e2b.SandboxException, self.e2b.AuthenticationException, self.e2b.ServiceBusyException,
+                       *transport_errors)
 
     def start(self, files: dict[str, str]) -> "E2BSandbox":
         options = self.options

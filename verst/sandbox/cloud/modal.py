@@ -3,6 +3,7 @@ by close() or by Modal at its timeout, so none outlives its run even if close() 
 """
 
 import math
+import time
 from dataclasses import dataclass
 
 from verst.sandbox.base import ExecResult, SandboxError
@@ -75,13 +76,17 @@ class ModalSandbox:
         self.check_open()
         sink = OutputSink(self.options.output_bytes)
         with service_call(PROVIDER, f"exec in sandbox {self.remote.object_id}", self.errors):
-            process = self.remote.exec(*shell_argv(command), workdir=self.options.workspace,
-                                       timeout=max(1, math.ceil(timeout_s)))
+            limit_s = max(1, math.ceil(timeout_s))
+            started = time.monotonic()
+            process = self.remote.exec(*shell_argv(command), workdir=self.options.workspace, timeout=limit_s)
             for chunk in process.stdout:
                 sink.add(chunk)
             exit_code = process.wait()
-        # Modal reports a process its exec timeout ended with the return code -1.
-        return sink.result(exit_code, timed_out=exit_code == -1)
+        # The exec timeout ends a command one of two ways, whichever comes first: the SDK's own deadline passing
+        # (return code -1), or Modal's worker killing the command, reported as any other signal death (128 + the
+        # signal); a signal death once the limit has passed is taken as the timeout.
+        killed_at_limit = exit_code > 128 and time.monotonic() - started >= limit_s
+        return sink.result(exit_code, timed_out=exit_code == -1 or killed_at_limit)
 
     def read_file(self, path: str) -> str:
         self.check_open()
