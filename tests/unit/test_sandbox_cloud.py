@@ -8,16 +8,21 @@ calls, E2B's Connect RPC, Modal's gRPC) are exercised by the `test_sandbox_*_wir
 against the services.
 """
 
-import daytona
-import e2b
-import modal
 import pytest
 
-from verst.sandbox import SandboxError, provider
-from verst.sandbox.cloud import CloudOptions, OutputSink
-from verst.sandbox.cloud.daytona import DaytonaOptions, DaytonaProvider
-from verst.sandbox.cloud.e2b import E2BOptions, E2BProvider
-from verst.sandbox.cloud.modal import ModalOptions, ModalProvider
+pytest.importorskip("daytona")  # a sandbox extra (make test installs them all)
+pytest.importorskip("e2b")  # a sandbox extra (make test installs them all)
+pytest.importorskip("modal")  # a sandbox extra (make test installs them all)
+
+import daytona  # noqa: E402
+import e2b  # noqa: E402
+import modal  # noqa: E402
+
+from verst.sandbox import SandboxError, provider  # noqa: E402
+from verst.sandbox.cloud import CloudOptions, OutputSink  # noqa: E402
+from verst.sandbox.cloud.daytona import DaytonaOptions, DaytonaProvider  # noqa: E402
+from verst.sandbox.cloud.e2b import E2BOptions, E2BProvider  # noqa: E402
+from verst.sandbox.cloud.modal import ModalOptions, ModalProvider  # noqa: E402
 
 FILES = {"project.py": "x = 1\n", "tests/test_project.py": "assert True\n"}
 SHELL = "/bin/sh -c 'exec 2>&1\n{}'"

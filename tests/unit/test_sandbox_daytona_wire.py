@@ -13,15 +13,19 @@ import io
 import json
 from urllib.parse import parse_qs, urlsplit
 
-import httpx
 import pytest
-import respx
-import urllib3
 
-from tests.unit.sandbox_wire import Answer, Request, Routes, json_answer, multipart_answer
-from verst.sandbox import SandboxError
-from verst.sandbox.cloud import shell_line
-from verst.sandbox.cloud.daytona import DaytonaOptions, DaytonaProvider
+pytest.importorskip("daytona")  # a sandbox extra (make test installs them all)
+pytest.importorskip("respx")  # a sandbox extra (make test installs them all)
+
+import httpx  # noqa: E402
+import respx  # noqa: E402
+import urllib3  # noqa: E402
+
+from tests.unit.sandbox_wire import Answer, Request, Routes, json_answer, multipart_answer  # noqa: E402
+from verst.sandbox import SandboxError  # noqa: E402
+from verst.sandbox.cloud import shell_line  # noqa: E402
+from verst.sandbox.cloud.daytona import DaytonaOptions, DaytonaProvider  # noqa: E402
 
 # The SDK reads its own deprecated `server_url` field whenever no API URL is given, as the provider's default is.
 pytestmark = pytest.mark.filterwarnings("ignore:`server_url` is deprecated:DeprecationWarning")

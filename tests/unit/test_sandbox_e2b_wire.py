@@ -12,17 +12,20 @@ import json
 import struct
 from urllib.parse import parse_qs, urlsplit
 
-import e2b.api.client_sync
 import pytest
-from e2b.envd.filesystem import filesystem_pb
-from e2b.envd.process import process_pb
-from protobuf import Oneof
-from pyqwest import Headers, SyncRequest, SyncResponse
 
-from tests.unit.sandbox_wire import Answer, Request, Routes, json_answer
-from verst.sandbox import SandboxError
-from verst.sandbox.cloud import shell_line
-from verst.sandbox.cloud.e2b import E2BOptions, E2BProvider
+pytest.importorskip("e2b")  # a sandbox extra (make test installs them all)
+
+import e2b.api.client_sync  # noqa: E402
+from e2b.envd.filesystem import filesystem_pb  # noqa: E402
+from e2b.envd.process import process_pb  # noqa: E402
+from protobuf import Oneof  # noqa: E402
+from pyqwest import Headers, SyncRequest, SyncResponse  # noqa: E402
+
+from tests.unit.sandbox_wire import Answer, Request, Routes, json_answer  # noqa: E402
+from verst.sandbox import SandboxError  # noqa: E402
+from verst.sandbox.cloud import shell_line  # noqa: E402
+from verst.sandbox.cloud.e2b import E2BOptions, E2BProvider  # noqa: E402
 
 API, ENVD = "api.e2b.app", "sandbox.e2b.app"  # E2B's default domain; envd is reached through its sandbox proxy
 SANDBOX_ID, ACCESS_TOKEN, API_KEY = "i1a2b3c4d5e6f7g8h9", "envd-token-1", "e2b_test_key"
