@@ -55,3 +55,17 @@ def test_one_call_reaches_every_engine_and_a_dead_one_is_named():
             assert "timed out after 0.3s" in str(settled[urls[2]]) and settled[urls[0]]["engine"] == "verst-sim"
 
     asyncio.run(main())
+
+
+def test_a_kept_connection_holds_no_reply_once_it_is_handed_on():
+    """An idle kept-alive connection of the pooled wire holds no reply body (else every idle connection keeps its
+    last reply's chunks: a thousand connections, a thousand replies)."""
+    async def main():
+        _, urls = await fleet_of(1, speedup=100.0)
+        async with EngineClient(urls[0], wire="pooled") as client:
+            result = await client.generate([97] * 4, {"max_new_tokens": 50})
+            assert len(result.output_ids) == 50
+            idle = client._wire._idle
+            assert len(idle) == 1 and idle[0].body == []
+
+    asyncio.run(main())

@@ -46,8 +46,9 @@ class KeptConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
+        content, self.body = b"".join(self.body), []  # a kept connection holds no reply after handing it on
         if self.waiting is not None and not self.waiting.done():
-            self.waiting.set_result(Reply(self.parser.get_status_code(), b"".join(self.body)))
+            self.waiting.set_result(Reply(self.parser.get_status_code(), content))
 
     def send(self, data: bytes) -> asyncio.Future:
         self.waiting = asyncio.get_running_loop().create_future()
