@@ -32,6 +32,10 @@ from verst.monitor.checkpoint_dirs import CheckpointError, read_latest, read_man
 from verst.monitor.samples import read_samples
 
 SEEDED = ("--rollout.sampling.seed", "7", "--schedule", "sync", "--sync.transport", "disk")
+# Rewards that vary within a group (the addition task's are all 0 for a random model), so advantages and
+# gradients; an entropy bonus, so a loss that is not ~0 (GRPO's on-policy policy-gradient loss sums to 0).
+SIGNAL = ("--reward.type", "custom", "--reward.path", "tests.e2e.rl_plugins:non_digit_share",
+          "--algorithm.entropy-coef", "0.01")
 ACCOUNTED = ("--schedule", "fully_async", "--sync.transport", "disk", "--buffer.max-staleness", "0",
              "--rollout.admission", "fill", "--buffer.capacity-factor", "3", "--buffer.unused", "drop",
              "--buffer.path", "tests.e2e.rl_plugins:AccountingBuffer", "--checkpoint.export-hf", "false")
@@ -42,7 +46,10 @@ def train_rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
 
 
-def assert_same_run(resumed: Path, through: Path, steps: int, compared: tuple[str, ...] = COMPARED) -> None:
+def assert_same_run(resumed: Path, through: Path, steps: int, source: Path,
+                    compared: tuple[str, ...] = COMPARED) -> None:
+    """The same metrics at every step and the same final weights within 1e-6, weights that training moved from
+    `source`'s by more than that (so the comparison can fail)."""
     a, b = train_rows(resumed), train_rows(through)
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     for step in a:
@@ -52,6 +59,8 @@ def assert_same_run(resumed: Path, through: Path, steps: int, compared: tuple[st
     assert pa.keys() == pb.keys()
     for name in pa:
         np.testing.assert_allclose(pa[name], pb[name], atol=1e-6, rtol=0, err_msg=name)
+    start = load_file(str(source / "model.safetensors"))
+    assert max(float(np.abs(pb[name] - start[name]).max()) for name in pb if name in start) > 1e-5
 
 
 # PPO: the critic, its optimizer and lr schedule resume too (a reward the critic has returns to fit).
@@ -61,7 +70,7 @@ PPO_COMPARED = (*COMPARED, "train/value_loss", "train/value_mean", "train/value_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm, compared", [((), COMPARED), (PPO, PPO_COMPARED)], ids=["grpo", "ppo"])
+@pytest.mark.parametrize("algorithm, compared", [(SIGNAL, COMPARED), (PPO, PPO_COMPARED)], ids=["grpo", "ppo"])
 def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir, tmp_path,  # noqa: F811
                                                   algorithm, compared):
     through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED, *algorithm,
@@ -86,7 +95,7 @@ def test_sync_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, a
     })
     summary = run_schedule(resumed)
     assert summary["train/steps"] == 3
-    assert_same_run(Path(resumed.run_dir), Path(through.run_dir), steps=3, compared=compared)
+    assert_same_run(Path(resumed.run_dir), Path(through.run_dir), steps=3, source=tiny_model_dir, compared=compared)
 
 
 def test_resume_refuses_a_changed_field_then_continues(ray_session, tiny_model_dir, addition_data_dir, tmp_path):  # noqa: F811
@@ -179,14 +188,14 @@ def kill_after_a_checkpoint_then_resume(args: list[str], run_dir: Path, steps: i
 def test_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tiny_model_dir, addition_data_dir,  # noqa: F811
                                                           tmp_path):
     steps = 3
-    args = rl_args(tmp_path / "killed", tiny_model_dir, addition_data_dir, *SEEDED, "--rollout.num-rollouts",
+    args = rl_args(tmp_path / "killed", tiny_model_dir, addition_data_dir, *SEEDED, *SIGNAL, "--rollout.num-rollouts",
                    str(steps), "--checkpoint.interval", "1")
     run_dir = tmp_path / "killed" / "run"
     kill_after_a_checkpoint_then_resume(args, run_dir, steps)
-    through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED,
+    through = rl_config(tmp_path / "through", tiny_model_dir, addition_data_dir, *SEEDED, *SIGNAL,
                         "--rollout.num-rollouts", str(steps))
     run_schedule(through)
-    assert_same_run(run_dir, Path(through.run_dir), steps=steps)
+    assert_same_run(run_dir, Path(through.run_dir), steps=steps, source=tiny_model_dir)
 
 
 @pytest.mark.slow
@@ -245,10 +254,6 @@ MESHES = {"one rank": ("--cluster.trainer-ranks", "1"),
 # the 1e-6 tolerance, so a step lost or an optimizer state not resharded shows; the two meshes' float32 sums
 # differ in the last bits (~1e-7 relative), which moves an update by lr x that, far below the tolerance.
 RESHARD_LR = "1e-5"
-# Rewards that vary within a group (the addition task's are all 0 for a random model), so advantages and
-# gradients; an entropy bonus, so a loss that is not ~0 (GRPO's on-policy policy-gradient loss sums to 0).
-SIGNAL = ("--reward.type", "custom", "--reward.path", "tests.e2e.rl_plugins:non_digit_share",
-          "--algorithm.entropy-coef", "0.01")
 # The batch's logprobs: the trainer's entropy over it, and its distance from the engine's logprobs of the same tokens.
 RESHARD_COMPARED = ("rollout/reward_mean", "train/advantage_abs_mean", "train/loss", "train/pg_loss", "train/entropy",
                     "train/rollout_logprob_abs_diff", "train/rollout_kl", "train/mismatch_ratio_mean")
