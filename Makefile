@@ -107,7 +107,8 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(Q)$(PY) -m pytest -q -m slow
 
-# The unit and component tests with the oldest torch and transformers verst supports (constraints-floor.txt),
+# The unit and component tests with the oldest torch and transformers verst supports (constraints-floor.txt) and every
+# test extra `make test` installs,
 # in an environment of their own: torch 2.11.0's PyPI build is a CUDA build (about 4.5 GB with its libraries),
 # which runs on the CPU. Not part of `make test` (the install alone takes minutes).
 FLOOR_VENV ?= .venv-floor
@@ -116,7 +117,7 @@ $(FLOOR_STAMP): pyproject.toml constraints-floor.txt
 	$(call step,creating $(FLOOR_VENV),test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV))
 	$(call step,upgrading pip in $(FLOOR_VENV),$(FLOOR_VENV)/bin/python -m pip install --upgrade pip)
 	$(call step,installing the floor torch and transformers,$(FLOOR_VENV)/bin/python -m pip install -c constraints-floor.txt torch transformers)
-	$(call step,installing verst [dev] at the floors,$(FLOOR_VENV)/bin/python -m pip install -c constraints-floor.txt -e '.[dev]')
+	$(call step,installing verst [$(TEST_EXTRAS)] at the floors,$(FLOOR_VENV)/bin/python -m pip install -c constraints-floor.txt -e '.[$(TEST_EXTRAS)]')
 	$(Q)touch $(FLOOR_STAMP)
 
 test-floor: $(FLOOR_STAMP)
