@@ -123,6 +123,10 @@ class TrainerConfig(Section):
         1, ge=1, description="Trainer ranks that split each layer's weights (tensor parallel, dense Llama/Qwen models); "
         "the other factor of cluster.trainer_ranks is FSDP2's data-parallel axis (docs/parallelism.md).",
     )
+    expert_parallel_size: int = Field(
+        1, ge=1, description="Trainer ranks that split each MoE layer's experts and exchange tokens by all-to-all "
+        "(expert parallel, Qwen3-MoE); each stays a data-parallel rank with its own micro-batches (docs/parallelism.md).",
+    )
     seed: int = Field(1234, ge=0, description="Seed of the trainer's RNGs.")
 
 

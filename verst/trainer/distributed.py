@@ -50,3 +50,12 @@ def ensure_single_process_group(device: torch.device) -> None:
         return
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def gather_objects(group: dist.ProcessGroup | None, value: object) -> list:
+    """Every rank's `value`, by rank (collective over `group`, None: the default group)."""
+    if dist.get_world_size() == 1:
+        return [value]
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, value, group=group)
+    return parts

@@ -35,14 +35,14 @@ from verst.trainer.batching import (
     split_to_count,
 )
 from verst.trainer.critic import Critic, check_same_vocabulary, critic_optimizer, value_forward
-from verst.trainer.distributed import ensure_single_process_group, resolve_device
+from verst.trainer.distributed import ensure_single_process_group, gather_objects, resolve_device
+from verst.trainer.expert_parallel import expert_mesh
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
 from verst.trainer.optim import build_optimizer
 from verst.trainer.routing import ROUTING_MODES, RoutingReplay
-from verst.trainer.sharding import build_sharded, full_buckets
+from verst.trainer.sharding import build_sharded, clip_grad_norm_across_meshes, full_buckets
 from verst.trainer.tensor_parallel import (
-    clip_grad_norm_across_meshes,
     logprobs_and_entropy,
     sum_head_norm_grads,
     trainer_mesh,
@@ -74,7 +74,8 @@ class FSDP2Backend:
 
     `routing` (`algorithm.routing_replay`, MoE): "measure" counts the policy routers' disagreements with the
     items' `routed_experts` (`train/routing_mismatch_rate`), "replay" also routes every recorded token to
-    the recorded experts (`verst.trainer.routing`).
+    the recorded experts (`verst.trainer.routing`), before an expert-parallel layer sends each token to the rank
+    of its experts (`trainer.expert_parallel_size`, `verst.trainer.expert_parallel`).
     """
 
     def __init__(
@@ -113,6 +114,8 @@ class FSDP2Backend:
         # ranks [dp, tp]: a tensor-parallel group holds consecutive ranks and sees the same micro-batches
         self.tp = trainer.tensor_parallel_size
         self.mesh = trainer_mesh(self.device.type, self.world_size, self.tp)
+        # experts over [dp, ep] (or None): an expert-parallel group's ranks keep their own micro-batches, so stay in dp
+        self.experts_mesh = expert_mesh(self.device.type, self.world_size, trainer.expert_parallel_size, self.tp)
         self.dp, self.dp_rank = self.world_size // self.tp, self.rank // self.tp
         # Python objects (metrics, logprob dicts) travel over gloo even when tensors use NCCL.
         self._object_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
@@ -146,7 +149,8 @@ class FSDP2Backend:
     def _build(self, path: str, trainable: bool, value_head: bool = False) -> torch.nn.Module:
         return build_sharded(path, self.model_config, self.mesh, trainable=trainable, value_head=value_head,
                              gradient_checkpointing=self.config.gradient_checkpointing,
-                             lora=self.lora if trainable and not value_head else None, adapters=self.adapters)
+                             lora=self.lora if trainable and not value_head else None, adapters=self.adapters,
+                             experts_mesh=self.experts_mesh)
 
     @property
     def step(self) -> int:
@@ -235,7 +239,7 @@ class FSDP2Backend:
             for row, index in enumerate(micro.indices):
                 n = items[index].response_length
                 mine[index] = tuple(getattr(outputs, name)[row, :n].cpu() for name in fields)
-        merged = {k: v for part in self._gather_objects(mine) for k, v in part.items()}
+        merged = {k: v for part in gather_objects(self._object_group, mine) for k, v in part.items()}
         return [merged[i] for i in range(len(items))]
 
     def _require_critic(self, what: str) -> Critic:
@@ -314,7 +318,7 @@ class FSDP2Backend:
         scheduler.step()
         # The summed micro-batch losses are the global loss, whatever a loss fn reports as its own.
         local = {**_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
-        parts = self._gather_objects((local, time.perf_counter() - start))
+        parts = gather_objects(self._object_group, (local, time.perf_counter() - start))
         metrics: dict[str, float] = {}
         for part, _ in parts[::self.tp]:  # one rank per tensor-parallel group: its others computed the same
             for key, value in part.items():
@@ -335,7 +339,7 @@ class FSDP2Backend:
         did not make in this step's forwards, over all ranks (collective)."""
         if self._routing is None:
             return {}
-        counts = self._gather_objects(self._routing.take_counts())[::self.tp]
+        counts = gather_objects(self._object_group, self._routing.take_counts())[::self.tp]
         mismatched, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
         return {"train/routing_mismatch_rate": mismatched / total} if total else {}
 
@@ -345,10 +349,10 @@ class FSDP2Backend:
 
     def _clip_gradients(self, model: torch.nn.Module, grad_clip: float) -> float:
         trained = [p for p in model.parameters() if p.requires_grad]
-        if self.tp == 1:
+        if self.tp == 1 and self.experts_mesh is None:
             norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip)
-        else:
-            norm = clip_grad_norm_across_meshes(trained, grad_clip, self.tp)
+        else:  # parameters on several meshes
+            norm = clip_grad_norm_across_meshes(trained, grad_clip)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         value = float(norm.item())
@@ -426,15 +430,6 @@ class FSDP2Backend:
                             list(self.adapters) or None)
         else:
             persistence.export_hf(Path(directory), self.model, self.model_config.path, self.model_config.dtype)
-
-    # ---- cross-rank exchange of Python objects ------------------------------------------------
-    def _gather_objects(self, value: object) -> list:
-        """Every rank's `value`, by rank (collective)."""
-        if self.world_size == 1:
-            return [value]
-        parts: list = [None] * self.world_size
-        dist.all_gather_object(parts, value, group=self._object_group)
-        return parts
 
 
 def _same_path(a: str, b: str) -> bool:

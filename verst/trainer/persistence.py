@@ -223,8 +223,9 @@ def _save_transformers(directory: Path, model: torch.nn.Module, full: dict[str, 
     with torch.device("meta"):
         clean = AutoModelForCausalLM.from_config(model.config)
     clean.load_state_dict(full, assign=True, strict=False)
-    if "lm_head.weight" not in full:  # a tied head (merged LoRA weights name each tensor once): the embedding's
-        clean.tie_weights()
+    # A tied head is the embedding's again: merged LoRA weights name it once, and a state gathered from several
+    # ranks names it twice as two copies, which `assign` would otherwise save as two tensors.
+    clean.tie_weights()
     missing = [n for n, p in clean.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"export_hf: parameters missing from the gathered state: {missing[:5]}")

@@ -1,13 +1,16 @@
 """A model as FSDP2 shards it: read on every rank, LoRA adapters added, split by the tensor-parallel plan over
-the mesh's "tp" axis where it has one, each transformer block and then the whole model passed to `fully_shard`
-over the data-parallel axis; and full tensors gathered back in buckets.
+the mesh's "tp" axis where it has one, its experts split over an expert mesh's "ep" axis where it has one (and
+sharded over that mesh's "dp"), each transformer block and then the whole model passed to `fully_shard` over the
+data-parallel axis; full tensors gathered back in buckets; gradients clipped across the meshes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -16,6 +19,7 @@ from verst.config.schema import LoraConfig, ModelConfig
 from verst.models.native import load_causal_lm
 from verst.trainer import lora as lora_mod
 from verst.trainer.critic import add_value_head
+from verst.trainer.expert_parallel import parallelize_experts
 from verst.trainer.tensor_parallel import parallelize
 from verst.types import WeightBucket
 
@@ -24,12 +28,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def build_sharded(path: str, model_cfg: ModelConfig, mesh: DeviceMesh, *, trainable: bool, value_head: bool = False,
                   gradient_checkpointing: bool = False, lora: LoraConfig | None = None,
-                  adapters: dict[str, LoraConfig] | None = None) -> torch.nn.Module:
+                  adapters: dict[str, LoraConfig] | None = None,
+                  experts_mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """The model at `path`, sharded over `mesh`. Every rank reads the checkpoint and keeps only its shard after
     fully_shard. Parameters are float32 master weights whatever the compute dtype (`model_cfg.dtype`). `impl`
     auto on CUDA keeps transformers' model, whose flash attention takes packed sequences; on CPU the native one
     skips transformers' import. `value_head`: PPO's critic; `lora`: adapters on it (the base frozen). A mesh
-    with dims ("dp", "tp") applies the tensor-parallel plan over "tp" first (`verst.trainer.tensor_parallel`)."""
+    with dims ("dp", "tp") applies the tensor-parallel plan over "tp" first (`verst.trainer.tensor_parallel`);
+    `experts_mesh` ("dp", "ep") splits the MoE experts over "ep" (`verst.trainer.expert_parallel`)."""
     impl = model_cfg.impl
     if impl == "auto" and mesh.device_type != "cpu":
         impl = "transformers"
@@ -45,6 +51,9 @@ def build_sharded(path: str, model_cfg: ModelConfig, mesh: DeviceMesh, *, traina
         parallelize(model, mesh["tp"])
         mesh = mesh["dp"]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[model_cfg.dtype], reduce_dtype=torch.float32)
+    if experts_mesh is not None:
+        for experts in parallelize_experts(model, experts_mesh["ep"]):
+            fully_shard(experts, mesh=experts_mesh["dp"], mp_policy=policy)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     if not block_names:
         raise ValueError(f"model at {path} names no transformer block class (_no_split_modules); cannot shard")
@@ -82,3 +91,26 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def clip_grad_norm_across_meshes(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's `clip_grad_norm_` for parameters on several meshes (e.g. "dp", and "dp" x "tp"), whose DTensors
+    torch's total norm cannot stack. Collective (one all-reduce): each rank's squared local shards, a shard held
+    by c ranks (the world over the sizes of the mesh axes that split it) counted 1/c times on each."""
+    grads = [p.grad for p in params if p.grad is not None]
+    world = dist.get_world_size()
+    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    for grad in grads:
+        local, splits = grad, 1
+        if isinstance(grad, DTensor):
+            local = grad.to_local()
+            splits = math.prod(size for size, placement in zip(grad.device_mesh.shape, grad.placements, strict=True)
+                               if placement.is_shard())
+        squares += local.float().pow(2).sum() * (splits / world)
+    dist.all_reduce(squares)
+    norm = squares.sqrt()
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))  # clip_grads_with_norm_'s coefficient
+    if scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+    return norm

@@ -109,22 +109,3 @@ def vocab_parallel_logprobs(logits: DTensor, targets: torch.Tensor, temperature:
         entropy = entropy.full_tensor() if isinstance(entropy, DTensor) else entropy
     chosen = chosen.full_tensor() if isinstance(chosen, DTensor) else chosen
     return chosen, entropy
-
-
-def clip_grad_norm_across_meshes(params: list[torch.Tensor], max_norm: float, tp: int) -> torch.Tensor:
-    """torch's `clip_grad_norm_` for parameters on two meshes ("dp", and "dp" x "tp"), whose DTensors torch's
-    total norm cannot stack. Collective (one all-reduce): each rank's squared local shards, a shard replicated
-    over "tp" counted 1/tp times on each of its ranks."""
-    grads = [p.grad for p in params if p.grad is not None]
-    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    for grad in grads:
-        split_over_tp = isinstance(grad, DTensor) and "tp" in (grad.device_mesh.mesh_dim_names or ())
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        squares += local.float().pow(2).sum() * (1.0 if split_over_tp else 1.0 / tp)
-    dist.all_reduce(squares)
-    norm = squares.sqrt()
-    scale = min(1.0, max_norm / (float(norm) + 1e-6))  # clip_grads_with_norm_'s coefficient
-    if scale < 1.0:
-        for grad in grads:
-            grad.mul_(scale)
-    return norm

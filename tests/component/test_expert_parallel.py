@@ -1,0 +1,172 @@
+"""Expert parallelism on gloo ranks (float32), tiny Qwen3-MoE (4 experts, top 2): logprobs, entropy, loss,
+every parameter's gradient and one step's updated weights (as weight sync gathers them) equal the single-rank
+backend's, at ep 2 and (slow) ep 4 and dp 2 x ep 2, with the routers' own choices and with routing replay; a
+checkpoint saved at ep 2 resumes on one rank."""
+
+import multiprocessing
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verst.config.schema import ModelConfig, TrainerConfig
+from verst.inference_client.ports import free_port
+from verst.models.factory import EXPERTS_PER_TOKEN, N_EXPERTS, init_model, model_config
+from verst.trainer import ForwardOutputs, MicroBatch, TrainItem
+
+VOCAB = 256
+LENGTHS = [(5, 4), (9, 7), (3, 12), (20, 6), (4, 1), (2, 9), (7, 3), (6, 5)]
+MOE_LAYERS = model_config("qwen3-moe", "tiny").num_hidden_layers
+TIMEOUT_S = 240
+LR = 1e-5  # an RL learning rate: AdamW's first step moves each weight by about lr x sign(grad)
+
+
+def pg_loss(outputs: ForwardOutputs, batch: MicroBatch, normalizer: float):
+    per_token = -batch["advantages"] * outputs.logprobs * batch.loss_mask
+    return per_token.sum() / normalizer, {}
+
+
+def make_items(routed: bool = False) -> list[TrainItem]:
+    """Random sequences; with `routed`, random recorded experts (distinct per token), which the routers' own
+    choices mostly miss: replay then decides every token's destination rank."""
+    g = torch.Generator().manual_seed(5)
+    items = []
+    for i, (p, r) in enumerate(LENGTHS):
+        tokens = torch.randint(0, VOCAB, (p + r,), generator=g)
+        experts = torch.rand(p + r - 1, MOE_LAYERS, N_EXPERTS, generator=g).argsort(-1)[..., :EXPERTS_PER_TOKEN]
+        items.append(TrainItem(tokens, r, torch.ones(r), {"advantages": torch.randn(r, generator=g)}, i,
+                               routed_experts=experts if routed else None))
+    return items
+
+
+def weights(backend) -> dict[str, torch.Tensor]:
+    """What weight sync sends: full tensors gathered bucket by bucket (64 KiB) from the shards."""
+    return {name: t.clone() for bucket in backend.named_weights(1 << 16) for name, t in bucket}
+
+
+def one_step(backend, directory: str, routed: bool) -> dict:
+    """Logprobs and entropy, one train step: its metrics, gradients and updated weights."""
+    items = make_items(routed)
+    logprobs, entropy = backend.logprobs(items, with_entropy=True)
+    metrics = backend.train_step(items, pg_loss)
+    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for name, p in backend.model.named_parameters() if p.grad is not None}
+    return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": grads, "weights": weights(backend)}
+
+
+def save_then_step(backend, directory: str, routed: bool) -> dict:
+    backend.train_step(make_items(routed), pg_loss)
+    backend.save(f"{directory}/checkpoint")
+    backend.export_hf(f"{directory}/saved-hf")
+    backend.train_step(make_items(routed), pg_loss)
+    return {"weights": weights(backend)}
+
+
+def resume_then_step(backend, directory: str, routed: bool) -> dict:
+    backend.load(f"{directory}/checkpoint")
+    backend.export_hf(f"{directory}/resumed-hf")
+    backend.train_step(make_items(routed), pg_loss)
+    return {"weights": weights(backend)}
+
+
+def _rank(rank: int, world: int, ep: int, port: int, model_path: str, job, directory: str, out: str,
+          routing: str) -> None:
+    """One trainer rank running `job(backend, directory, routed)`; rank 0 writes what it returned."""
+    import torch.distributed as dist
+
+    from verst.trainer import FSDP2Backend
+    from verst.trainer.distributed import init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
+    try:
+        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, expert_parallel_size=ep)
+        backend = FSDP2Backend(ModelConfig(path=model_path), config, device="cpu", routing=routing)
+        result = job(backend, directory, routing == "replay")
+        if rank == 0:
+            with open(out, "wb") as f:
+                pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, ep: int, model_path, tmp_path, job=one_step, routing: str = "measure") -> dict:
+    out = tmp_path / f"{job.__name__}-world{world}-ep{ep}-{routing}.pkl"
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_rank, args=(rank, world, ep, port, str(model_path), job, str(tmp_path),
+                                                 str(out), routing))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join(TIMEOUT_S)
+        codes = [proc.exitcode for proc in procs]
+        assert codes == [0] * world, f"rank exit codes {codes}"
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return init_model("qwen3-moe", "tiny", tmp_path_factory.mktemp("ep") / "tiny-qwen3-moe", seed=3)
+
+
+@pytest.fixture(scope="module", params=["measure", "replay"])
+def routing(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def single(model_path, routing, tmp_path_factory):
+    return run_ranks(1, 1, model_path, tmp_path_factory.mktemp("single"), routing=routing)
+
+
+def assert_same(got: dict, want: dict, atol: float = 1e-5) -> None:
+    for name in ("logprobs", "entropy"):
+        for a, b in zip(got[name], want[name], strict=True):
+            torch.testing.assert_close(a, b, atol=atol, rtol=0)
+    assert got["metrics"].keys() == want["metrics"].keys()
+    for key in ("train/loss", "train/routing_mismatch_rate"):
+        if key in want["metrics"]:
+            assert got["metrics"][key] == pytest.approx(want["metrics"][key], abs=atol), key
+    assert got["metrics"]["train/grad_norm"] == pytest.approx(want["metrics"]["train/grad_norm"], rel=atol)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, atol=atol, rtol=0, msg=name)
+    assert got["weights"].keys() == want["weights"].keys()
+    for name, weight in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], weight, atol=atol, rtol=0, msg=name)
+
+
+def test_expert_parallel_2_equals_one_rank(model_path, routing, single, tmp_path):
+    got = run_ranks(2, 2, model_path, tmp_path, routing=routing)
+    assert any(".experts." in name for name in got["weights"])  # full expert tensors, as on one rank
+    assert_same(got, single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [2, 4])
+def test_four_ranks_with_expert_parallel_equal_one_rank(ep, model_path, routing, single, tmp_path):
+    """dp 2 x ep 2 (the experts also FSDP-sharded over "dp") and ep 4 (one expert per rank)."""
+    assert_same(run_ranks(4, ep, model_path, tmp_path, routing=routing), single)
+
+
+def test_a_checkpoint_saved_expert_parallel_resumes_on_one_rank(model_path, tmp_path):
+    """Saved at ep 2, resumed at one rank (DCP reshards): the same HF export, the next step's weights within 1e-6."""
+    saved = run_ranks(2, 2, model_path, tmp_path, save_then_step)
+    resumed = run_ranks(1, 1, model_path, tmp_path, resume_then_step)
+    exported, reloaded = load_file(tmp_path / "saved-hf/model.safetensors"), load_file(
+        tmp_path / "resumed-hf/model.safetensors")
+    assert exported.keys() == reloaded.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(reloaded[name], tensor), name
+    for name, weight in saved["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-6, rtol=0, msg=name)
