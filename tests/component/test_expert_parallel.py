@@ -1,7 +1,8 @@
 """Expert parallelism on gloo ranks (float32), tiny Qwen3-MoE (4 experts, top 2): logprobs, entropy, loss,
 every parameter's gradient and one step's updated weights (as weight sync gathers them) equal the single-rank
-backend's, at ep 2 and (slow) ep 4 and dp 2 x ep 2, with the routers' own choices and with routing replay; a
-checkpoint saved at ep 2 resumes on one rank."""
+backend's, at ep 2 (also under activation checkpointing) and (slow) ep 4 and dp 2 x ep 2, with the routers'
+own choices and with routing replay, and so do a reference model's logprobs; a checkpoint saved at ep 2 resumes
+on one rank."""
 
 import multiprocessing
 import pickle
@@ -46,13 +47,15 @@ def weights(backend) -> dict[str, torch.Tensor]:
 
 
 def one_step(backend, directory: str, routed: bool) -> dict:
-    """Logprobs and entropy, one train step: its metrics, gradients and updated weights."""
+    """Logprobs and entropy (the policy's and the reference's), one train step: its metrics, gradients and
+    updated weights."""
     items = make_items(routed)
     logprobs, entropy = backend.logprobs(items, with_entropy=True)
+    reference = backend.logprobs(items, reference=True)
     metrics = backend.train_step(items, pg_loss)
     grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
              for name, p in backend.model.named_parameters() if p.grad is not None}
-    return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": grads, "weights": weights(backend)}
+    return {"logprobs": logprobs, "entropy": entropy, "reference": reference, "metrics": metrics, "grads": grads, "weights": weights(backend)}
 
 
 def save_then_step(backend, directory: str, routed: bool) -> dict:
@@ -71,7 +74,7 @@ def resume_then_step(backend, directory: str, routed: bool) -> dict:
 
 
 def _rank(rank: int, world: int, ep: int, port: int, model_path: str, job, directory: str, out: str,
-          routing: str) -> None:
+          routing: str, checkpointing: bool) -> None:
     """One trainer rank running `job(backend, directory, routed)`; rank 0 writes what it returned."""
     import torch.distributed as dist
 
@@ -81,8 +84,10 @@ def _rank(rank: int, world: int, ep: int, port: int, model_path: str, job, direc
     torch.set_num_threads(1)
     init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
     try:
-        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, expert_parallel_size=ep)
-        backend = FSDP2Backend(ModelConfig(path=model_path), config, device="cpu", routing=routing)
+        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, expert_parallel_size=ep,
+                               gradient_checkpointing=checkpointing)
+        backend = FSDP2Backend(ModelConfig(path=model_path), config, device="cpu", routing=routing,
+                               ref_model_path=model_path)
         result = job(backend, directory, routing == "replay")
         if rank == 0:
             with open(out, "wb") as f:
@@ -91,12 +96,13 @@ def _rank(rank: int, world: int, ep: int, port: int, model_path: str, job, direc
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, ep: int, model_path, tmp_path, job=one_step, routing: str = "measure") -> dict:
-    out = tmp_path / f"{job.__name__}-world{world}-ep{ep}-{routing}.pkl"
+def run_ranks(world: int, ep: int, model_path, tmp_path, job=one_step, routing: str = "measure",
+              checkpointing: bool = False) -> dict:
+    out = tmp_path / f"{job.__name__}-world{world}-ep{ep}-{routing}-{checkpointing}.pkl"
     port = free_port()
     context = multiprocessing.get_context("spawn")
     procs = [context.Process(target=_rank, args=(rank, world, ep, port, str(model_path), job, str(tmp_path),
-                                                 str(out), routing))
+                                                 str(out), routing, checkpointing))
              for rank in range(world)]
     for proc in procs:
         proc.start()
@@ -130,7 +136,7 @@ def single(model_path, routing, tmp_path_factory):
 
 
 def assert_same(got: dict, want: dict, atol: float = 1e-5) -> None:
-    for name in ("logprobs", "entropy"):
+    for name in ("logprobs", "entropy", "reference"):
         for a, b in zip(got[name], want[name], strict=True):
             torch.testing.assert_close(a, b, atol=atol, rtol=0)
     assert got["metrics"].keys() == want["metrics"].keys()
@@ -150,6 +156,11 @@ def test_expert_parallel_2_equals_one_rank(model_path, routing, single, tmp_path
     got = run_ranks(2, 2, model_path, tmp_path, routing=routing)
     assert any(".experts." in name for name in got["weights"])  # full expert tensors, as on one rank
     assert_same(got, single)
+
+
+def test_expert_parallel_2_recomputes_under_activation_checkpointing(model_path, routing, single, tmp_path):
+    """Backward's recomputation of each layer runs its all-to-all again, on every rank in the same order."""
+    assert_same(run_ranks(2, 2, model_path, tmp_path, routing=routing, checkpointing=True), single)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from verst.config.rules import (
 REPO = Path(__file__).resolve().parents[2]
 ADAPTERS = ["--lora.enabled", "true", "--lora.adapters", "[{name: add}, {name: rev}]"]
 TP2 = ["--trainer.tensor-parallel-size", "2", "--cluster.trainer-ranks", "2"]
+EP2 = ["--trainer.expert-parallel-size", "2", "--cluster.trainer-ranks", "2"]
 VLLM = ["--cluster.engine", "vllm", "--sync.transport", "disk"]
 
 # rule -> (overrides that break it, what the message says)
@@ -40,6 +41,10 @@ CASES: dict[str, tuple[list[str], str]] = {
                                           r"trainer.tensor_parallel_size = 3 does not divide cluster.trainer_ranks = 2"),
     "tensor_parallel_has_a_plan": ([*TP2, "--lora.enabled", "true"],
                                    r"trainer.tensor_parallel_size = 2 cannot combine with lora.enabled = true"),
+    "expert_parallel_divides_the_ranks": (["--trainer.expert-parallel-size", "4", "--cluster.trainer-ranks", "2"],
+                                          r"trainer.expert_parallel_size = 4 does not divide cluster.trainer_ranks = 2"),
+    "expert_parallel_has_a_plan": ([*EP2, "--lora.enabled", "true"],
+                                   r"trainer.expert_parallel_size = 2 cannot combine with lora.enabled = true"),
     "over_sampling_covers_the_batch": (["--rollout.over-sampling-batch-size", "4"],
                                        r"rollout.over_sampling_batch_size = 4 is smaller than rollout.batch_size = 32"),
     "in_flight_holds_a_group": (["--rollout.max-in-flight", "4"],
@@ -147,6 +152,20 @@ def test_a_broken_rule_is_refused_by_field(rule, registries_restored):
     overrides, message = CASES[rule]
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_expert_parallel_trains_an_moe_alone():
+    """The plan is for transformers' MoE, whole weights, one policy, no tensor parallelism: each other case
+    refused by name."""
+    assert load_config(None, EP2).trainer.expert_parallel_size == 2
+    assert load_config(None, [*EP2, "--algorithm.routing-replay", "replay"]).trainer.expert_parallel_size == 2
+    refused = {"trainer.tensor_parallel_size = 2": ["--trainer.tensor-parallel-size", "2"],
+               "model.impl = 'native'": ["--model.impl", "native"],
+               "algorithm.true_on_policy = true": ["--algorithm.true-on-policy", "true"],
+               "algorithm.advantage_estimator = 'ppo'": ["--algorithm.advantage-estimator", "ppo"]}
+    for setting, overrides in refused.items():
+        with pytest.raises(ConfigError, match=f"trainer.expert_parallel_size = 2 cannot combine with {setting}"):
+            load_config(None, [*EP2, *overrides])
 
 
 def test_tensor_parallel_trains_a_dense_model_alone():

@@ -92,6 +92,36 @@ def tensor_parallel_has_a_plan(trainer: TrainerConfig, lora: LoraConfig, algorit
                          f"{algorithm.advantage_estimator!r}: the critic's value head has no tensor-parallel plan")
 
 
+def expert_parallel_divides_the_ranks(trainer: TrainerConfig, cluster: ClusterConfig) -> None:
+    ep = trainer.expert_parallel_size
+    if cluster.trainer_ranks % ep:
+        raise ValueError(f"trainer.expert_parallel_size = {ep} does not divide cluster.trainer_ranks = "
+                         f"{cluster.trainer_ranks}: the ranks form a data-parallel x expert-parallel mesh for the experts")
+
+
+def expert_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, lora: LoraConfig,
+                               algorithm: AlgorithmConfig) -> None:
+    """The expert-parallel plan is written for transformers' Qwen3-MoE, whole weights trained, one policy; a
+    checkpoint of another class, or whose experts the size does not divide, is refused when built."""
+    ep = trainer.expert_parallel_size
+    if ep == 1:
+        return
+    # field = value as the message shows it: (refused, why)
+    refusals = {
+        f"trainer.tensor_parallel_size = {trainer.tensor_parallel_size}": (
+            trainer.tensor_parallel_size > 1, "the experts' plan is not written for a tensor-parallel mesh"),
+        f"model.impl = {model.impl!r}": (model.impl == "native", "verst's native model is dense"),
+        "lora.enabled = true": (lora.enabled, "the plan replaces the experts modules PEFT would wrap"),
+        "algorithm.true_on_policy = true": (algorithm.true_on_policy,
+                                            "each expert's matmul runs over other tokens than the engine's"),
+        f"algorithm.advantage_estimator = {algorithm.advantage_estimator!r}": (
+            algorithm.needs_critic, "the critic's value head has no expert-parallel plan"),
+    }
+    for setting, (refused, why) in refusals.items():
+        if refused:
+            raise ValueError(f"trainer.expert_parallel_size = {ep} cannot combine with {setting}: {why}")
+
+
 def over_sampling_covers_the_batch(rollout: RolloutConfig) -> None:
     if rollout.over_sampling_batch_size is not None and rollout.over_sampling_batch_size < rollout.batch_size:
         raise ValueError(f"rollout.over_sampling_batch_size = {rollout.over_sampling_batch_size} is smaller than "
@@ -370,7 +400,8 @@ def every_adapter_is_a_valid_run(config: Section) -> None:
 
 RULES: tuple[Callable[..., None], ...] = (
     rollout_divides_into_train_steps, train_steps_take_whole_groups, train_steps_split_across_ranks,
-    tensor_parallel_divides_the_ranks, tensor_parallel_has_a_plan,
+    tensor_parallel_divides_the_ranks, tensor_parallel_has_a_plan, expert_parallel_divides_the_ranks,
+    expert_parallel_has_a_plan,
     over_sampling_covers_the_batch, in_flight_holds_a_group, context_leaves_room_for_a_prompt,
     fully_async_needs_disaggregated, fully_async_calls_no_rollout_fn, staleness_admission_needs_a_limit,
     staleness_admission_is_fully_async, partial_rollouts_abort_on_a_weight_update, restarts_need_checkpoints,
