@@ -16,6 +16,7 @@ from verst.config.arithmetic import batch_plan
 from verst.config.core_rules import CORE_RULES
 from verst.config.engine_rules import ENGINE_RULES, engines_with
 from verst.config.inputs import ModelConfig, RewardConfig, RolloutConfig, SandboxConfig
+from verst.config.parallel_rules import PARALLEL_RULES
 from verst.config.registries import ADVANTAGE_ESTIMATORS, ENGINE_KINDS, NO_CORRECTION, WEIGHT_TRANSPORTS
 from verst.config.runtime import (
     BufferConfig,
@@ -63,63 +64,6 @@ def train_steps_split_across_ranks(rollout: RolloutConfig, trainer: TrainerConfi
     if gbs % cluster.trainer_ranks:
         raise ValueError(f"trainer.global_batch_size = {gbs} is not divisible by cluster.trainer_ranks = "
                          f"{cluster.trainer_ranks}")
-
-
-def tensor_parallel_divides_the_ranks(trainer: TrainerConfig, cluster: ClusterConfig) -> None:
-    tp = trainer.tensor_parallel_size
-    if cluster.trainer_ranks % tp:
-        raise ValueError(f"trainer.tensor_parallel_size = {tp} does not divide cluster.trainer_ranks = "
-                         f"{cluster.trainer_ranks}: the ranks form a data-parallel x tensor-parallel mesh")
-
-
-def tensor_parallel_has_a_plan(trainer: TrainerConfig, lora: LoraConfig, algorithm: AlgorithmConfig) -> None:
-    """The tensor-parallel plan is written for the dense Llama / Qwen families (verst's native model or
-    transformers'), whole weights trained, one policy; a checkpoint of another class is refused when built."""
-    tp = trainer.tensor_parallel_size
-    if tp == 1:
-        return
-    if algorithm.routing_replay != "off":
-        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.routing_replay = "
-                         f"{algorithm.routing_replay!r}: the plan is for dense models, not MoE")
-    if lora.enabled:
-        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with lora.enabled = true: the plan "
-                         "shards the base layers PEFT wraps")
-    if algorithm.true_on_policy:
-        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.true_on_policy = true: "
-                         "split matmuls sum in another order than the engine's single forward")
-    if algorithm.needs_critic:
-        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.advantage_estimator = "
-                         f"{algorithm.advantage_estimator!r}: the critic's value head has no tensor-parallel plan")
-
-
-def expert_parallel_divides_the_ranks(trainer: TrainerConfig, cluster: ClusterConfig) -> None:
-    ep = trainer.expert_parallel_size
-    if cluster.trainer_ranks % ep:
-        raise ValueError(f"trainer.expert_parallel_size = {ep} does not divide cluster.trainer_ranks = "
-                         f"{cluster.trainer_ranks}: the ranks form a data-parallel x expert-parallel mesh for the experts")
-
-
-def expert_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, lora: LoraConfig,
-                               algorithm: AlgorithmConfig) -> None:
-    """The expert-parallel plan is written for transformers' Qwen3-MoE, whole weights trained, one policy; a
-    checkpoint of another class, or whose experts the size does not divide, is refused when built."""
-    ep = trainer.expert_parallel_size
-    if ep == 1:
-        return
-    # field = value as the message shows it: (refused, why)
-    refusals = {
-        f"trainer.tensor_parallel_size = {trainer.tensor_parallel_size}": (
-            trainer.tensor_parallel_size > 1, "the experts' plan is not written for a tensor-parallel mesh"),
-        f"model.impl = {model.impl!r}": (model.impl == "native", "verst's native model is dense"),
-        "lora.enabled = true": (lora.enabled, "the plan replaces the experts modules PEFT would wrap"),
-        "algorithm.true_on_policy = true": (algorithm.true_on_policy,
-                                            "each expert's matmul runs over other tokens than the engine's"),
-        f"algorithm.advantage_estimator = {algorithm.advantage_estimator!r}": (
-            algorithm.needs_critic, "the critic's value head has no expert-parallel plan"),
-    }
-    for setting, (refused, why) in refusals.items():
-        if refused:
-            raise ValueError(f"trainer.expert_parallel_size = {ep} cannot combine with {setting}: {why}")
 
 
 def over_sampling_covers_the_batch(rollout: RolloutConfig) -> None:
@@ -400,8 +344,7 @@ def every_adapter_is_a_valid_run(config: Section) -> None:
 
 RULES: tuple[Callable[..., None], ...] = (
     rollout_divides_into_train_steps, train_steps_take_whole_groups, train_steps_split_across_ranks,
-    tensor_parallel_divides_the_ranks, tensor_parallel_has_a_plan, expert_parallel_divides_the_ranks,
-    expert_parallel_has_a_plan,
+    *PARALLEL_RULES,
     over_sampling_covers_the_batch, in_flight_holds_a_group, context_leaves_room_for_a_prompt,
     fully_async_needs_disaggregated, fully_async_calls_no_rollout_fn, staleness_admission_needs_a_limit,
     staleness_admission_is_fully_async, partial_rollouts_abort_on_a_weight_update, restarts_need_checkpoints,

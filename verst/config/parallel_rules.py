@@ -1,0 +1,71 @@
+"""The rules of the trainer's parallelism (`trainer.tensor_parallel_size`, `trainer.expert_parallel_size`): part
+of `verst.config.rules.RULES`. What a plan cannot split is refused here by name; what only the checkpoint tells
+(its class, its head and expert counts) is refused when the model is built.
+"""
+
+from __future__ import annotations
+
+from verst.config.inputs import ModelConfig
+from verst.config.runtime import ClusterConfig
+from verst.config.training import AlgorithmConfig, LoraConfig, TrainerConfig
+
+
+def tensor_parallel_divides_the_ranks(trainer: TrainerConfig, cluster: ClusterConfig) -> None:
+    tp = trainer.tensor_parallel_size
+    if cluster.trainer_ranks % tp:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} does not divide cluster.trainer_ranks = "
+                         f"{cluster.trainer_ranks}: the ranks form a data-parallel x tensor-parallel mesh")
+
+
+def tensor_parallel_has_a_plan(trainer: TrainerConfig, lora: LoraConfig, algorithm: AlgorithmConfig) -> None:
+    """The tensor-parallel plan is written for the dense Llama / Qwen families (verst's native model or
+    transformers'), whole weights trained, one policy; a checkpoint of another class is refused when built."""
+    tp = trainer.tensor_parallel_size
+    if tp == 1:
+        return
+    if algorithm.routing_replay != "off":
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.routing_replay = "
+                         f"{algorithm.routing_replay!r}: the plan is for dense models, not MoE")
+    if lora.enabled:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with lora.enabled = true: the plan "
+                         "shards the base layers PEFT wraps")
+    if algorithm.true_on_policy:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.true_on_policy = true: "
+                         "split matmuls sum in another order than the engine's single forward")
+    if algorithm.needs_critic:
+        raise ValueError(f"trainer.tensor_parallel_size = {tp} cannot combine with algorithm.advantage_estimator = "
+                         f"{algorithm.advantage_estimator!r}: the critic's value head has no tensor-parallel plan")
+
+
+def expert_parallel_divides_the_ranks(trainer: TrainerConfig, cluster: ClusterConfig) -> None:
+    ep = trainer.expert_parallel_size
+    if cluster.trainer_ranks % ep:
+        raise ValueError(f"trainer.expert_parallel_size = {ep} does not divide cluster.trainer_ranks = "
+                         f"{cluster.trainer_ranks}: the ranks form a data-parallel x expert-parallel mesh for the experts")
+
+
+def expert_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, lora: LoraConfig,
+                               algorithm: AlgorithmConfig) -> None:
+    """The expert-parallel plan is written for transformers' Qwen3-MoE, whole weights trained, one policy; a
+    checkpoint of another class, or whose experts the size does not divide, is refused when built."""
+    ep = trainer.expert_parallel_size
+    if ep == 1:
+        return
+    # field = value as the message shows it: (refused, why)
+    refusals = {
+        f"trainer.tensor_parallel_size = {trainer.tensor_parallel_size}": (
+            trainer.tensor_parallel_size > 1, "the experts' plan is not written for a tensor-parallel mesh"),
+        f"model.impl = {model.impl!r}": (model.impl == "native", "verst's native model is dense"),
+        "lora.enabled = true": (lora.enabled, "the plan replaces the experts modules PEFT would wrap"),
+        "algorithm.true_on_policy = true": (algorithm.true_on_policy,
+                                            "each expert's matmul runs over other tokens than the engine's"),
+        f"algorithm.advantage_estimator = {algorithm.advantage_estimator!r}": (
+            algorithm.needs_critic, "the critic's value head has no expert-parallel plan"),
+    }
+    for setting, (refused, why) in refusals.items():
+        if refused:
+            raise ValueError(f"trainer.expert_parallel_size = {ep} cannot combine with {setting}: {why}")
+
+
+PARALLEL_RULES = (tensor_parallel_divides_the_ranks, tensor_parallel_has_a_plan, expert_parallel_divides_the_ranks,
+                  expert_parallel_has_a_plan)
