@@ -216,3 +216,24 @@ def test_preflight_refuses_the_model_modes_the_checkpoint_cannot_carry(tmp_path,
     with pytest.raises(PreflightError, match="algorithm.true_on_policy = true needs a model the native class covers; "
                        f"model.path = {str(moe)!r}: model_type 'qwen3_moe' is not one of"):
         preflight(cfg, rl=True)
+
+
+def test_preflight_refuses_expert_parallelism_the_checkpoint_cannot_split(tmp_path, tiny_model_dir, addition_data_dir):
+    """A dense checkpoint has no experts; an MoE's expert count must be a multiple of the size (SFT and RL alike)."""
+    import json
+
+    from verst.models.factory import N_EXPERTS, init_model
+
+    ep2 = ("--trainer.expert-parallel-size", "2", "--cluster.trainer-ranks", "2")
+    for rl in (True, False):
+        with pytest.raises(PreflightError, match=r"trainer.expert_parallel_size = 2 needs an MoE model; model.path = "
+                           f"{str(tiny_model_dir)!r} \\(model_type 'qwen3'\\) has no experts"):
+            preflight(good_config(tmp_path, tiny_model_dir, addition_data_dir, *ep2), rl=rl)
+    moe = init_model("qwen3-moe", "tiny", tmp_path / "moe")
+    preflight(good_config(tmp_path, moe, addition_data_dir, *ep2), rl=True)
+    config = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**config, "num_local_experts": N_EXPERTS + 1}))
+    with pytest.raises(PreflightError, match=f"trainer.expert_parallel_size = 2 does not divide the num_experts = "
+                       f"{N_EXPERTS + 1} of model.path"):
+        preflight(good_config(tmp_path, moe, addition_data_dir, *ep2), rl=True)
+

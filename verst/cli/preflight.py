@@ -30,6 +30,7 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
         check_checkpoint_dir(cfg.model.path, "model.path")
     except (OSError, ValueError) as error:
         problems.append(str(error))
+    problems += _expert_parallel_problems(cfg)
     if rl and cfg.teacher.model_path is not None:
         try:
             check_checkpoint_dir(cfg.teacher.model_path, "teacher.model_path")
@@ -104,6 +105,23 @@ def _model_mode_problems(cfg: VerstConfig) -> list[str]:
         problems.append(f"algorithm.true_on_policy = true needs a model the native class covers; model.path = "
                         f"{cfg.model.path!r}: {reason}")
     return problems
+
+
+def _expert_parallel_problems(cfg: VerstConfig) -> list[str]:
+    """`trainer.expert_parallel_size` splits the checkpoint's experts: it needs some, in a number it divides (the
+    model class is checked when the trainer builds it)."""
+    ep, config_file = cfg.trainer.expert_parallel_size, Path(cfg.model.path) / "config.json"
+    if ep == 1 or not config_file.is_file():
+        return []  # a missing checkpoint is reported by check_checkpoint_dir
+    config = json.loads(config_file.read_text())
+    experts = config.get("num_local_experts") or config.get("num_experts")  # transformers 5 writes the first
+    if not experts:
+        return [f"trainer.expert_parallel_size = {ep} needs an MoE model; model.path = {cfg.model.path!r} "
+                f"(model_type {config.get('model_type')!r}) has no experts"]
+    if experts % ep:
+        return [f"trainer.expert_parallel_size = {ep} does not divide the num_experts = {experts} of model.path = "
+                f"{cfg.model.path!r}"]
+    return []
 
 
 def _missing_file(field: str, path: str | None) -> list[str]:
