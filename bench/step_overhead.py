@@ -5,14 +5,16 @@ prompts x 8 samples, 5 new tokens at most) on a tiny Qwen3 made in the work dire
 
 From the run's metrics, per step after the warm-up (medians over the steps):
     step          perf/step_time_s, the trainer's wall time of the step
-    engine        engine compute: (1 - perf/engine_idle_fraction) x step, the time the engine had requests running
+    period        the wall time between this step's log record and the previous one's: the step plus what the
+                  driver does after timing it (reading the engines' busy time, logging) and before the next
+    engine        engine compute: (1 - perf/engine_idle_fraction) x period, the time the engine had requests running
     train         time/train_s, the train step on the trainer (old-policy logprobs included)
     sync          sync/seconds, the weight push
     rollout_glue  time/rollout_s - engine: dispatch, reward and batching around the engine's work (sync only,
                   where the rollout is a phase of the step)
-    other         step - rollout - train - sync (sync), the driver's own time between the phases
-    overhead      what is neither engine nor train compute: step - engine - train on the sync schedule, where
-                  they take turns; step - max(engine, train) on the others, where they overlap
+    other         period - rollout - train - sync (sync), the driver's own time between the phases
+    overhead      what is neither engine nor train compute: period - engine - train on the sync schedule, where
+                  they take turns; period - max(engine, train) on the others, where they overlap
 
     .venv/bin/python bench/step_overhead.py [--schedules sync one_step_off fully_async] [--steps 30] [--warmup 5]
 """
@@ -74,21 +76,23 @@ def run_schedule(schedule: str, steps: int, work_dir: Path) -> list[dict[str, An
 
 def breakdown(schedule: str, records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """The per-step phases (module docstring) after `warmup` steps, each the median over the steps."""
-    rows = [r for r in records if "perf/step_time_s" in r and r["step"] > warmup]
+    steps = [r for r in records if "perf/step_time_s" in r]
+    previous = {r["step"]: p["time"] for p, r in zip(steps, steps[1:], strict=False)}
+    rows = [r for r in steps if r["step"] > warmup and r["step"] in previous]
     if not rows:
         raise RuntimeError(f"{schedule}: no step after the warm-up of {warmup} logged perf/step_time_s")
     phases: dict[str, list[float]] = {}
     for r in rows:
-        step = r["perf/step_time_s"]
-        engine = (1.0 - r.get("perf/engine_idle_fraction", 1.0)) * step
+        period = r["time"] - previous[r["step"]]
+        engine = (1.0 - r.get("perf/engine_idle_fraction", 1.0)) * period  # the idle fraction spans the period
         train, sync = r.get("time/train_s", 0.0), r.get("sync/seconds", 0.0)
-        values = {"step": step, "engine": engine, "train": train, "sync": sync}
+        values = {"step": r["perf/step_time_s"], "period": period, "engine": engine, "train": train, "sync": sync}
         if schedule == "sync":
             rollout = r.get("time/rollout_s", 0.0)
-            values |= {"rollout_glue": rollout - engine, "other": step - rollout - train - sync,
-                       "overhead": step - engine - train}
+            values |= {"rollout_glue": rollout - engine, "other": period - rollout - train - sync,
+                       "overhead": period - engine - train}
         else:
-            values |= {"overhead": step - max(engine, train)}
+            values |= {"overhead": period - max(engine, train)}
         for key, value in values.items():
             phases.setdefault(key, []).append(value)
     return {"steps": len(rows), **{k: statistics.median(v) for k, v in phases.items()}}
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         results[schedule] = breakdown(schedule, run_schedule(schedule, args.steps, work_dir), args.warmup)
         results[schedule]["wall_s"] = time.perf_counter() - started
-    keys = ("step", "engine", "train", "sync", "rollout_glue", "other", "overhead")
+    keys = ("step", "period", "engine", "train", "sync", "rollout_glue", "other", "overhead")
     print(f"ms per step, median over steps {args.warmup + 1}-{args.steps} (load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after); target: overhead <= {TARGET_S * 1000:.0f} ms")
     print(f"{'schedule':14}" + "".join(f"{k:>14}" for k in keys))
