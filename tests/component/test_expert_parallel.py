@@ -4,13 +4,13 @@ backend's, at ep 2 (also under activation checkpointing) and (slow) ep 4 and dp 
 own choices and with routing replay, and so do a reference model's logprobs; a checkpoint saved at ep 2 resumes
 on one rank."""
 
-import multiprocessing
 import pickle
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.spawned_ranks import spawn_ranks
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.inference_client.ports import free_port
 from verst.models.factory import EXPERTS_PER_TOKEN, N_EXPERTS, init_model, model_config
@@ -99,25 +99,8 @@ def _rank(rank: int, world: int, ep: int, port: int, model_path: str, job, direc
 def run_ranks(world: int, ep: int, model_path, tmp_path, job=one_step, routing: str = "measure",
               checkpointing: bool = False) -> dict:
     out = tmp_path / f"{job.__name__}-world{world}-ep{ep}-{routing}-{checkpointing}.pkl"
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(rank, world, ep, port, str(model_path), job, str(tmp_path),
-                                                 str(out), routing, checkpointing))
-             for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        for proc in procs:
-            proc.join(TIMEOUT_S)
-        codes = [proc.exitcode for proc in procs]
-        assert codes == [0] * world, f"rank exit codes {codes}"
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    with open(out, "rb") as f:
-        return pickle.load(f)
+    args = (world, ep, free_port(), str(model_path), job, str(tmp_path), str(out), routing, checkpointing)
+    return spawn_ranks(_rank, world, args, out, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

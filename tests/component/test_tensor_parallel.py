@@ -4,13 +4,13 @@ tied head (replicated) and an untied one (vocabulary-parallel logits); a checkpo
 one rank."""
 
 import json
-import multiprocessing
 import pickle
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.spawned_ranks import spawn_ranks
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.inference_client.ports import free_port
 from verst.models.factory import init_model
@@ -89,25 +89,8 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, direc
 
 def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None, impl="auto") -> dict:
     out = tmp_path / f"{job.__name__}-world{world}-tp{tp}-{impl}.pkl"
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(rank, world, tp, port, str(model_path), job,
-                                                 str(directory or tmp_path), str(out), impl))
-             for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        for proc in procs:
-            proc.join(TIMEOUT_S)
-        codes = [proc.exitcode for proc in procs]
-        assert codes == [0] * world, f"rank exit codes {codes}"
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    with open(out, "rb") as f:
-        return pickle.load(f)
+    args = (world, tp, free_port(), str(model_path), job, str(directory or tmp_path), str(out), impl)
+    return spawn_ranks(_rank, world, args, out, TIMEOUT_S)
 
 
 def untie(path):
