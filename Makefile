@@ -84,14 +84,17 @@ demo-real: $(STAMP)
 	$(Q)$(PY) -m examples.demo_real
 
 # Diffusion RL (docs/diffusion.md): pretrain the shapes denoiser and the classifier (reused when present), then
-# Flow-GRPO on the classifier's confidence in the prompt's shape and colour; prints held-out reward and accuracy.
+# Flow-GRPO on the classifier's confidence in the prompt's shape and colour; prints held-out reward and accuracy
+# before and after, the paths of the held-out image grids, and the time in all (docs/benchmarks.md).
 demo-diffusion: $(STAMP)
-	$(Q)test -f artifacts/diffusion/classifier.pt || \
-		$(PY) -m verst.cli.main diffusion classifier --out artifacts/diffusion/classifier.pt
-	$(Q)test -f artifacts/diffusion/base/config.json || \
-		$(PY) -m verst.cli.main diffusion pretrain --out artifacts/diffusion/base
-	$(Q)$(PY) -m verst.cli.main diffusion rl --base artifacts/diffusion/base \
-		--classifier artifacts/diffusion/classifier.pt --out artifacts/diffusion/run
+	$(Q)start=$$(date +%s) && \
+	{ test -f artifacts/diffusion/classifier.pt || \
+		$(PY) -m verst.cli.main diffusion classifier --out artifacts/diffusion/classifier.pt; } && \
+	{ test -f artifacts/diffusion/base/config.json || \
+		$(PY) -m verst.cli.main diffusion pretrain --out artifacts/diffusion/base; } && \
+	$(PY) -m verst.cli.main diffusion rl --base artifacts/diffusion/base \
+		--classifier artifacts/diffusion/classifier.pt --out artifacts/diffusion/run && \
+	echo "demo-diffusion: $$(( $$(date +%s) - start )) s in all"
 
 # The agentic demo (about half an hour on 2 CPU cores; docs/recipes.md): calculator tool-use data, SFT on a teacher's tool calls, then
 # GRPO on whole agent episodes through the session server; prints held-out success before and after.

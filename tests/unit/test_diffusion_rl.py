@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 
 pytest.importorskip("diffusers")
 
@@ -43,5 +44,8 @@ def test_the_diffusion_commands_run_end_to_end(tmp_path, capsys):
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert set(result) == {"before", "after"}
     assert (tmp_path / "run" / "denoiser" / "config.json").exists()
+    for grid in ("samples_before.png", "samples_after.png"):  # one row of the 9 classes, each 16 px enlarged 4 times
+        assert Image.open(tmp_path / "run" / grid).size == (9 * 64, 64)
     out = capsys.readouterr().out
     assert "before: held-out mean reward" in out and "after: held-out mean reward" in out
+    assert str(tmp_path / "run" / "samples_after.png") in out

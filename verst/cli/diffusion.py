@@ -4,7 +4,7 @@
 - pretrain: flow matching on the procedural coloured-shapes dataset; saved in diffusers' format.
 - classifier: the shapes classifier the alignment reward uses.
 - rl: Flow-GRPO steps with a reward (alignment, jpeg, or module:function); prints the held-out mean reward
-  and classifier accuracy before and after.
+  and classifier accuracy before and after, and writes the held-out samples before and after as image grids.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--out", required=True)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--widths", default="32,64", help="the UNet's block widths (default: %(default)s)")
-    pre.add_argument("--steps", type=int, default=1500)
+    pre.add_argument("--steps", type=int, default=700)
     pre.add_argument("--n-images", type=int, default=4500)
     clf = commands.add_parser("classifier", help="train the shapes classifier")
     clf.add_argument("--out", required=True)
@@ -35,13 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--classifier", required=True)
     rl.add_argument("--out", required=True)
     rl.add_argument("--reward", default="alignment", help="alignment, jpeg, or module:function")
-    rl.add_argument("--rl-steps", type=int, default=40)
-    rl.add_argument("--prompts-per-step", type=int, default=9)
+    rl.add_argument("--rl-steps", type=int, default=120)
+    rl.add_argument("--prompts-per-step", type=int, default=9,
+                    help="classes per step, taken in turn so that every class gets as many groups")
     rl.add_argument("--group-size", type=int, default=8)
     rl.add_argument("--sample-steps", type=int, default=10)
-    rl.add_argument("--lr", type=float, default=3e-5)
+    rl.add_argument("--lr", type=float, default=1e-4)
     rl.add_argument("--kl-coef", type=float, default=0.0)
-    rl.add_argument("--eval-images", type=int, default=4, help="held-out images per class per evaluation")
+    rl.add_argument("--noise-level", type=float, default=0.7, help="the SDE sampler's a (default: %(default)s)")
+    rl.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance while training")
+    rl.add_argument("--eval-images", type=int, default=16, help="held-out images per class per evaluation")
     return parser
 
 
@@ -55,8 +58,12 @@ def _reward(spec: str, classifier):
     return load_image_reward(spec)
 
 
-def evaluate(model, classifier, reward, per_class: int, seed: int = 12345) -> dict[str, float]:
-    """Held-out seeds (never used in training) for every class -> mean reward and classifier accuracy."""
+HELD_OUT_SEED = 12345  # the training steps sample with seeds 1..rl_steps
+
+
+def evaluate(model, classifier, reward, per_class: int, grid: Path, seed: int = HELD_OUT_SEED) -> dict[str, float]:
+    """Held-out seeds (never used in training) for every class -> mean reward and classifier accuracy; the
+    samples are written to `grid`, one column per class."""
     import torch
 
     from verst.data.shapes import N_CLASSES
@@ -64,7 +71,23 @@ def evaluate(model, classifier, reward, per_class: int, seed: int = 12345) -> di
 
     labels = torch.arange(N_CLASSES).repeat(per_class)
     images = diffusion.sample(model, labels, seed=seed, steps=10).images
+    save_grid(images, grid, columns=N_CLASSES)
     return {"reward": reward(images, labels).float().mean().item(), "accuracy": classifier.accuracy(images, labels)}
+
+
+def save_grid(images, path: Path, columns: int, scale: int = 4) -> None:
+    """Images (N, 3, H, W) in [-1, 1], row by row, as one PNG enlarged `scale` times."""
+    from PIL import Image
+
+    from verst.rewards.image import to_uint8
+
+    pixels = to_uint8(images)  # (N, H, W, 3)
+    n, h, w, _ = pixels.shape
+    if n % columns:
+        raise ValueError(f"{n} images do not fill rows of {columns} columns")
+    rows = n // columns
+    sheet = pixels.reshape(rows, columns, h, w, 3).transpose(0, 2, 1, 3, 4).reshape(rows * h, columns * w, 3)
+    Image.fromarray(sheet).resize((columns * w * scale, rows * h * scale), Image.NEAREST).save(path)
 
 
 def main(argv: list[str]) -> int:
@@ -108,29 +131,35 @@ def rl(args: argparse.Namespace) -> int:
     from verst.rewards.image import ShapeClassifier
     from verst.trainer.diffusion import FlowGRPOSettings, flow_grpo_step
 
+    if args.rl_steps >= HELD_OUT_SEED:
+        raise ValueError(f"--rl-steps {args.rl_steps}: the training seeds 1..{args.rl_steps} would reach the "
+                         f"held-out seed {HELD_OUT_SEED}")
     model = diffusion.load(args.base)
     reference = diffusion.load(args.base) if args.kl_coef > 0 else None
     classifier = ShapeClassifier.load(args.classifier)
     reward = _reward(args.reward, classifier)
     settings = FlowGRPOSettings(group_size=args.group_size, steps=args.sample_steps, lr=args.lr,
-                                kl_coef=args.kl_coef)
+                                kl_coef=args.kl_coef, noise_level=args.noise_level, guidance=args.guidance)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    before = evaluate(model, classifier, reward, args.eval_images)
+    before = evaluate(model, classifier, reward, args.eval_images, out / "samples_before.png")
     print(f"before: held-out mean reward {before['reward']:.4f}, classifier accuracy {before['accuracy']:.3f}")
-    gen = torch.Generator().manual_seed(0)
     start = time.time()
     with open(out / "metrics.jsonl", "w") as log:
         for step in range(1, args.rl_steps + 1):
-            labels = torch.randint(0, N_CLASSES, (args.prompts_per_step,), generator=gen)
+            first = (step - 1) * args.prompts_per_step
+            labels = torch.arange(first, first + args.prompts_per_step) % N_CLASSES
             metrics = flow_grpo_step(model, optimizer, labels, reward, settings, seed=step, reference=reference)
             metrics["step"] = step
             log.write(json.dumps(metrics) + "\n")
             log.flush()
             print(f"step {step}: reward {metrics['rollout/reward_mean']:.4f} ({time.time() - start:.0f}s)")
-    after = evaluate(model, classifier, reward, args.eval_images)
+    print(f"rl: {args.rl_steps} steps in {time.time() - start:.0f}s")
+    after = evaluate(model, classifier, reward, args.eval_images, out / "samples_after.png")
     print(f"after: held-out mean reward {after['reward']:.4f}, classifier accuracy {after['accuracy']:.3f}")
+    print(f"held-out samples (a column per class, {args.eval_images} rows): {out / 'samples_before.png'} "
+          f"and {out / 'samples_after.png'}")
     diffusion.save(model, out / "denoiser")
     (out / "result.json").write_text(json.dumps({"before": before, "after": after}))
     return 0
