@@ -72,7 +72,8 @@ def test_the_manager_hosts_the_fully_async_worker():
 
 
 def test_a_train_batch_is_assembled_from_takes_and_handed_over_with_its_metrics():
-    """The fully async driver reads counts while the groups gather in the manager, then one summary."""
+    """The fully async driver takes a train batch in one call when its groups are ready; one that runs out of
+    time hands over nothing yet, says how many groups it holds, and the next call completes the batch."""
     def factory(endpoints):
         parts = parts_factory([])(endpoints)
         parts.batch_metrics = lambda groups: {"rollout/groups": float(len(groups))}
@@ -82,13 +83,13 @@ def test_a_train_batch_is_assembled_from_takes_and_handed_over_with_its_metrics(
         manager = RolloutManager(["http://e"], factory, router=None)
         await manager.start()
         await manager.start_async()
-        assert await manager.take_into_batch(2, version=3, timeout=10) == 2
-        assert await manager.take_into_batch(1, version=3, timeout=10) == 1
-        groups, (count, metrics) = await manager.taken_batch()
+        groups, (count, metrics) = await manager.take_batch(3, version=3, timeout=10)
         assert [g[0].group_index for g in groups] == [0, 1, 2] and count == 3
         assert metrics["rollout/groups"] == 3.0 and "buffer/staleness_max" in metrics
-        groups, (count, _) = await manager.taken_batch()  # a new batch began
-        assert groups == [] and count == 0
+        groups, (held, metrics) = await manager.take_batch(10, version=3, timeout=0.5)  # a new batch began
+        assert groups == [] and metrics is None and held == 3  # groups 3-5; the later ones never finish
+        groups, (count, metrics) = await manager.take_batch(3, version=3, timeout=0.5)
+        assert [g[0].group_index for g in groups] == [3, 4, 5] and count == 3 and metrics is not None
         await manager.shutdown()
 
     asyncio.run(main())

@@ -67,25 +67,24 @@ def test_a_line_names_each_reason_it_dropped_for():
 
 def test_the_driver_logs_the_workers_progress_while_it_waits(caplog):
     from verst.config import FaultConfig, batch_plan
+    from verst.orchestration import TrainBatchRef
     from verst.run.guard import Guard
     from verst.run.lanes import Lane
     from verst.run.rollouts import Rollouts
 
     class Manager:
-        """Nothing for the first take, then the step's groups."""
+        """Nothing for the first take, one group for the second, then the step's groups."""
 
         def __init__(self):
             self.takes = []
 
-        def take_into_batch(self, n, version, timeout):
+        def take_batch(self, n, version, timeout):
             self.takes.append(n)
-            return 0 if len(self.takes) == 1 else n
+            held = (0, 1, n)[min(len(self.takes), 3) - 1]
+            return (TrainBatchRef("batch", n), {}) if held == n else (TrainBatchRef([], held), None)
 
         def progress(self):
             return "12 groups finished since the worker started, dropped: 12 by rollout.dynamic_filter = 'zero_std'"
-
-        def taken_batch(self):
-            return "batch", {}
 
     cfg = VerstConfig.model_validate({"schedule": "fully_async", "rollout": {"batch_size": 2,
                                                                              "n_samples_per_prompt": 2},
@@ -94,6 +93,7 @@ def test_the_driver_logs_the_workers_progress_while_it_waits(caplog):
     rollouts = Rollouts([lane], "http://router", Guard(FaultConfig()))
     with caplog.at_level("INFO", logger="verst.run.rollouts"):
         batch, metrics = asyncio.run(rollouts.take(lane, 0))
-    assert batch == "batch" and lane.rollout.takes == [2, 2]
+    assert batch.groups == "batch" and lane.rollout.takes == [2, 2, 2]
     assert "no finished group for 30 s (have 0/2); waiting: 12 groups finished since the worker started, " \
            "dropped: 12 by rollout.dynamic_filter = 'zero_std'" in caplog.text
+    assert caplog.text.count("no finished group") == 1  # the second take brought one

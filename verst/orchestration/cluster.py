@@ -261,14 +261,13 @@ class RolloutManagerHandle:
         ranks to fetch, and its metrics."""
         return self._batch("generate_train_batch", rollout_id, weight_version)
 
-    def take_into_batch(self, n: int, version: int, timeout: float | None = None) -> int:
-        """Fully async: up to n fresh groups into the train batch the manager assembles; how many came."""
+    def take_batch(self, n: int, version: int, timeout: float | None = None,
+                   ) -> tuple[TrainBatchRef, dict[str, float] | None]:
+        """Fully async: fresh groups into the train batch the manager assembles, waiting at most `timeout`;
+        once it holds n, a reference to it (as `generate_train_batch`) and its metrics; before, an empty
+        reference counting the groups it holds, and None."""
         wait = self.timeout_s if timeout is None else timeout + 30.0
-        return self._call("take_into_batch", n, version, timeout, timeout_s=wait)
-
-    def taken_batch(self) -> tuple[TrainBatchRef, dict[str, float]]:
-        """Fully async: the assembled train batch (a reference, as `generate_train_batch`) and its metrics."""
-        return self._batch("taken_batch")
+        return self._batch("take_batch", n, version, timeout, timeout_s=wait)
 
     def progress(self) -> str:
         """Fully async: what the worker made of its groups so far."""
@@ -311,11 +310,11 @@ class RolloutManagerHandle:
         finally:
             ray.kill(self.actor, no_restart=True)  # Ray also ends a router the shutdown did not stop
 
-    def _batch(self, method: str, *args: Any) -> tuple[TrainBatchRef, dict[str, float]]:
+    def _batch(self, method: str, *args: Any, timeout_s: float | None = None) -> tuple[TrainBatchRef, dict[str, float]]:
         """Call a method returning (groups, summary) as two objects: only the summary comes here."""
         self._check_open(method)
         groups, summary = getattr(self.actor, method).options(num_returns=2).remote(*args)
-        num_groups, metrics = self._get(summary, method, self.timeout_s)
+        num_groups, metrics = self._get(summary, method, timeout_s or self.timeout_s)
         return TrainBatchRef(groups, num_groups), metrics
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:

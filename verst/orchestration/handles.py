@@ -43,12 +43,10 @@ class RolloutSource(Protocol):
         """Fully async: start the background worker."""
         ...
 
-    def take_into_batch(self, n: int, version: int, timeout: float | None = None) -> int:
-        """Fully async: up to n fresh groups into the train batch being assembled; how many came."""
-        ...
-
-    def taken_batch(self) -> tuple[TrainBatchRef, dict[str, float]]:
-        """Fully async: the assembled train batch."""
+    def take_batch(self, n: int, version: int, timeout: float | None = None,
+                   ) -> tuple[TrainBatchRef, dict[str, float] | None]:
+        """Fully async: fresh groups into the train batch being assembled, waiting at most `timeout`; the batch
+        and its metrics once it holds n, else a reference counting the groups it holds and None."""
         ...
 
     def progress(self) -> str:

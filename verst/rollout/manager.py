@@ -94,7 +94,7 @@ class RolloutManager:
         self._router: RouterManager | None = None
         self._parts: RolloutParts | None = None
         self._async_started = False
-        self._taken: list[Group] = []  # the fully async train batch being assembled by take_into_batch
+        self._taken: list[Group] = []  # the fully async train batch being assembled by take_batch
         self._taken_version = 0  # the trainer's version when it was taken
         self._closed = False
         self._batch_start: dict[str, Any] | None = None  # the source's position before the batch generating
@@ -211,12 +211,17 @@ class RolloutManager:
         self._record(groups, rollout_id, weight_version)
         return groups, (len(groups), await self.metrics())
 
-    async def take_into_batch(self, n: int, version: int, timeout: float | None = None) -> int:
-        """Fully async: move up to n fresh groups (see `take`) into the train batch assembled here; how many."""
-        got = await self.take(n, version, timeout)
-        self._taken.extend(got)
+    async def take_batch(self, n: int, version: int, timeout: float | None = None,
+                         ) -> tuple[list[Group], tuple[int, dict[str, float] | None]]:
+        """Fully async: fresh groups (see `take`) into the train batch assembled here, waiting at most `timeout`
+        for them. Once it holds n: its groups and summary, and a new batch begins (one call a train step when
+        groups are ready). Before: no groups, and how many it holds with no metrics (call again)."""
+        if len(self._taken) < n:
+            self._taken.extend(await self.take(n - len(self._taken), version, timeout))
         self._taken_version = version
-        return len(got)
+        if len(self._taken) < n:
+            return [], (len(self._taken), None)
+        return await self._hand_over()
 
     async def progress(self) -> str:
         """Fully async: what the worker made of its groups so far (finished, dropped by reason, generating),
@@ -224,10 +229,10 @@ class RolloutManager:
         parts = self._ready("progress")
         return parts.progress() if parts.progress is not None else ""
 
-    async def taken_batch(self) -> tuple[list[Group], BatchSummary]:
-        """The train batch `take_into_batch` assembled (a new one begins) and its summary: `metrics` and the
-        parts' `batch_metrics` of these groups."""
-        parts = self._ready("taken_batch")
+    async def _hand_over(self) -> tuple[list[Group], BatchSummary]:
+        """The train batch `take_batch` assembled (a new one begins) and its summary: `metrics` and the parts'
+        `batch_metrics` of these groups."""
+        parts = self._ready("take_batch")
         groups, self._taken = self._taken, []
         metrics = await self.metrics()
         if parts.batch_metrics is not None:

@@ -51,14 +51,15 @@ class Rollouts:
 
     async def _take(self, lane: Lane, version: int) -> tuple[TrainBatchRef, dict[str, float]]:
         start, need, have = time.perf_counter(), lane.plan.groups_per_train_step, 0
-        while have < need:
-            got = await asyncio.to_thread(lane.rollout.take_into_batch, need - have, version, TAKE_TIMEOUT_S)
-            if not got:
+        while True:  # one call a step when the groups are ready
+            batch, metrics = await asyncio.to_thread(lane.rollout.take_batch, need, version, TAKE_TIMEOUT_S)
+            if metrics is not None:
+                break
+            if batch.num_groups == have:
                 progress = await asyncio.to_thread(lane.rollout.progress)
                 log.info("no finished group for %.0f s (have %d/%d); waiting: %s", TAKE_TIMEOUT_S, have, need,
                          progress)
-            have += got
-        batch, metrics = await asyncio.to_thread(lane.rollout.taken_batch)
+            have = batch.num_groups
         metrics["perf/trainer_wait_s"] = time.perf_counter() - start
         return batch, metrics
 

@@ -81,12 +81,10 @@ class LocalRolloutManager:
     def start_async(self) -> None:
         self.call("start_async")
 
-    def take_into_batch(self, n: int, version: int, timeout: float | None = None) -> int:
-        return self.call("take_into_batch", n, version, timeout,
-                         timeout_s=self.timeout_s if timeout is None else timeout + 30.0)
-
-    def taken_batch(self) -> tuple[TrainBatchRef, dict[str, float]]:
-        groups, (count, metrics) = self.call("taken_batch")
+    def take_batch(self, n: int, version: int, timeout: float | None = None,
+                   ) -> tuple[TrainBatchRef, dict[str, float] | None]:
+        groups, (count, metrics) = self.call("take_batch", n, version, timeout,
+                                             timeout_s=self.timeout_s if timeout is None else timeout + 30.0)
         return TrainBatchRef(groups, count), metrics
 
     def progress(self) -> str:
