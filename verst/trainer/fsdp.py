@@ -40,7 +40,7 @@ from verst.trainer.expert_parallel import expert_mesh
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
 from verst.trainer.optim import build_optimizer
-from verst.trainer.routing import ROUTING_MODES, RoutingReplay
+from verst.trainer.routing import ROUTING_MODES, RoutingReplay, mismatch_rate
 from verst.trainer.sharding import build_sharded, clip_grad_norm_across_meshes, full_buckets
 from verst.trainer.tensor_parallel import (
     logprobs_and_entropy,
@@ -327,21 +327,14 @@ class FSDP2Backend:
         return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr, "perf/train_tokens_per_s": tokens_per_s}
 
     def _check_routed(self, items: list[TrainItem]) -> None:
-        if self._routing is None or not self._routing.replay:
-            return
-        missing = [it.index for it in items if it.routed_experts is None]
-        if missing:
-            raise ValueError(f"algorithm.routing_replay = 'replay': train items {missing[:5]} carry no routed_experts "
-                             "(the generate fn records them on the samples when the run asks the engines for them)")
+        if self._routing is not None:
+            self._routing.check_items(items)
 
     def _routing_metrics(self) -> dict[str, float]:
-        """`train/routing_mismatch_rate`: the share of recorded token-expert choices the policy's own routers
-        did not make in this step's forwards, over all ranks (collective)."""
+        """`train/routing_mismatch_rate` over all ranks (collective; one rank per group that shares micro-batches)."""
         if self._routing is None:
             return {}
-        counts = gather_objects(self._object_group, self._routing.take_counts())[::self.tp]
-        mismatched, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
-        return {"train/routing_mismatch_rate": mismatched / total} if total else {}
+        return mismatch_rate(gather_objects(self._object_group, self._routing.take_counts())[::self.tp])
 
     def _active_group(self) -> int:
         """The optimizer's first param group of the active adapter (multi-LoRA: one lr per adapter)."""
