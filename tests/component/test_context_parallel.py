@@ -1,7 +1,8 @@
 """Context parallelism on gloo ranks (float32): logprobs, entropy, a reference model's logprobs, loss, gradients and
 one step's updated weights equal the single-rank backend's, for cp 2 and dp 2 x cp 2 on verst's native model, with
 packed rows of several sequences (positions restarting per document) and with one padded sequence per row, row
-widths that 2 x cp does not divide; a checkpoint saved at cp 2 resumes on one rank."""
+widths that 2 x cp does not divide, and under activation checkpointing (the gathers run again in backward); a
+checkpoint saved at cp 2 resumes on one rank."""
 
 import pickle
 
@@ -71,7 +72,7 @@ def resume_then_step(backend, directory: str) -> dict:
 
 
 def _rank(rank: int, world: int, cp: int, port: int, model_path: str, job, directory: str, out: str,
-          packing: bool) -> None:
+          packing: bool, checkpointing: bool) -> None:
     """One trainer rank running `job(backend, directory)`; rank 0 writes what it returned."""
     import torch.distributed as dist
 
@@ -81,7 +82,8 @@ def _rank(rank: int, world: int, cp: int, port: int, model_path: str, job, direc
     torch.set_num_threads(1)
     init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
     try:
-        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, context_parallel_size=cp)
+        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, context_parallel_size=cp,
+                               gradient_checkpointing=checkpointing)
         backend = FSDP2Backend(ModelConfig(path=model_path), config, device="cpu", packing=packing,
                                ref_model_path=model_path)
         result = job(backend, directory)
@@ -92,9 +94,10 @@ def _rank(rank: int, world: int, cp: int, port: int, model_path: str, job, direc
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, cp: int, model_path, tmp_path, job=one_step, packing: bool = True) -> dict:
-    out = tmp_path / f"{job.__name__}-world{world}-cp{cp}-packed{packing}.pkl"
-    args = (world, cp, free_port(), str(model_path), job, str(tmp_path), str(out), packing)
+def run_ranks(world: int, cp: int, model_path, tmp_path, job=one_step, packing: bool = True,
+              checkpointing: bool = False) -> dict:
+    out = tmp_path / f"{job.__name__}-world{world}-cp{cp}-packed{packing}-checkpointing{checkpointing}.pkl"
+    args = (world, cp, free_port(), str(model_path), job, str(tmp_path), str(out), packing, checkpointing)
     return spawn_ranks(_rank, world, args, out, TIMEOUT_S)
 
 
@@ -136,6 +139,11 @@ def assert_same(got: dict, want: dict, atol: float = 1e-5) -> None:
 
 def test_context_parallel_2_equals_one_rank(model_path, packing, single, tmp_path):
     assert_same(run_ranks(2, 2, model_path, tmp_path, packing=packing), single)
+
+
+@pytest.mark.parametrize("packing", [True], ids=["packed"], indirect=True, scope="module")
+def test_context_parallel_2_under_activation_checkpointing_equals_one_rank(model_path, packing, single, tmp_path):
+    assert_same(run_ranks(2, 2, model_path, tmp_path, packing=packing, checkpointing=True), single)
 
 
 @pytest.mark.slow
