@@ -242,11 +242,11 @@ class NativeCausalLM(nn.Module):
         inner = self.model
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-        # padding_idx as transformers' embedding: that row gets no gradient through the lookup
-        mask = sequence_mask(position_ids, context_shard)
+        mask = sequence_mask(position_ids, context_shard)  # from the whole rows' positions
         if context_shard is not None:
             input_ids, position_ids = context_shard.take(input_ids), context_shard.take(position_ids)
             logits_to_keep = context_shard.take(logits_to_keep) if logits_to_keep is not None else None
+        # padding_idx as transformers' embedding: that row gets no gradient through the lookup
         h = F.embedding(input_ids, inner.embed_tokens.weight, padding_idx=self.config.pad_token_id)
         cos, sin = inner.rotary_emb(h, position_ids)
         cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, head_dim]: broadcast over heads
