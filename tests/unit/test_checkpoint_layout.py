@@ -119,6 +119,9 @@ def test_the_trainer_mesh_may_change_and_is_named(tmp_path):
     assert layout.mesh_change(saved.model_dump(mode="json"), one_rank) == "dp 2 x tp 2 -> dp 1 x tp 1"
     assert layout.mesh_change(one_rank.model_dump(mode="json"), dp_only) == "dp 1 x tp 1 -> dp 2 x tp 1"
     assert layout.mesh_change(dp_only.model_dump(mode="json"), dp_only) is None
+    context = load_config(None, [*base, "--cluster.trainer-ranks", "4", "--trainer.context-parallel-size", "2"])
+    assert layout.changed_fields(context.model_dump(mode="json"), one_rank) == []
+    assert layout.mesh_change(context.model_dump(mode="json"), one_rank) == "dp 2 x tp 1 x cp 2 -> dp 1 x tp 1"
 
     step = fake_step(tmp_path, 1)
     manifest = json.loads((step / layout.MANIFEST_FILE).read_text())

@@ -237,3 +237,15 @@ def test_preflight_refuses_expert_parallelism_the_checkpoint_cannot_split(tmp_pa
                        f"{N_EXPERTS + 1} of model.path"):
         preflight(good_config(tmp_path, moe, addition_data_dir, *ep2), rl=True)
 
+
+
+def test_preflight_refuses_context_parallelism_on_a_model_the_native_class_does_not_cover(tmp_path, tiny_model_dir,
+                                                                                         addition_data_dir):
+    from verst.models.factory import init_model
+
+    cp2 = ("--trainer.context-parallel-size", "2", "--cluster.trainer-ranks", "2")
+    preflight(good_config(tmp_path, tiny_model_dir, addition_data_dir, *cp2), rl=True)
+    moe = init_model("qwen3-moe", "tiny", tmp_path / "moe")
+    with pytest.raises(PreflightError, match="trainer.context_parallel_size = 2 needs a model the native class covers; "
+                       f"model.path = {str(moe)!r}: model_type 'qwen3_moe' is not one of"):
+        preflight(good_config(tmp_path, moe, addition_data_dir, *cp2), rl=False)

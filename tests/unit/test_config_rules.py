@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 ADAPTERS = ["--lora.enabled", "true", "--lora.adapters", "[{name: add}, {name: rev}]"]
 TP2 = ["--trainer.tensor-parallel-size", "2", "--cluster.trainer-ranks", "2"]
 EP2 = ["--trainer.expert-parallel-size", "2", "--cluster.trainer-ranks", "2"]
+CP2 = ["--trainer.context-parallel-size", "2", "--cluster.trainer-ranks", "2"]
 VLLM = ["--cluster.engine", "vllm", "--sync.transport", "disk"]
 
 # rule -> (overrides that break it, what the message says)
@@ -45,6 +46,10 @@ CASES: dict[str, tuple[list[str], str]] = {
                                           r"trainer.expert_parallel_size = 4 does not divide cluster.trainer_ranks = 2"),
     "expert_parallel_has_a_plan": ([*EP2, "--lora.enabled", "true"],
                                    r"trainer.expert_parallel_size = 2 cannot combine with lora.enabled = true"),
+    "context_parallel_divides_the_ranks": (["--trainer.context-parallel-size", "4", "--cluster.trainer-ranks", "2"],
+                                           r"trainer.context_parallel_size = 4 does not divide cluster.trainer_ranks = 2"),
+    "context_parallel_has_a_plan": ([*CP2, "--lora.enabled", "true"],
+                                    r"trainer.context_parallel_size = 2 cannot combine with lora.enabled = true"),
     "over_sampling_covers_the_batch": (["--rollout.over-sampling-batch-size", "4"],
                                        r"rollout.over_sampling_batch_size = 4 is smaller than rollout.batch_size = 32"),
     "in_flight_holds_a_group": (["--rollout.max-in-flight", "4"],
@@ -178,6 +183,27 @@ def test_tensor_parallel_trains_a_dense_model_alone():
         load_config(None, [*TP2, "--algorithm.true-on-policy", "true"])
     with pytest.raises(ConfigError, match="cannot combine with algorithm.advantage_estimator = 'ppo'"):
         load_config(None, [*TP2, "--algorithm.advantage-estimator", "ppo"])
+
+
+def test_context_parallel_trains_the_native_model_alone():
+    """Rows split in the native attention, whole weights, one policy, no other model-parallel axis: each other case
+    refused by name."""
+    assert load_config(None, CP2).trainer.context_parallel_size == 2
+    assert load_config(None, [*CP2, "--model.impl", "native"]).trainer.context_parallel_size == 2
+    dp2_cp2 = load_config(None, ["--trainer.context-parallel-size", "2", "--cluster.trainer-ranks", "4",
+                                 "--trainer.global-batch-size", "8", "--rollout.batch-size", "1"])
+    assert (dp2_cp2.trainer.context_parallel_size, dp2_cp2.cluster.trainer_ranks) == (2, 4)
+    four = ["--cluster.trainer-ranks", "4", "--trainer.global-batch-size", "8", "--rollout.batch-size", "1"]
+    refused = {"trainer.tensor_parallel_size = 2": [*four, "--trainer.tensor-parallel-size", "2"],
+               "trainer.expert_parallel_size = 2": ["--trainer.expert-parallel-size", "2", "--model.impl", "auto"],
+               "model.impl = 'transformers'": ["--model.impl", "transformers"],
+               "algorithm.routing_replay = 'measure'": ["--algorithm.routing-replay", "measure"],
+               "lora.enabled = true": ["--lora.enabled", "true"],
+               "algorithm.true_on_policy = true": ["--algorithm.true-on-policy", "true"],
+               "algorithm.advantage_estimator = 'ppo'": ["--algorithm.advantage-estimator", "ppo"]}
+    for setting, overrides in refused.items():
+        with pytest.raises(ConfigError, match=f"trainer.context_parallel_size = 2 cannot combine with {setting}"):
+            load_config(None, [*CP2, *overrides])
 
 
 def test_partial_rollouts_need_abort_pauses_an_engine_with_partial_output_and_a_generate_fn_that_continues():

@@ -31,6 +31,7 @@ def preflight(cfg: VerstConfig, *, rl: bool) -> None:
     except (OSError, ValueError) as error:
         problems.append(str(error))
     problems += _expert_parallel_problems(cfg)
+    problems += _context_parallel_problems(cfg)
     if rl and cfg.teacher.model_path is not None:
         try:
             check_checkpoint_dir(cfg.teacher.model_path, "teacher.model_path")
@@ -121,6 +122,19 @@ def _expert_parallel_problems(cfg: VerstConfig) -> list[str]:
     if experts % ep:
         return [f"trainer.expert_parallel_size = {ep} does not divide the num_experts = {experts} of model.path = "
                 f"{cfg.model.path!r}"]
+    return []
+
+
+def _context_parallel_problems(cfg: VerstConfig) -> list[str]:
+    """`trainer.context_parallel_size` splits rows in verst's native attention: the checkpoint must be one the
+    native model class covers."""
+    cp, config_file = cfg.trainer.context_parallel_size, Path(cfg.model.path) / "config.json"
+    if cp == 1 or not config_file.is_file():
+        return []  # a missing checkpoint is reported by check_checkpoint_dir
+    reason = native_config_reason(json.loads(config_file.read_text()))
+    if reason is not None:
+        return [f"trainer.context_parallel_size = {cp} needs a model the native class covers; model.path = "
+                f"{cfg.model.path!r}: {reason}"]
     return []
 
 

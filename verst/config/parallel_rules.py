@@ -1,5 +1,5 @@
-"""The rules of the trainer's parallelism (`trainer.tensor_parallel_size`, `trainer.expert_parallel_size`): part
-of `verst.config.rules.RULES`. What a plan cannot split is refused here by name; what only the checkpoint tells
+"""The rules of the trainer's parallelism (`trainer.tensor_parallel_size`, `trainer.expert_parallel_size`,
+`trainer.context_parallel_size`): part of `verst.config.rules.RULES`. What a plan cannot split is refused here by name; what only the checkpoint tells
 (its class, its head and expert counts) is refused when the model is built.
 """
 
@@ -67,5 +67,41 @@ def expert_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, lora:
             raise ValueError(f"trainer.expert_parallel_size = {ep} cannot combine with {setting}: {why}")
 
 
+def context_parallel_divides_the_ranks(trainer: TrainerConfig, cluster: ClusterConfig) -> None:
+    cp = trainer.context_parallel_size
+    if cluster.trainer_ranks % cp:
+        raise ValueError(f"trainer.context_parallel_size = {cp} does not divide cluster.trainer_ranks = "
+                         f"{cluster.trainer_ranks}: the ranks form a data-parallel x context-parallel mesh")
+
+
+def context_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, lora: LoraConfig,
+                                algorithm: AlgorithmConfig) -> None:
+    """Context parallelism is written in verst's native model's attention (dense Llama / Qwen families), whole
+    weights trained, one policy, no other model-parallel axis; a checkpoint the native class does not cover is
+    refused at start-up (preflight)."""
+    cp = trainer.context_parallel_size
+    if cp == 1:
+        return
+    # field = value as the message shows it: (refused, why)
+    refusals = {
+        f"trainer.tensor_parallel_size = {trainer.tensor_parallel_size}": (
+            trainer.tensor_parallel_size > 1, "the mesh has no third axis for tensor-parallel heads"),
+        f"trainer.expert_parallel_size = {trainer.expert_parallel_size}": (
+            trainer.expert_parallel_size > 1, "the native model is dense"),
+        f"model.impl = {model.impl!r}": (model.impl == "transformers",
+                                         "the keys and values are gathered in verst's native attention"),
+        f"algorithm.routing_replay = {algorithm.routing_replay!r}": (algorithm.routing_replay != "off",
+                                                                      "the native model is dense, not MoE"),
+        "lora.enabled = true": (lora.enabled, "not proven with PEFT's wrapped model"),
+        "algorithm.true_on_policy = true": (algorithm.true_on_policy,
+                                            "a split row's attention sums in another order than the engine's"),
+        f"algorithm.advantage_estimator = {algorithm.advantage_estimator!r}": (
+            algorithm.needs_critic, "the critic's value head has no context-parallel forward"),
+    }
+    for setting, (refused, why) in refusals.items():
+        if refused:
+            raise ValueError(f"trainer.context_parallel_size = {cp} cannot combine with {setting}: {why}")
+
+
 PARALLEL_RULES = (tensor_parallel_divides_the_ranks, tensor_parallel_has_a_plan, expert_parallel_divides_the_ranks,
-                  expert_parallel_has_a_plan)
+                  expert_parallel_has_a_plan, context_parallel_divides_the_ranks, context_parallel_has_a_plan)

@@ -127,6 +127,11 @@ class TrainerConfig(Section):
         1, ge=1, description="Trainer ranks that split each MoE layer's experts and exchange tokens by all-to-all "
         "(expert parallel, Qwen3-MoE); each stays a data-parallel rank with its own micro-batches (docs/parallelism.md).",
     )
+    context_parallel_size: int = Field(
+        1, ge=1, description="Trainer ranks that split each row's tokens (context parallel, verst's native model): "
+        "each holds 2 of its 2 x size chunks and attends to the keys and values gathered from the others; the other "
+        "factor of cluster.trainer_ranks is data-parallel (docs/parallelism.md).",
+    )
     seed: int = Field(1234, ge=0, description="Seed of the trainer's RNGs.")
 
 

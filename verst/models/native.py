@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verst.config.schema import MODEL_IMPLS
+from verst.models.context_parallel import ContextShard
 from verst.models.native_config import native_config_reason, rope_settings
 
 log = logging.getLogger(__name__)
@@ -44,18 +45,24 @@ def rms_norm(x: torch.Tensor, module: Any) -> torch.Tensor:
     return module.weight * normed.to(x.dtype)
 
 
-def sequence_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+def sequence_mask(position_ids: torch.Tensor, shard: ContextShard | None = None) -> torch.Tensor | None:
     """Where a row's positions start again (packed sequences, or padding after one), a [batch, 1, seq, seq]
     mask keeping each token to the earlier tokens of its own sequence, as transformers derives it from
-    position ids; None when every row is one sequence (plain causal attention)."""
-    if position_ids.shape[1] < 2 or bool((position_ids[:, 1:] - position_ids[:, :-1] == 1).all()):
+    position ids; None when every row is one sequence (plain causal attention). With `shard` (context
+    parallelism, `position_ids` the whole rows): always the mask [batch, 1, seq / size, seq] of this rank's
+    query positions over the keys in the order the group gathers them, causal at their places in the row."""
+    seq = position_ids.shape[1]
+    if shard is None and (seq < 2 or bool((position_ids[:, 1:] - position_ids[:, :-1] == 1).all())):
         return None
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
     sequence = starts.cumsum(-1)  # [batch, seq]: which sequence of its row each token belongs to
-    seq = position_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
-    return (causal & (sequence[:, :, None] == sequence[:, None, :]))[:, None]
+    queries = keys = torch.arange(seq)
+    if shard is not None:
+        queries, keys = shard.columns(seq), shard.gathered_columns(seq)
+    queries, keys = queries.to(position_ids.device), keys.to(position_ids.device)
+    causal = keys[None, :] <= queries[:, None]  # [queries, keys]
+    return (causal & (sequence[:, queries, None] == sequence[:, None, keys]))[:, None]
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,9 +136,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scaling = head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                shard: ContextShard | None = None) -> torch.Tensor:
         """Causal self-attention over whole sequences, x [batch, seq, hidden] (transformers' sdpa path); `mask`
-        [batch, 1, seq, seq] bool for rows holding several sequences (`sequence_mask`), None: causal."""
+        [batch, 1, seq, keys] bool for rows holding several sequences (`sequence_mask`), None: causal. With `shard`
+        (context parallelism) x holds this rank's positions, and the keys and values are the whole row's, gathered
+        over the group after rotary embedding."""
         batch, seq, _ = x.shape
         # heads counted from the projections: under tensor parallelism each rank holds a share of them
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
@@ -142,10 +152,13 @@ class Attention(nn.Module):
             q, k = rms_norm(q, self.q_norm), rms_norm(k, self.k_norm)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, dim]
         q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if shard is not None:  # [batch, kv_heads, whole row, dim]; gathered before the GQA copies
+            k, v = shard.gather(k, dim=2), shard.gather(v, dim=2)
+        keys = k.shape[2]
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:  # each KV head serves `groups` query heads, as transformers' repeat_kv lays them out
-            k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, seq, self.head_dim)
-            v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, seq, self.head_dim)
+            k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, keys, self.head_dim)
+            v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, keys, self.head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
                                              scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -171,8 +184,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, names, f"{prefix}.mlp")
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        h = h + self.self_attn(rms_norm(h, self.input_layernorm), cos, sin, mask)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                shard: ContextShard | None = None) -> torch.Tensor:
+        h = h + self.self_attn(rms_norm(h, self.input_layernorm), cos, sin, mask, shard)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm))
 
 
@@ -216,25 +230,31 @@ class NativeCausalLM(nn.Module):
         self.checkpointing = dict(activation_checkpointing_kwargs or {"use_reentrant": False})
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                logits_to_keep: torch.Tensor | None = None, use_cache: bool = False, **unused: Any) -> Any:
+                logits_to_keep: torch.Tensor | None = None, use_cache: bool = False,
+                context_shard: ContextShard | None = None, **unused: Any) -> Any:
         """Causal forward over whole sequences, input_ids [batch, seq]. `logits_to_keep`: a [batch, seq] bool
-        mask of the positions whose logits come back ([kept, vocab]); None keeps all ([batch, seq, vocab])."""
+        mask of the positions whose logits come back ([kept, vocab]); None keeps all ([batch, seq, vocab]).
+        `context_shard` (context parallelism): the rows are whole, this rank computes its positions of them
+        (`ContextShard.columns`), and the logits are those of its kept positions, row by row in that order."""
         if use_cache:
             raise ValueError("NativeCausalLM.forward computes whole sequences (use_cache=False); the engine's "
                              "incremental decoding runs verst.engine.native.NativeForward")
         inner = self.model
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+        mask = sequence_mask(position_ids, context_shard)  # from the whole rows' positions
+        if context_shard is not None:
+            input_ids, position_ids = context_shard.take(input_ids), context_shard.take(position_ids)
+            logits_to_keep = context_shard.take(logits_to_keep) if logits_to_keep is not None else None
         # padding_idx as transformers' embedding: that row gets no gradient through the lookup
         h = F.embedding(input_ids, inner.embed_tokens.weight, padding_idx=self.config.pad_token_id)
         cos, sin = inner.rotary_emb(h, position_ids)
         cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, head_dim]: broadcast over heads
-        mask = sequence_mask(position_ids)
         for layer in inner.layers:
             if self.checkpointing is not None and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, **self.checkpointing)
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, context_shard, **self.checkpointing)
             else:
-                h = layer(h, cos, sin, mask)
+                h = layer(h, cos, sin, mask, context_shard)
         h = rms_norm(h, inner.norm)
         if logits_to_keep is not None:
             h = h[logits_to_keep]  # [kept, hidden]

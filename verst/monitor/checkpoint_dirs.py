@@ -27,9 +27,9 @@ FORMAT = 1
 # Fields a resumed run may change: they do not touch what the checkpoint restores.
 SAFE_PREFIXES = ("logging.", "eval.", "checkpoint.", "name", "run_dir", "overwrite", "rollout.num_rollouts",
                  "sft.num_steps", "sft.eval_interval")
-# The trainer's data x tensor-parallel mesh: a resumed run may change it, the trainer's DCP shards are resharded
+# The trainer's data x tensor- or context-parallel mesh: a resumed run may change it, the trainer's DCP shards are resharded
 # onto the new one (weights and optimizer state exact; see `MESH_CHANGE`).
-MESH_FIELDS = ("cluster.trainer_ranks", "trainer.tensor_parallel_size")
+MESH_FIELDS = ("cluster.trainer_ranks", "trainer.tensor_parallel_size", "trainer.context_parallel_size")
 MESH_CHANGE = ("the weights, optimizer state, lr schedule and step are resharded exactly (DCP); the per-rank RNG "
                "states are not restored (each rank keeps its seed, trainer.seed + rank), and the train step's "
                "float32 sums run in the new mesh's order, so its results differ from the old mesh's in the last "
@@ -245,7 +245,8 @@ def mesh_change(saved: dict[str, Any], current: VerstConfig) -> str | None:
     """"dp 2 x tp 2 -> dp 1 x tp 1" when the resumed run's trainer mesh (`MESH_FIELDS`) is not the one the
     checkpoint's config (`saved`) was trained on; None when it is the same."""
     old, new = _flatten(saved), _flatten(current.model_dump(mode="json"))
-    meshes = [_mesh(flat["cluster.trainer_ranks"], flat.get("trainer.tensor_parallel_size", 1)) for flat in (old, new)]
+    meshes = [_mesh(flat["cluster.trainer_ranks"], flat.get("trainer.tensor_parallel_size", 1),
+                    flat.get("trainer.context_parallel_size", 1)) for flat in (old, new)]
     return None if meshes[0] == meshes[1] else " -> ".join(meshes)
 
 
@@ -283,8 +284,9 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _mesh(ranks: int, tensor_parallel_size: int) -> str:
-    return f"dp {ranks // tensor_parallel_size} x tp {tensor_parallel_size}"
+def _mesh(ranks: int, tensor_parallel_size: int, context_parallel_size: int) -> str:
+    mesh = f"dp {ranks // (tensor_parallel_size * context_parallel_size)} x tp {tensor_parallel_size}"
+    return f"{mesh} x cp {context_parallel_size}" if context_parallel_size > 1 else mesh
 
 
 def _same(old: Any, new: Any) -> bool:

@@ -34,13 +34,14 @@ from verst.trainer.batching import (
     pad_right,
     split_to_count,
 )
+from verst.trainer.context_parallel import context_shard, native_model, pad_to_chunks, sharded_logprobs
 from verst.trainer.critic import Critic, check_same_vocabulary, critic_optimizer, value_forward
 from verst.trainer.distributed import ensure_single_process_group, gather_objects, resolve_device
 from verst.trainer.expert_parallel import expert_mesh
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
 from verst.trainer.optim import build_optimizer
-from verst.trainer.routing import ROUTING_MODES, RoutingReplay
+from verst.trainer.routing import ROUTING_MODES, RoutingReplay, mismatch_rate
 from verst.trainer.sharding import build_sharded, clip_grad_norm_across_meshes, full_buckets
 from verst.trainer.tensor_parallel import (
     logprobs_and_entropy,
@@ -76,6 +77,7 @@ class FSDP2Backend:
     items' `routed_experts` (`train/routing_mismatch_rate`), "replay" also routes every recorded token to
     the recorded experts (`verst.trainer.routing`), before an expert-parallel layer sends each token to the rank
     of its experts (`trainer.expert_parallel_size`, `verst.trainer.expert_parallel`).
+    With `trainer.context_parallel_size` > 1 each rank computes a share of every row (`verst.trainer.context_parallel`).
     """
 
     def __init__(
@@ -116,7 +118,12 @@ class FSDP2Backend:
         self.mesh = trainer_mesh(self.device.type, self.world_size, self.tp)
         # experts over [dp, ep] (or None): an expert-parallel group's ranks keep their own micro-batches, so stay in dp
         self.experts_mesh = expert_mesh(self.device.type, self.world_size, trainer.expert_parallel_size, self.tp)
-        self.dp, self.dp_rank = self.world_size // self.tp, self.rank // self.tp
+        # rows split over [dp, cp] (or None): a group's ranks see the same micro-batches; FSDP2 shards over dp x cp
+        self.cp = trainer.context_parallel_size
+        self.context = context_shard(self.device.type, self.world_size, self.cp, self.tp)
+        if self.context is not None:
+            model = self.model_config = native_model(model, self.cp)
+        self.dp, self.dp_rank = self.world_size // (self.tp * self.cp), self.rank // (self.tp * self.cp)
         # Python objects (metrics, logprob dicts) travel over gloo even when tensors use NCCL.
         self._object_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
         self.model = self._build(model.path, trainable=True)
@@ -186,15 +193,17 @@ class FSDP2Backend:
 
     def _micro_batch(self, items: list[TrainItem], indices: list[int]) -> MicroBatch:
         batch = collate(items, indices, self.packed) if indices else dummy_micro_batch(items[0])
-        return batch.to(self.device)
+        return (pad_to_chunks(batch, self.cp) if self.context is not None else batch).to(self.device)
 
     def _forward(self, model: torch.nn.Module, batch: MicroBatch, with_entropy: bool) -> ForwardOutputs:
         routing = self._routing.forward(batch.routed_experts) if self._routing and model is self.model \
             else contextlib.nullcontext()
-        with routing:
-            logits = kept_outputs(model, batch)  # [n_resp_tokens, vocab]
-        # [n_resp_tokens] each; the logits a DTensor where the LM head is vocabulary-parallel
-        chosen, entropy = logprobs_and_entropy(logits, batch.targets, self.temperature, with_entropy)
+        if self.context is not None:  # [n_resp_tokens] each, the whole rows gathered from the group's shares
+            chosen, entropy = sharded_logprobs(model, batch, self.context, self.temperature, with_entropy)
+        else:  # [n_resp_tokens] each; the logits a DTensor where the LM head is vocabulary-parallel
+            with routing:
+                logits = kept_outputs(model, batch)  # [n_resp_tokens, vocab]
+            chosen, entropy = logprobs_and_entropy(logits, batch.targets, self.temperature, with_entropy)
         entropy = batch.pad_responses(entropy) if entropy is not None else None
         return ForwardOutputs(logprobs=batch.pad_responses(chosen), entropy=entropy)
 
@@ -300,8 +309,8 @@ class FSDP2Backend:
                 (_any_output(outputs).sum() * 0.0).backward()
                 continue
             loss, metrics = loss_fn(outputs, micro, total)
-            # FSDP averages gradients over the data-parallel ranks; the losses are already global sums, so undo it.
-            # a vocabulary-parallel head's log-softmax backward is torch's loss_parallel too
+            # FSDP averages gradients over the data-parallel ranks (and cp, whose equal losses the gathered logprobs'
+            # backward sums); the losses are global sums, so undo it. A vocabulary-parallel head's: loss_parallel.
             with loss_parallel() if self.tp > 1 else contextlib.nullcontext():
                 (loss * self.dp).backward()
             loss_sum += loss.detach()
@@ -320,28 +329,21 @@ class FSDP2Backend:
         local = {**_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
         parts = gather_objects(self._object_group, (local, time.perf_counter() - start))
         metrics: dict[str, float] = {}
-        for part, _ in parts[::self.tp]:  # one rank per tensor-parallel group: its others computed the same
+        for part, _ in parts[::self.tp * self.cp]:  # one rank per tensor- or context-parallel group: the others' are the same
             for key, value in part.items():
                 combine_metric(metrics, key, value, 1.0)  # each rank's part is already weighted
         tokens_per_s = sum(it.length for it in items) / max(elapsed for _, elapsed in parts)
         return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr, "perf/train_tokens_per_s": tokens_per_s}
 
     def _check_routed(self, items: list[TrainItem]) -> None:
-        if self._routing is None or not self._routing.replay:
-            return
-        missing = [it.index for it in items if it.routed_experts is None]
-        if missing:
-            raise ValueError(f"algorithm.routing_replay = 'replay': train items {missing[:5]} carry no routed_experts "
-                             "(the generate fn records them on the samples when the run asks the engines for them)")
+        if self._routing is not None:
+            self._routing.check_items(items)
 
     def _routing_metrics(self) -> dict[str, float]:
-        """`train/routing_mismatch_rate`: the share of recorded token-expert choices the policy's own routers
-        did not make in this step's forwards, over all ranks (collective)."""
+        """`train/routing_mismatch_rate` over all ranks (collective; one rank per group that shares micro-batches)."""
         if self._routing is None:
             return {}
-        counts = gather_objects(self._object_group, self._routing.take_counts())[::self.tp]
-        mismatched, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
-        return {"train/routing_mismatch_rate": mismatched / total} if total else {}
+        return mismatch_rate(gather_objects(self._object_group, self._routing.take_counts())[::self.tp * self.cp])
 
     def _active_group(self) -> int:
         """The optimizer's first param group of the active adapter (multi-LoRA: one lr per adapter)."""
@@ -399,7 +401,8 @@ class FSDP2Backend:
             group = self._checkpoint_group
         self._writing = persistence.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
                                         background_group=group, stager=self._stager, critic=self.critic,
-                                        extra={"adapter_step": dict(self.adapter_step)}, tensor_parallel_size=self.tp)
+                                        extra={"adapter_step": dict(self.adapter_step)},
+                                        tensor_parallel_size=self.tp, context_parallel_size=self.cp)
 
     def wait_saves(self) -> None:
         """Wait for a background save's write (its error is raised here)."""
@@ -414,7 +417,8 @@ class FSDP2Backend:
 
     def load(self, directory: str | Path) -> None:
         self.wait_saves()
-        self._step = persistence.load(Path(directory), self.model, self.optimizer, self.scheduler, self.critic, self.tp)
+        self._step = persistence.load(Path(directory), self.model, self.optimizer, self.scheduler, self.critic, self.tp,
+                                      self.cp)
         if self.adapters:
             saved = persistence.saved_extra(Path(directory)).get("adapter_step", {})
             if set(saved) != set(self.adapters):

@@ -70,7 +70,8 @@ def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
          scheduler: torch.optim.lr_scheduler.LRScheduler, step: int, *,
          background_group: dist.ProcessGroup | None = None,
          stager: DefaultStager | None = None, critic: Critic | None = None,
-         extra: dict | None = None, tensor_parallel_size: int = 1) -> BackgroundSave | None:
+         extra: dict | None = None, tensor_parallel_size: int = 1,
+         context_parallel_size: int = 1) -> BackgroundSave | None:
     """Collective. `directory/COMPLETE` is written last, so a half-written checkpoint is never loaded.
 
     With `background_group` (a process group used for nothing else) and `stager` (`background_stager()`)
@@ -78,14 +79,16 @@ def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     the call returns at once; the model and optimizer must not change before `staged` is done. Each rank
     writes `done_rank<R>` (or `failed_rank<R>` with the error) when its write has ended; whoever waits for
     those writes COMPLETE (`mark_complete`). `critic`: PPO's value model, saved in the same shards.
-    `tensor_parallel_size`: the mesh's tp axis, recorded with the world size (a load on another mesh reshards)."""
+    `tensor_parallel_size`, `context_parallel_size`: the mesh's tp and cp axes, recorded with the world size (a
+    load on another mesh reshards)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optim_state = _trained_state(model, optimizer)
     torch.save(_rng_state(), directory / f"rng_rank{rank}.pt")
     if rank == 0:
         state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size,
-                 "tensor_parallel_size": tensor_parallel_size, "extra": extra or {}}
+                 "tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size,
+                 "extra": extra or {}}
         if critic is not None:
             state["critic_scheduler"] = critic.scheduler.state_dict()
         torch.save(state, directory / STATE_FILE)
@@ -144,18 +147,18 @@ def _record_write(directory: Path, rank: int, writing: Future) -> None:
 
 def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, critic: Critic | None = None,
-         tensor_parallel_size: int = 1) -> int:
+         tensor_parallel_size: int = 1, context_parallel_size: int = 1) -> int:
     """Collective. Restores everything `save` wrote and returns the step; with `critic`, also PPO's value
-    model and its optimizer (a checkpoint without them is refused). Saved on another data x tensor-parallel
-    mesh (another world size or `tensor_parallel_size`), DCP reshards the state onto this one: every value
+    model and its optimizer (a checkpoint without them is refused). Saved on another data x tensor- or
+    context-parallel mesh (another world size, `tensor_parallel_size` or `context_parallel_size`), DCP reshards the state onto this one: every value
     comes back exactly. The per-rank RNG states are restored on the same mesh only; on another, rank R of the
     new mesh is not rank R of the old one, and each rank keeps the state it was seeded with."""
     if not (directory / COMPLETE_MARKER).exists():
         raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint (no {COMPLETE_MARKER} file)")
     state = torch.load(directory / STATE_FILE, weights_only=False)
     world_size = dist.get_world_size()
-    saved_mesh = _mesh(state["world_size"], state.get("tensor_parallel_size", 1))
-    mesh = _mesh(world_size, tensor_parallel_size)
+    saved_mesh = _mesh(state["world_size"], state.get("tensor_parallel_size", 1), state.get("context_parallel_size", 1))
+    mesh = _mesh(world_size, tensor_parallel_size, context_parallel_size)
     resharded = saved_mesh != mesh
     if resharded and dist.get_rank() == 0:
         log.warning("checkpoint %s was saved on %s, this trainer is %s: weights and optimizer state are resharded "
@@ -184,8 +187,9 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return int(state["step"])
 
 
-def _mesh(world_size: int, tensor_parallel_size: int) -> str:
-    return f"dp {world_size // tensor_parallel_size} x tp {tensor_parallel_size}"
+def _mesh(world_size: int, tensor_parallel_size: int, context_parallel_size: int) -> str:
+    mesh = f"dp {world_size // (tensor_parallel_size * context_parallel_size)} x tp {tensor_parallel_size}"
+    return f"{mesh} x cp {context_parallel_size}" if context_parallel_size > 1 else mesh
 
 
 def saved_extra(directory: Path) -> dict:

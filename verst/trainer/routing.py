@@ -70,6 +70,13 @@ class RoutingReplay:
         finally:
             self.counting = False
 
+    def check_items(self, items: list[Any]) -> None:
+        """With replay, every train item carries the engine's expert choices; refused naming the first that do not."""
+        missing = [it.index for it in items if it.routed_experts is None] if self.replay else []
+        if missing:
+            raise ValueError(f"algorithm.routing_replay = 'replay': train items {missing[:5]} carry no routed_experts "
+                             "(the generate fn records them on the samples when the run asks the engines for them)")
+
     def take_counts(self) -> tuple[int, int]:
         """(mismatched, total) choices counted since the last call."""
         counts, (self.mismatched, self.total) = (self.mismatched, self.total), (0, 0)
@@ -95,6 +102,13 @@ class RoutingReplay:
             return logits, torch.where(valid[:, None], replayed, weights), experts
 
         return hook
+
+
+def mismatch_rate(counts: list[tuple[int, int]]) -> dict[str, float]:
+    """`train/routing_mismatch_rate`: the share of recorded token-expert choices the policy's own routers did not
+    make, from ranks' (mismatched, total) counts; {} when nothing was counted."""
+    mismatched, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    return {"train/routing_mismatch_rate": mismatched / total} if total else {}
 
 
 def _routers(model: Any) -> list[Any]:
