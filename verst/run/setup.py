@@ -15,6 +15,7 @@ from verst.config.rules import true_on_policy_on_the_cpu
 from verst.engine_kinds.kinds import engine_kind
 from verst.monitor.run_dir import run_dir_of
 from verst.rollout.manager import RouterSpec
+from verst.rollout.plugins import routed_experts_top_k
 
 
 def engine_args(cfg: VerstConfig, device: str | None) -> list[str]:
@@ -62,7 +63,8 @@ def weight_checker(cfg: VerstConfig, trainer: Any, temperature: float) -> Any:
         return None
     from verst.sync.check import LogprobChecker
 
-    return LogprobChecker(trainer.logprobs, temperature=temperature, lora_path=cfg.lora.served_adapter)
+    return LogprobChecker(trainer.logprobs, temperature=temperature, lora_path=cfg.lora.served_adapter,
+                          routed_experts_top_k=routed_experts_top_k(cfg))
 
 
 def router_spec(cfg: VerstConfig, num_engines: int) -> RouterSpec | None:

@@ -48,17 +48,21 @@ class LogprobChecker:
     `TrainerActorGroup.logprobs`); `temperature` must be the one it divides logits by, and the engines
     sample the probes at it, so both sides report the same distribution. `lora_path`: the adapter the
     probes name (a LoRA run's policy adapter), so the engines sample base + adapter as the trainer computes.
+    `routed_experts_top_k` (an MoE policy under `algorithm.routing_replay`): the engines return the experts each
+    probe token was routed to, and the trainer's forward replays them, as for a rollout's samples.
     """
 
     def __init__(
         self, logprobs_fn: LogprobsFn, *, temperature: float = 1.0, probes: Sequence[Sequence[int]] | None = None,
         max_new_tokens: int = 8, atol: float = 1e-4, seed: int = 1234, lora_path: str | None = None,
+        routed_experts_top_k: int | None = None,
     ):
         if temperature <= 0:
             raise ValueError(f"weight check temperature must be > 0 (the trainer's logprob temperature), got {temperature}")
         self.logprobs_fn, self.temperature, self.atol = logprobs_fn, temperature, atol
         self.probes = [list(p) for p in probes] if probes is not None else None
         self.max_new_tokens, self.seed, self.lora_path = max_new_tokens, seed, lora_path
+        self.routed_experts_top_k = routed_experts_top_k
 
     async def check(self, fleet: EngineFleet, version: int) -> dict[str, float]:
         """Raises `WeightCheckError` naming every engine that differs; returns `sync/check_*` metrics."""
@@ -70,7 +74,8 @@ class LogprobChecker:
             for p, (prompt, result) in enumerate(zip(probes, results)):
                 n = len(result.output_ids)
                 samples.append(Sample(tokens=prompt + result.output_ids, response_length=n, loss_mask=[1] * n,
-                                      rollout_logprobs=result.logprobs or [0.0] * n, index=len(samples)))
+                                      rollout_logprobs=result.logprobs or [0.0] * n, index=len(samples),
+                                      routed_experts=self._experts(url, p, result)))
                 owners.append((url, p, result))
         want = await asyncio.to_thread(self.logprobs_fn, samples)
         mismatches: dict[str, str] = {}
@@ -89,8 +94,21 @@ class LogprobChecker:
     async def _sample(self, client: Any, probes: list[list[int]]) -> list[GenerateResult]:
         params = lambda i: {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens,  # noqa: E731
                             "ignore_eos": True, "sampling_seed": self.seed + i}
-        return list(await asyncio.gather(*(client.generate(p, params(i), return_logprob=True, lora_path=self.lora_path)
+        experts = self.routed_experts_top_k is not None
+        return list(await asyncio.gather(*(client.generate(p, params(i), return_logprob=True, lora_path=self.lora_path,
+                                                           return_routed_experts=experts)
                                            for i, p in enumerate(probes))))
+
+    def _experts(self, url: str, p: int, result: GenerateResult) -> list[list[list[int]]] | None:
+        """The experts the engine routed probe `p`'s tokens to, for the trainer to replay (None: not an MoE
+        replay run)."""
+        if self.routed_experts_top_k is None:
+            return None
+        experts = result.routed_experts(self.routed_experts_top_k)
+        if experts is None:
+            raise ValueError(f"weight check: {url} answered probe {p} without routed_experts; "
+                             "algorithm.routing_replay replays the engine's routing in the trainer's forward")
+        return experts.tolist()
 
     def _compare(self, p: int, result: GenerateResult, expected: torch.Tensor, version: int) -> tuple[str, float]:
         if result.weight_version != str(version):
