@@ -50,6 +50,16 @@ def one_step(backend, directory: str) -> dict:
     return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": grads, "weights": weights(backend)}
 
 
+def one_step_with_shapes(backend, directory: str) -> dict:
+    """`one_step`, and the width of every forward's rows with the width of the residual stream the first decoder
+    layer returns on this rank: [(row width, layer output width)]."""
+    widths: list[list[int]] = []
+    backend.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append([kwargs["input_ids"].shape[1]]),
+                                            with_kwargs=True)
+    backend.model.model.layers[0].register_forward_hook(lambda _, args, out: widths[-1].append(out.shape[1]))
+    return {**one_step(backend, directory), "widths": widths}
+
+
 def save_then_step(backend, directory: str) -> dict:
     """One step, a checkpoint and an HF export, then a second step from it."""
     backend.train_step(make_items(), pg_loss)
@@ -68,7 +78,7 @@ def resume_then_step(backend, directory: str) -> dict:
 
 
 def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, directory: str, out: str,
-          impl: str = "auto") -> None:
+          impl: str = "auto", sequence_parallel: bool = False, packing: bool = False) -> None:
     """One trainer rank running `job(backend, directory)`; rank 0 writes what it returned."""
     import torch.distributed as dist
 
@@ -78,8 +88,10 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, direc
     torch.set_num_threads(1)
     init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
     try:
-        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, tensor_parallel_size=tp)
-        result = job(FSDP2Backend(ModelConfig(path=model_path, impl=impl), config, device="cpu"), directory)
+        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, tensor_parallel_size=tp,
+                               sequence_parallel=sequence_parallel)
+        backend = FSDP2Backend(ModelConfig(path=model_path, impl=impl), config, device="cpu", packing=packing)
+        result = job(backend, directory)
         if rank == 0:
             with open(out, "wb") as f:
                 pickle.dump(result, f)
@@ -87,9 +99,11 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, direc
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None, impl="auto") -> dict:
-    out = tmp_path / f"{job.__name__}-world{world}-tp{tp}-{impl}.pkl"
-    args = (world, tp, free_port(), str(model_path), job, str(directory or tmp_path), str(out), impl)
+def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None, impl="auto",
+              sequence_parallel=False, packing=False) -> dict:
+    out = tmp_path / f"{job.__name__}-world{world}-tp{tp}-{impl}-sp{sequence_parallel:d}-packed{packing:d}.pkl"
+    args = (world, tp, free_port(), str(model_path), job, str(directory or tmp_path), str(out), impl,
+            sequence_parallel, packing)
     return spawn_ranks(_rank, world, args, out, TIMEOUT_S)
 
 
@@ -158,3 +172,19 @@ def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, model_pat
         assert torch.equal(reloaded[name], tensor), name
     for name, weight in saved["weights"].items():
         torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def single_packed(model_path, tmp_path_factory):
+    return run_ranks(1, 1, model_path, tmp_path_factory.mktemp("single-packed"), packing=True)
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(packing, model_path, single, single_packed, tmp_path):
+    """Rows whose widths are odd (packed rows of several sequences, or one padded sequence per row): the residual
+    stream a decoder layer returns holds half of every row's positions on each rank (the row widened by one
+    position when its width is odd), and everything the single rank computes is the same."""
+    got = run_ranks(2, 2, model_path, tmp_path, one_step_with_shapes, sequence_parallel=True, packing=packing)
+    assert any(width % 2 for width, _ in got["widths"])
+    assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
+    assert_same(got, single_packed if packing else single)
