@@ -1,7 +1,7 @@
 """Tensor parallelism on gloo ranks (float32): logprobs, entropy, loss, gradients and one step's updated weights
-equal the single-rank backend's, for tp 2 and dp 2 x tp 2 (native model) and tp 2 (transformers' model), with a
-tied head (replicated) and an untied one (vocabulary-parallel logits); a checkpoint saved at tp 2 resumes on
-one rank."""
+equal the single-rank backend's, for tp 2 and dp 2 x tp 2 (native model, with sequence parallelism and without)
+and tp 2 (transformers' model), with a tied head (replicated) and an untied one (vocabulary-parallel logits); a
+checkpoint saved at tp 2 resumes on one rank."""
 
 import json
 import pickle
@@ -155,15 +155,17 @@ def test_transformers_model_at_tensor_parallel_2_equals_one_rank(model_path, tmp
 
 
 @pytest.mark.slow
-def test_data_2_by_tensor_2_equals_one_rank(model_path, single, tmp_path):
-    assert_same(run_ranks(4, 2, model_path, tmp_path), single)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
+def test_data_2_by_tensor_2_equals_one_rank(sequence_parallel, model_path, single, tmp_path):
+    assert_same(run_ranks(4, 2, model_path, tmp_path, sequence_parallel=sequence_parallel), single)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, model_path, tmp_path):
-    """Saved at dp (world / 2) x tp 2, resumed at dp 1 x tp 1 (DCP reshards): the same HF export, and the
-    next step's weights within 1e-6."""
-    saved = run_ranks(world, 2, model_path, tmp_path, save_then_step)
+def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, sequence_parallel, model_path, tmp_path):
+    """Saved at dp (world / 2) x tp 2 (with sequence parallelism or without), resumed at dp 1 x tp 1 (DCP
+    reshards): the same HF export, and the next step's weights within 1e-6."""
+    saved = run_ranks(world, 2, model_path, tmp_path, save_then_step, sequence_parallel=sequence_parallel)
     resumed = run_ranks(1, 1, model_path, tmp_path, resume_then_step)
     exported, reloaded = load_file(tmp_path / "saved-hf/model.safetensors"), load_file(
         tmp_path / "resumed-hf/model.safetensors")
