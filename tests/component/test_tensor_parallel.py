@@ -51,13 +51,20 @@ def one_step(backend, directory: str) -> dict:
 
 
 def one_step_with_shapes(backend, directory: str) -> dict:
-    """`one_step`, and the width of every forward's rows with the width of the residual stream the first decoder
-    layer returns on this rank: [(row width, layer output width)]."""
+    """`one_step`, the width of every forward's rows with the width of the residual stream the first decoder
+    layer returns on this rank: [(row width, layer output width)], and the collectives of one forward by name."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
     widths: list[list[int]] = []
     backend.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append([kwargs["input_ids"].shape[1]]),
                                             with_kwargs=True)
     backend.model.model.layers[0].register_forward_hook(lambda _, args, out: widths[-1].append(out.shape[1]))
-    return {**one_step(backend, directory), "widths": widths}
+    comms, ids = CommDebugMode(), make_items()[0].tokens[None]  # [1, 9]
+    with comms, torch.no_grad():  # the model's forward alone (a vocabulary-parallel head's logits stay a DTensor)
+        backend.model(input_ids=ids, logits_to_keep=torch.ones_like(ids, dtype=torch.bool))
+    counts = {str(op).removeprefix("c10d_functional."): n for op, n in comms.get_comm_counts().items()}
+    return {**one_step(backend, directory), "widths": widths, "comms": counts,
+            "layers": len(backend.model.model.layers)}
 
 
 def save_then_step(backend, directory: str) -> dict:
@@ -185,8 +192,13 @@ def single_packed(model_path, tmp_path_factory):
 def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(packing, model_path, single, single_packed, tmp_path):
     """Rows whose widths are odd (packed rows of several sequences, or one padded sequence per row): the residual
     stream a decoder layer returns holds half of every row's positions on each rank (the row widened by one
-    position when its width is odd), and everything the single rank computes is the same."""
+    position when its width is odd); a forward gathers each layer's attention and MLP input once and
+    reduce-scatters their outputs (no all-reduce), and gathers the rows once for the head; and everything the
+    single rank computes is the same."""
     got = run_ranks(2, 2, model_path, tmp_path, one_step_with_shapes, sequence_parallel=True, packing=packing)
     assert any(width % 2 for width, _ in got["widths"])
     assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
+    layers, comms = got["layers"], got["comms"]
+    assert comms["reduce_scatter_tensor"] == 2 * layers and comms["all_gather_into_tensor"] == 2 * layers + 1, comms
+    assert "all_reduce" not in comms, comms
     assert_same(got, single_packed if packing else single)
