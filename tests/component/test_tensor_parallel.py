@@ -51,20 +51,24 @@ def one_step(backend, directory: str) -> dict:
 
 
 def one_step_with_shapes(backend, directory: str) -> dict:
-    """`one_step`, the width of every forward's rows with the width of the residual stream the first decoder
-    layer returns on this rank: [(row width, layer output width)], and the collectives of one forward by name."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
+    """`one_step`, and the width of every forward's rows with the width of the residual stream the first decoder
+    layer returns on this rank: [(row width, layer output width)]."""
     widths: list[list[int]] = []
     backend.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append([kwargs["input_ids"].shape[1]]),
-                                            with_kwargs=True)
+                                            with_kwargs=True, prepend=True)
     backend.model.model.layers[0].register_forward_hook(lambda _, args, out: widths[-1].append(out.shape[1]))
+    return {**one_step(backend, directory), "widths": widths}
+
+
+def one_step_with_collectives(backend, directory: str) -> dict:
+    """`one_step_with_shapes`, and the collectives of one forward of the native model by name."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
     comms, ids = CommDebugMode(), make_items()[0].tokens[None]  # [1, 9]
     with comms, torch.no_grad():  # the model's forward alone (a vocabulary-parallel head's logits stay a DTensor)
-        backend.model(input_ids=ids, logits_to_keep=torch.ones_like(ids, dtype=torch.bool))
+        backend.model(input_ids=ids)
     counts = {str(op).removeprefix("c10d_functional."): n for op, n in comms.get_comm_counts().items()}
-    return {**one_step(backend, directory), "widths": widths, "comms": counts,
-            "layers": len(backend.model.model.layers)}
+    return {**one_step_with_shapes(backend, directory), "comms": counts, "layers": len(backend.model.model.layers)}
 
 
 def save_then_step(backend, directory: str) -> dict:
@@ -155,10 +159,17 @@ def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
     assert_same(run_ranks(2, 2, model_path, tmp_path), single)
 
 
-def test_transformers_model_at_tensor_parallel_2_equals_one_rank(model_path, tmp_path):
-    """The same plan on transformers' Qwen3 (its head kept whole), against transformers' model on one rank."""
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
+def test_transformers_model_at_tensor_parallel_2_equals_one_rank(sequence_parallel, model_path, tmp_path):
+    """The same plan on transformers' Qwen3 (its head kept whole), against transformers' model on one rank; with
+    sequence parallelism, the residual stream its first decoder layer returns holds half of every row's positions."""
     want = run_ranks(1, 1, model_path, tmp_path, impl="transformers")
-    assert_same(run_ranks(2, 2, model_path, tmp_path, impl="transformers"), want)
+    job = one_step_with_shapes if sequence_parallel else one_step
+    got = run_ranks(2, 2, model_path, tmp_path, job, impl="transformers", sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        assert any(width % 2 for width, _ in got["widths"])
+        assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
+    assert_same(got, want)
 
 
 @pytest.mark.slow
@@ -195,7 +206,7 @@ def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(packing, model_p
     position when its width is odd); a forward gathers each layer's attention and MLP input once and
     reduce-scatters their outputs (no all-reduce), and gathers the rows once for the head; and everything the
     single rank computes is the same."""
-    got = run_ranks(2, 2, model_path, tmp_path, one_step_with_shapes, sequence_parallel=True, packing=packing)
+    got = run_ranks(2, 2, model_path, tmp_path, one_step_with_collectives, sequence_parallel=True, packing=packing)
     assert any(width % 2 for width, _ in got["widths"])
     assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
     layers, comms = got["layers"], got["comms"]

@@ -187,17 +187,14 @@ def test_tensor_parallel_trains_a_dense_model_alone():
         load_config(None, [*TP2, "--algorithm.advantage-estimator", "ppo"])
 
 
-def test_sequence_parallel_splits_the_native_model_under_tensor_parallelism():
-    """On verst's native model (auto or native) at tensor parallel > 1; alone, or on transformers' model, refused
-    by name. What tensor parallelism refuses stays refused with it."""
+def test_sequence_parallel_splits_the_positions_under_tensor_parallelism():
+    """With tensor parallel > 1, on either model; alone refused by name. What tensor parallelism refuses stays refused
+    with it."""
     sp = [*TP2, "--trainer.sequence-parallel", "true"]
     assert load_config(None, sp).trainer.sequence_parallel
-    assert load_config(None, [*sp, "--model.impl", "native"]).trainer.sequence_parallel
+    assert load_config(None, [*sp, "--model.impl", "transformers"]).trainer.sequence_parallel
     with pytest.raises(ConfigError, match="trainer.sequence_parallel = true needs trainer.tensor_parallel_size > 1"):
         load_config(None, ["--trainer.sequence-parallel", "true", "--cluster.trainer-ranks", "2"])
-    with pytest.raises(ConfigError, match="trainer.sequence_parallel = true cannot combine with model.impl = "
-                                          "'transformers'"):
-        load_config(None, [*sp, "--model.impl", "transformers"])
     with pytest.raises(ConfigError, match="trainer.tensor_parallel_size = 2 cannot combine with lora.enabled = true"):
         load_config(None, [*sp, "--lora.enabled", "true"])
     with pytest.raises(ConfigError, match="trainer.sequence_parallel = true needs trainer.tensor_parallel_size > 1"):

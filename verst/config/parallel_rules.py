@@ -103,17 +103,11 @@ def context_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, lora
             raise ValueError(f"trainer.context_parallel_size = {cp} cannot combine with {setting}: {why}")
 
 
-def sequence_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig) -> None:
-    """Sequence parallelism splits the residual stream between tensor-parallel regions in verst's native model."""
-    if not trainer.sequence_parallel:
-        return
-    if trainer.tensor_parallel_size == 1:
+def sequence_parallel_has_a_plan(trainer: TrainerConfig) -> None:
+    """Sequence parallelism splits the residual stream between tensor-parallel regions over the same ranks."""
+    if trainer.sequence_parallel and trainer.tensor_parallel_size == 1:
         raise ValueError("trainer.sequence_parallel = true needs trainer.tensor_parallel_size > 1: the positions are "
                          "split over the tensor-parallel ranks")
-    if model.impl == "transformers":
-        raise ValueError("trainer.sequence_parallel = true cannot combine with model.impl = 'transformers': its "
-                         "attention mask and rotary embeddings are built from the embedding output's width, which "
-                         "would be one rank's share")
 
 
 PARALLEL_RULES = (tensor_parallel_divides_the_ranks, tensor_parallel_has_a_plan, expert_parallel_divides_the_ranks,

@@ -36,9 +36,9 @@ def build_sharded(path: str, model_cfg: ModelConfig, mesh: DeviceMesh, *, traina
     skips transformers' import. `value_head`: PPO's critic; `lora`: adapters on it (the base frozen). A mesh
     with dims ("dp", "tp") applies the tensor-parallel plan over "tp" first (`verst.trainer.tensor_parallel`);
     `experts_mesh` ("dp", "ep") splits the MoE experts over "ep" (`verst.trainer.expert_parallel`);
-    `sequence_parallel` splits the residual stream over "tp" too, in verst's native model (auto takes it on CUDA)."""
+    `sequence_parallel` splits the residual stream over "tp" too."""
     impl = model_cfg.impl
-    if impl == "auto" and mesh.device_type != "cpu" and not sequence_parallel:
+    if impl == "auto" and mesh.device_type != "cpu":
         impl = "transformers"
     model = load_causal_lm(path, impl, dtype="float32", device="cpu", trust_remote_code=model_cfg.trust_remote_code,
                            trainable=trainable)
