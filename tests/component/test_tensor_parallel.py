@@ -1,6 +1,6 @@
 """Tensor parallelism on gloo ranks (float32): logprobs, entropy, loss, gradients and one step's updated weights
-equal the single-rank backend's, for tp 2 and dp 2 x tp 2 (native model, with sequence parallelism and without)
-and tp 2 (transformers' model), with a tied head (replicated) and an untied one (vocabulary-parallel logits); a
+equal the single-rank backend's, for tp 2 and dp 2 x tp 2 (native model) and tp 2 (transformers' model), each with
+sequence parallelism and without, with a tied head (replicated) and an untied one (vocabulary-parallel logits); a
 checkpoint saved at tp 2 resumes on one rank."""
 
 import json
