@@ -89,7 +89,8 @@ def resume_then_step(backend, directory: str) -> dict:
 
 
 def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, directory: str, out: str,
-          impl: str = "auto", sequence_parallel: bool = False, packing: bool = False) -> None:
+          impl: str = "auto", sequence_parallel: bool = False, packing: bool = False,
+          checkpointing: bool = False) -> None:
     """One trainer rank running `job(backend, directory)`; rank 0 writes what it returned."""
     import torch.distributed as dist
 
@@ -100,7 +101,7 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, direc
     init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
     try:
         config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, tensor_parallel_size=tp,
-                               sequence_parallel=sequence_parallel)
+                               sequence_parallel=sequence_parallel, gradient_checkpointing=checkpointing)
         backend = FSDP2Backend(ModelConfig(path=model_path, impl=impl), config, device="cpu", packing=packing)
         result = job(backend, directory)
         if rank == 0:
@@ -111,10 +112,11 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, direc
 
 
 def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None, impl="auto",
-              sequence_parallel=False, packing=False) -> dict:
-    out = tmp_path / f"{job.__name__}-world{world}-tp{tp}-{impl}-sp{sequence_parallel:d}-packed{packing:d}.pkl"
+              sequence_parallel=False, packing=False, checkpointing=False) -> dict:
+    out = tmp_path / (f"{job.__name__}-world{world}-tp{tp}-{impl}-sp{sequence_parallel:d}-packed{packing:d}"
+                      f"-checkpointing{checkpointing:d}.pkl")
     args = (world, tp, free_port(), str(model_path), job, str(directory or tmp_path), str(out), impl,
-            sequence_parallel, packing)
+            sequence_parallel, packing, checkpointing)
     return spawn_ranks(_rank, world, args, out, TIMEOUT_S)
 
 
@@ -213,3 +215,9 @@ def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(packing, model_p
     assert comms["reduce_scatter_tensor"] == 2 * layers and comms["all_gather_into_tensor"] == 2 * layers + 1, comms
     assert "all_reduce" not in comms, comms
     assert_same(got, single_packed if packing else single)
+
+
+def test_sequence_parallel_under_activation_checkpointing_equals_one_rank(model_path, single_packed, tmp_path):
+    """Each decoder layer recomputed in backward, its gathers and reduce-scatters with it."""
+    got = run_ranks(2, 2, model_path, tmp_path, sequence_parallel=True, packing=True, checkpointing=True)
+    assert_same(got, single_packed)
