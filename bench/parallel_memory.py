@@ -1,8 +1,9 @@
-"""Per-rank memory of the FSDP2 trainer's layouts (1 rank, dp 2, tp 2, dp 2 x tp 2) on a SmolLM2-sized model:
+"""Per-rank memory of the FSDP2 trainer's layouts (1 rank, dp 2, tp 2, dp 2 x tp 2; "sp": with sequence
+parallelism) on a SmolLM2-sized model:
 the bytes of parameters, gradients and AdamW state each rank holds (its local shards), its peak RSS, and the
 train step's time (CPU, gloo, float32; time is reported, not a target). Ranks run as processes on this machine.
 
-    .venv/bin/python bench/parallel_memory.py [--model smollm2-135m-8-heads-shape] [--layouts 1x1,2x1,1x2,2x2]
+    .venv/bin/python bench/parallel_memory.py [--model smollm2-135m-8-heads-shape] [--layouts 1x1,2x1,1x2,2x2,1x2sp]
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def _rank(rank: int, world: int, tp: int, port: int, model_path: str, batch: int, steps: int, out: str) -> None:
+def _rank(rank: int, world: int, tp: int, sequence_parallel: bool, port: int, model_path: str, batch: int, steps: int,
+          out: str) -> None:
     import torch.distributed as dist
 
     from verst.trainer import FSDP2Backend
@@ -44,7 +46,8 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, batch: int
     torch.set_num_threads(1)
     init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=1800)
     try:
-        config = TrainerConfig(lr=1e-5, max_tokens_per_micro_batch=1024, tensor_parallel_size=tp)
+        config = TrainerConfig(lr=1e-5, max_tokens_per_micro_batch=1024, tensor_parallel_size=tp,
+                               sequence_parallel=sequence_parallel)
         backend = FSDP2Backend(ModelConfig(path=model_path), config, device="cpu")
         items = make_batch(batch, seed=0, vocab=backend.model.config.vocab_size)
         times = []
@@ -64,14 +67,16 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, batch: int
         dist.destroy_process_group()
 
 
-def run_layout(dp: int, tp: int, model_path: Path, batch: int, steps: int, tmp: Path) -> list[dict]:
+def run_layout(dp: int, tp: int, sequence_parallel: bool, model_path: Path, batch: int, steps: int,
+               tmp: Path) -> list[dict]:
     world = dp * tp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp / f"dp{dp}-tp{tp}"
+    out = tmp / f"dp{dp}-tp{tp}-sp{sequence_parallel:d}"
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(r, world, tp, port, str(model_path), batch, steps, str(out)))
+    procs = [context.Process(target=_rank, args=(r, world, tp, sequence_parallel, port, str(model_path), batch,
+                                                         steps, str(out)))
              for r in range(world)]
     for proc in procs:
         proc.start()
@@ -90,7 +95,8 @@ def run_layout(dp: int, tp: int, model_path: Path, batch: int, steps: int, tmp: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-8-heads-shape")
-    parser.add_argument("--layouts", default="1x1,2x1,1x2,2x2", help="dp x tp, comma-separated")
+    parser.add_argument("--layouts", default="1x1,2x1,1x2,2x2", help="dp x tp[sp], comma-separated (1x2sp: tp 2 "
+                        "with sequence parallelism)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per layout")
     args = parser.parse_args()
@@ -100,10 +106,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(","):
-            dp, tp = (int(x) for x in layout.split("x"))
-            rows = run_layout(dp, tp, model_path, args.batch, args.steps, Path(tmp))
+            sequence_parallel = layout.endswith("sp")
+            dp, tp = (int(x) for x in layout.removesuffix("sp").split("x"))
+            rows = run_layout(dp, tp, sequence_parallel, model_path, args.batch, args.steps, Path(tmp))
             mib = lambda key: max(r[key] for r in rows) / 2**20  # noqa: E731
-            print(f"| dp {dp} x tp {tp} | {dp * tp} | {mib('params'):.0f} | {mib('grads'):.0f} | "
+            print(f"| dp {dp} x tp {tp}{', sp' if sequence_parallel else ''} | {dp * tp} | {mib('params'):.0f} | {mib('grads'):.0f} | "
                   f"{mib('optimizer'):.0f} | {max(r['rss'] for r in rows):.0f} | "
                   f"{max(r['step_s'] for r in rows):.1f} |", flush=True)
 

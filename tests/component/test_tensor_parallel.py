@@ -1,7 +1,7 @@
 """Tensor parallelism on gloo ranks (float32): logprobs, entropy, loss, gradients and one step's updated weights
-equal the single-rank backend's, for tp 2 and dp 2 x tp 2 (native model) and tp 2 (transformers' model), with a
-tied head (replicated) and an untied one (vocabulary-parallel logits); a checkpoint saved at tp 2 resumes on
-one rank."""
+equal the single-rank backend's, for tp 2 and dp 2 x tp 2 (native model) and tp 2 (transformers' model), each with
+sequence parallelism and without, with a tied head (replicated) and an untied one (vocabulary-parallel logits); a
+checkpoint saved at tp 2 resumes on one rank."""
 
 import json
 import pickle
@@ -50,6 +50,27 @@ def one_step(backend, directory: str) -> dict:
     return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": grads, "weights": weights(backend)}
 
 
+def one_step_with_shapes(backend, directory: str) -> dict:
+    """`one_step`, and the width of every forward's rows with the width of the residual stream the first decoder
+    layer returns on this rank: [(row width, layer output width)]."""
+    widths: list[list[int]] = []
+    backend.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append([kwargs["input_ids"].shape[1]]),
+                                            with_kwargs=True, prepend=True)
+    backend.model.model.layers[0].register_forward_hook(lambda _, args, out: widths[-1].append(out.shape[1]))
+    return {**one_step(backend, directory), "widths": widths}
+
+
+def one_step_with_collectives(backend, directory: str) -> dict:
+    """`one_step_with_shapes`, and the collectives of one forward of the native model by name."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    comms, ids = CommDebugMode(), make_items()[0].tokens[None]  # [1, 9]
+    with comms, torch.no_grad():  # the model's forward alone (a vocabulary-parallel head's logits stay a DTensor)
+        backend.model(input_ids=ids)
+    counts = {str(op).removeprefix("c10d_functional."): n for op, n in comms.get_comm_counts().items()}
+    return {**one_step_with_shapes(backend, directory), "comms": counts, "layers": len(backend.model.model.layers)}
+
+
 def save_then_step(backend, directory: str) -> dict:
     """One step, a checkpoint and an HF export, then a second step from it."""
     backend.train_step(make_items(), pg_loss)
@@ -68,7 +89,8 @@ def resume_then_step(backend, directory: str) -> dict:
 
 
 def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, directory: str, out: str,
-          impl: str = "auto") -> None:
+          impl: str = "auto", sequence_parallel: bool = False, packing: bool = False,
+          checkpointing: bool = False) -> None:
     """One trainer rank running `job(backend, directory)`; rank 0 writes what it returned."""
     import torch.distributed as dist
 
@@ -78,8 +100,10 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, direc
     torch.set_num_threads(1)
     init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), timeout_s=TIMEOUT_S)
     try:
-        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, tensor_parallel_size=tp)
-        result = job(FSDP2Backend(ModelConfig(path=model_path, impl=impl), config, device="cpu"), directory)
+        config = TrainerConfig(lr=LR, max_tokens_per_micro_batch=40, grad_clip=1e9, tensor_parallel_size=tp,
+                               sequence_parallel=sequence_parallel, gradient_checkpointing=checkpointing)
+        backend = FSDP2Backend(ModelConfig(path=model_path, impl=impl), config, device="cpu", packing=packing)
+        result = job(backend, directory)
         if rank == 0:
             with open(out, "wb") as f:
                 pickle.dump(result, f)
@@ -87,9 +111,12 @@ def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, direc
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None, impl="auto") -> dict:
-    out = tmp_path / f"{job.__name__}-world{world}-tp{tp}-{impl}.pkl"
-    args = (world, tp, free_port(), str(model_path), job, str(directory or tmp_path), str(out), impl)
+def run_ranks(world: int, tp: int, model_path, tmp_path, job=one_step, directory=None, impl="auto",
+              sequence_parallel=False, packing=False, checkpointing=False) -> dict:
+    out = tmp_path / (f"{job.__name__}-world{world}-tp{tp}-{impl}-sp{sequence_parallel:d}-packed{packing:d}"
+                      f"-checkpointing{checkpointing:d}.pkl")
+    args = (world, tp, free_port(), str(model_path), job, str(directory or tmp_path), str(out), impl,
+            sequence_parallel, packing, checkpointing)
     return spawn_ranks(_rank, world, args, out, TIMEOUT_S)
 
 
@@ -134,22 +161,31 @@ def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
     assert_same(run_ranks(2, 2, model_path, tmp_path), single)
 
 
-def test_transformers_model_at_tensor_parallel_2_equals_one_rank(model_path, tmp_path):
-    """The same plan on transformers' Qwen3 (its head kept whole), against transformers' model on one rank."""
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
+def test_transformers_model_at_tensor_parallel_2_equals_one_rank(sequence_parallel, model_path, tmp_path):
+    """The same plan on transformers' Qwen3 (its head kept whole), against transformers' model on one rank; with
+    sequence parallelism, the residual stream its first decoder layer returns holds half of every row's positions."""
     want = run_ranks(1, 1, model_path, tmp_path, impl="transformers")
-    assert_same(run_ranks(2, 2, model_path, tmp_path, impl="transformers"), want)
+    job = one_step_with_shapes if sequence_parallel else one_step
+    got = run_ranks(2, 2, model_path, tmp_path, job, impl="transformers", sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        assert any(width % 2 for width, _ in got["widths"])
+        assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
+    assert_same(got, want)
 
 
 @pytest.mark.slow
-def test_data_2_by_tensor_2_equals_one_rank(model_path, single, tmp_path):
-    assert_same(run_ranks(4, 2, model_path, tmp_path), single)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
+def test_data_2_by_tensor_2_equals_one_rank(sequence_parallel, model_path, single, tmp_path):
+    assert_same(run_ranks(4, 2, model_path, tmp_path, sequence_parallel=sequence_parallel), single)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, model_path, tmp_path):
-    """Saved at dp (world / 2) x tp 2, resumed at dp 1 x tp 1 (DCP reshards): the same HF export, and the
-    next step's weights within 1e-6."""
-    saved = run_ranks(world, 2, model_path, tmp_path, save_then_step)
+def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, sequence_parallel, model_path, tmp_path):
+    """Saved at dp (world / 2) x tp 2 (with sequence parallelism or without), resumed at dp 1 x tp 1 (DCP
+    reshards): the same HF export, and the next step's weights within 1e-6."""
+    saved = run_ranks(world, 2, model_path, tmp_path, save_then_step, sequence_parallel=sequence_parallel)
     resumed = run_ranks(1, 1, model_path, tmp_path, resume_then_step)
     exported, reloaded = load_file(tmp_path / "saved-hf/model.safetensors"), load_file(
         tmp_path / "resumed-hf/model.safetensors")
@@ -158,3 +194,30 @@ def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, model_pat
         assert torch.equal(reloaded[name], tensor), name
     for name, weight in saved["weights"].items():
         torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def single_packed(model_path, tmp_path_factory):
+    return run_ranks(1, 1, model_path, tmp_path_factory.mktemp("single-packed"), packing=True)
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(packing, model_path, single, single_packed, tmp_path):
+    """Rows whose widths are odd (packed rows of several sequences, or one padded sequence per row): the residual
+    stream a decoder layer returns holds half of every row's positions on each rank (the row widened by one
+    position when its width is odd); a forward gathers each layer's attention and MLP input once and
+    reduce-scatters their outputs (no all-reduce), and gathers the rows once for the head; and everything the
+    single rank computes is the same."""
+    got = run_ranks(2, 2, model_path, tmp_path, one_step_with_collectives, sequence_parallel=True, packing=packing)
+    assert any(width % 2 for width, _ in got["widths"])
+    assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
+    layers, comms = got["layers"], got["comms"]
+    assert comms["reduce_scatter_tensor"] == 2 * layers and comms["all_gather_into_tensor"] == 2 * layers + 1, comms
+    assert "all_reduce" not in comms, comms
+    assert_same(got, single_packed if packing else single)
+
+
+def test_sequence_parallel_under_activation_checkpointing_equals_one_rank(model_path, single_packed, tmp_path):
+    """Each decoder layer recomputed in backward, its gathers and reduce-scatters with it."""
+    got = run_ranks(2, 2, model_path, tmp_path, sequence_parallel=True, packing=True, checkpointing=True)
+    assert_same(got, single_packed)

@@ -122,6 +122,11 @@ def test_the_trainer_mesh_may_change_and_is_named(tmp_path):
     context = load_config(None, [*base, "--cluster.trainer-ranks", "4", "--trainer.context-parallel-size", "2"])
     assert layout.changed_fields(context.model_dump(mode="json"), one_rank) == []
     assert layout.mesh_change(context.model_dump(mode="json"), one_rank) == "dp 2 x tp 1 x cp 2 -> dp 1 x tp 1"
+    sequence = load_config(None, [*base, "--cluster.trainer-ranks", "4", "--trainer.tensor-parallel-size", "2",
+                                  "--trainer.sequence-parallel", "true"])
+    assert layout.changed_fields(sequence.model_dump(mode="json"), one_rank) == []  # activations only: no reshard
+    assert layout.changed_fields(sequence.model_dump(mode="json"), saved) == []
+    assert layout.mesh_change(sequence.model_dump(mode="json"), saved) is None
 
     step = fake_step(tmp_path, 1)
     manifest = json.loads((step / layout.MANIFEST_FILE).read_text())

@@ -50,6 +50,8 @@ CASES: dict[str, tuple[list[str], str]] = {
                                            r"trainer.context_parallel_size = 4 does not divide cluster.trainer_ranks = 2"),
     "context_parallel_has_a_plan": ([*CP2, "--lora.enabled", "true"],
                                     r"trainer.context_parallel_size = 2 cannot combine with lora.enabled = true"),
+    "sequence_parallel_has_a_plan": (["--trainer.sequence-parallel", "true"],
+                                     r"trainer.sequence_parallel = true needs trainer.tensor_parallel_size > 1"),
     "over_sampling_covers_the_batch": (["--rollout.over-sampling-batch-size", "4"],
                                        r"rollout.over_sampling_batch_size = 4 is smaller than rollout.batch_size = 32"),
     "in_flight_holds_a_group": (["--rollout.max-in-flight", "4"],
@@ -183,6 +185,20 @@ def test_tensor_parallel_trains_a_dense_model_alone():
         load_config(None, [*TP2, "--algorithm.true-on-policy", "true"])
     with pytest.raises(ConfigError, match="cannot combine with algorithm.advantage_estimator = 'ppo'"):
         load_config(None, [*TP2, "--algorithm.advantage-estimator", "ppo"])
+
+
+def test_sequence_parallel_splits_the_positions_under_tensor_parallelism():
+    """With tensor parallel > 1, on either model; alone refused by name. What tensor parallelism refuses stays refused
+    with it."""
+    sp = [*TP2, "--trainer.sequence-parallel", "true"]
+    assert load_config(None, sp).trainer.sequence_parallel
+    assert load_config(None, [*sp, "--model.impl", "transformers"]).trainer.sequence_parallel
+    with pytest.raises(ConfigError, match="trainer.sequence_parallel = true needs trainer.tensor_parallel_size > 1"):
+        load_config(None, ["--trainer.sequence-parallel", "true", "--cluster.trainer-ranks", "2"])
+    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size = 2 cannot combine with lora.enabled = true"):
+        load_config(None, [*sp, "--lora.enabled", "true"])
+    with pytest.raises(ConfigError, match="trainer.sequence_parallel = true needs trainer.tensor_parallel_size > 1"):
+        load_config(None, [*CP2, "--trainer.sequence-parallel", "true"])
 
 
 def test_context_parallel_trains_the_native_model_alone():

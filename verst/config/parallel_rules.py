@@ -1,5 +1,5 @@
-"""The rules of the trainer's parallelism (`trainer.tensor_parallel_size`, `trainer.expert_parallel_size`,
-`trainer.context_parallel_size`): part of `verst.config.rules.RULES`. What a plan cannot split is refused here by name; what only the checkpoint tells
+"""The rules of the trainer's parallelism (`trainer.tensor_parallel_size`, `trainer.sequence_parallel`,
+`trainer.expert_parallel_size`, `trainer.context_parallel_size`): part of `verst.config.rules.RULES`. What a plan cannot split is refused here by name; what only the checkpoint tells
 (its class, its head and expert counts) is refused when the model is built.
 """
 
@@ -103,5 +103,13 @@ def context_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, lora
             raise ValueError(f"trainer.context_parallel_size = {cp} cannot combine with {setting}: {why}")
 
 
+def sequence_parallel_has_a_plan(trainer: TrainerConfig) -> None:
+    """Sequence parallelism splits the residual stream between tensor-parallel regions over the same ranks."""
+    if trainer.sequence_parallel and trainer.tensor_parallel_size == 1:
+        raise ValueError("trainer.sequence_parallel = true needs trainer.tensor_parallel_size > 1: the positions are "
+                         "split over the tensor-parallel ranks")
+
+
 PARALLEL_RULES = (tensor_parallel_divides_the_ranks, tensor_parallel_has_a_plan, expert_parallel_divides_the_ranks,
-                  expert_parallel_has_a_plan, context_parallel_divides_the_ranks, context_parallel_has_a_plan)
+                  expert_parallel_has_a_plan, context_parallel_divides_the_ranks, context_parallel_has_a_plan,
+                  sequence_parallel_has_a_plan)

@@ -123,6 +123,11 @@ class TrainerConfig(Section):
         1, ge=1, description="Trainer ranks that split each layer's weights (tensor parallel, dense Llama/Qwen models); "
         "the other factor of cluster.trainer_ranks is FSDP2's data-parallel axis (docs/parallelism.md).",
     )
+    sequence_parallel: bool = Field(
+        False, description="With tensor_parallel_size > 1: hold the residual stream and run the norms on "
+        "1 / tensor_parallel_size of every row's positions between attention and the MLP, gathered entering each and "
+        "reduce-scattered leaving it (Megatron's sequence parallelism; docs/parallelism.md).",
+    )
     expert_parallel_size: int = Field(
         1, ge=1, description="Trainer ranks that split each MoE layer's experts and exchange tokens by all-to-all "
         "(expert parallel, Qwen3-MoE); each stays a data-parallel rank with its own micro-batches (docs/parallelism.md).",

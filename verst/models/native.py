@@ -27,6 +27,7 @@ from torch import nn
 from verst.config.schema import MODEL_IMPLS
 from verst.models.context_parallel import ContextShard
 from verst.models.native_config import native_config_reason, rope_settings
+from verst.models.sequence_parallel import SequenceShard
 
 log = logging.getLogger(__name__)
 # Keys some checkpoints carry that are derived, not weights (old Llama exports saved the rotary buffer).
@@ -210,6 +211,7 @@ class NativeCausalLM(nn.Module):
     def __init__(self, config: dict[str, Any], names: set[str]):
         super().__init__()
         self.checkpointing: dict[str, Any] | None = None  # activation_checkpointing_enable
+        self.sequence_shard: SequenceShard | None = None  # sequence_parallel_enable
         reason = native_config_reason(config)
         if reason is not None:
             raise ValueError(f"a native model cannot be built from this config: {reason}")
@@ -229,6 +231,11 @@ class NativeCausalLM(nn.Module):
         """Recompute each decoder layer's activations in backward (transformers' method name and kwargs)."""
         self.checkpointing = dict(activation_checkpointing_kwargs or {"use_reentrant": False})
 
+    def sequence_parallel_enable(self, shard: SequenceShard) -> None:
+        """Hold the residual stream and run the norms on this rank's share of the positions between the layers'
+        tensor-parallel regions (whose plan gathers and scatters it: `verst.trainer.tensor_parallel`)."""
+        self.sequence_shard = shard
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 logits_to_keep: torch.Tensor | None = None, use_cache: bool = False,
                 context_shard: ContextShard | None = None, **unused: Any) -> Any:
@@ -239,9 +246,11 @@ class NativeCausalLM(nn.Module):
         if use_cache:
             raise ValueError("NativeCausalLM.forward computes whole sequences (use_cache=False); the engine's "
                              "incremental decoding runs verst.engine.native.NativeForward")
-        inner = self.model
+        inner, sequence, width = self.model, self.sequence_shard, input_ids.shape[1]
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+            position_ids = torch.arange(width, device=input_ids.device)[None].expand_as(input_ids)
+        if sequence is not None:  # rows widened to split evenly over the group, cut again before the head
+            input_ids, position_ids = sequence.pad(input_ids, position_ids)
         mask = sequence_mask(position_ids, context_shard)  # from the whole rows' positions
         if context_shard is not None:
             input_ids, position_ids = context_shard.take(input_ids), context_shard.take(position_ids)
@@ -250,12 +259,16 @@ class NativeCausalLM(nn.Module):
         h = F.embedding(input_ids, inner.embed_tokens.weight, padding_idx=self.config.pad_token_id)
         cos, sin = inner.rotary_emb(h, position_ids)
         cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, head_dim]: broadcast over heads
+        if sequence is not None:
+            h = sequence.split(h)  # [batch, seq / size, hidden]; attention and the MLP see whole rows
         for layer in inner.layers:
             if self.checkpointing is not None and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, context_shard, **self.checkpointing)
             else:
                 h = layer(h, cos, sin, mask, context_shard)
         h = rms_norm(h, inner.norm)
+        if sequence is not None:
+            h = sequence.gather(h)[:, :width]
         if logits_to_keep is not None:
             h = h[logits_to_keep]  # [kept, hidden]
         return types.SimpleNamespace(logits=self.lm_head(h))

@@ -24,9 +24,10 @@ TMP_PREFIX = ".tmp-"
 # per-rank records of a background write (`failed_rank<R>.errno<N>`: a rank that could not write its error).
 TRAINER_COMPLETE, DONE_PREFIX, FAILED_PREFIX, ERRNO_MARK = "COMPLETE", "done_rank", "failed_rank", ".errno"
 FORMAT = 1
-# Fields a resumed run may change: they do not touch what the checkpoint restores.
+# Fields a resumed run may change: they do not touch what the checkpoint restores (sequence parallelism splits
+# activations only; the parameters' layout is the tensor-parallel plan's either way).
 SAFE_PREFIXES = ("logging.", "eval.", "checkpoint.", "name", "run_dir", "overwrite", "rollout.num_rollouts",
-                 "sft.num_steps", "sft.eval_interval")
+                 "sft.num_steps", "sft.eval_interval", "trainer.sequence_parallel")
 # The trainer's data x tensor- or context-parallel mesh: a resumed run may change it, the trainer's DCP shards are resharded
 # onto the new one (weights and optimizer state exact; see `MESH_CHANGE`).
 MESH_FIELDS = ("cluster.trainer_ranks", "trainer.tensor_parallel_size", "trainer.context_parallel_size")
@@ -237,7 +238,7 @@ def check_resume_config(step_dir: Path, current: VerstConfig) -> dict[str, Any]:
         lines = "\n  ".join(f"{key}: checkpoint {old!r}, now {new!r}" for key, old, new in changed)
         raise CheckpointError(f"resuming from {str(step_dir)!r} with a config that changes fields a resumed run "
                               f"must keep (safe to change: logging.*, eval.*, checkpoint.*, the number of steps, "
-                              f"name, run_dir, overwrite, and the trainer mesh: {', '.join(MESH_FIELDS)}):\n  {lines}")
+                              f"name, run_dir, overwrite, trainer.sequence_parallel, and the trainer mesh: {', '.join(MESH_FIELDS)}):\n  {lines}")
     return manifest
 
 

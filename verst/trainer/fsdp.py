@@ -45,7 +45,7 @@ from verst.trainer.routing import ROUTING_MODES, RoutingReplay, mismatch_rate
 from verst.trainer.sharding import build_sharded, clip_grad_norm_across_meshes, full_buckets
 from verst.trainer.tensor_parallel import (
     logprobs_and_entropy,
-    sum_head_norm_grads,
+    sum_norm_grads,
     trainer_mesh,
 )
 from verst.types import WeightBucket
@@ -157,7 +157,7 @@ class FSDP2Backend:
         return build_sharded(path, self.model_config, self.mesh, trainable=trainable, value_head=value_head,
                              gradient_checkpointing=self.config.gradient_checkpointing,
                              lora=self.lora if trainable and not value_head else None, adapters=self.adapters,
-                             experts_mesh=self.experts_mesh)
+                             experts_mesh=self.experts_mesh, sequence_parallel=self.config.sequence_parallel)
 
     @property
     def step(self) -> int:
@@ -318,7 +318,7 @@ class FSDP2Backend:
             for key, value in metrics.items():
                 combine_metric(metric_sums, key, float(value), weight)
         if self.tp > 1:
-            sum_head_norm_grads(model, self.mesh["tp"])
+            sum_norm_grads(model, self.mesh["tp"], self.config.sequence_parallel)
         grad_norm = self._clip_gradients(model, grad_clip)
         lr = scheduler.get_last_lr()[self._active_group() if policy else 0]
         optimizer.step()  # parameters without a gradient (inactive adapters) are left as they are

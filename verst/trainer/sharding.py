@@ -29,13 +29,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def build_sharded(path: str, model_cfg: ModelConfig, mesh: DeviceMesh, *, trainable: bool, value_head: bool = False,
                   gradient_checkpointing: bool = False, lora: LoraConfig | None = None,
                   adapters: dict[str, LoraConfig] | None = None,
-                  experts_mesh: DeviceMesh | None = None) -> torch.nn.Module:
+                  experts_mesh: DeviceMesh | None = None, sequence_parallel: bool = False) -> torch.nn.Module:
     """The model at `path`, sharded over `mesh`. Every rank reads the checkpoint and keeps only its shard after
     fully_shard. Parameters are float32 master weights whatever the compute dtype (`model_cfg.dtype`). `impl`
     auto on CUDA keeps transformers' model, whose flash attention takes packed sequences; on CPU the native one
     skips transformers' import. `value_head`: PPO's critic; `lora`: adapters on it (the base frozen). A mesh
     with dims ("dp", "tp") applies the tensor-parallel plan over "tp" first (`verst.trainer.tensor_parallel`);
-    `experts_mesh` ("dp", "ep") splits the MoE experts over "ep" (`verst.trainer.expert_parallel`)."""
+    `experts_mesh` ("dp", "ep") splits the MoE experts over "ep" (`verst.trainer.expert_parallel`);
+    `sequence_parallel` splits the residual stream over "tp" too."""
     impl = model_cfg.impl
     if impl == "auto" and mesh.device_type != "cpu":
         impl = "transformers"
@@ -48,7 +49,7 @@ def build_sharded(path: str, model_cfg: ModelConfig, mesh: DeviceMesh, *, traina
     if lora is not None:
         model = lora_mod.add_adapters(model, lora, adapters or {})  # the base frozen; FSDP2 shards it
     if mesh.mesh_dim_names == ("dp", "tp"):
-        parallelize(model, mesh["tp"])
+        parallelize(model, mesh["tp"], sequence_parallel)
         mesh = mesh["dp"]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[model_cfg.dtype], reduce_dtype=torch.float32)
     if experts_mesh is not None:

@@ -7,7 +7,12 @@ o/down split their input features, so attention and the MLP each cost one all-re
 backward. The native model's LM head splits the vocabulary (untied embeddings): its logits stay a DTensor sharded over
 the vocabulary and `vocab_parallel_logprobs` reduces them without any rank holding a full row. Norms and
 the embedding are replicated over "tp" (FSDP2 still shards them over "dp"); Qwen3's per-head q/k norms see
-only their rank's heads, so `sum_head_norm_grads` adds their gradients over "tp" after backward.
+only their rank's heads, so `sum_norm_grads` adds their gradients over "tp" after backward.
+
+With sequence parallelism (`SEQUENCE_PARALLEL_PLAN`) the residual stream between the regions is split over "tp"
+along the sequence (`verst.models.sequence_parallel`; around transformers' decoder stack, `TransformersRows`):
+attention and the MLP each all-gather their normed input once and end in a reduce-scatter instead of the
+all-reduce; the norms then see their rank's positions only, so their gradients are summed over "tp" too.
 """
 
 from __future__ import annotations
@@ -16,14 +21,41 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from verst.models.scoring import token_logprobs
+from verst.models.sequence_parallel import SequenceShard
 
 LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+}
+
+# The same, the residual stream split over the sequence between the regions: each region's input (the normed
+# share) gathered once, DTensor [batch, seq, hidden] replicated for q/k/v or gate/up, whose input gradients (partial
+# over "tp") the gather's backward reduce-scatters; o/down reduce-scatter their output onto the shares.
+# Attention.forward(x, cos, sin, mask, shard): only x is laid out.
+SEQUENCE_PARALLEL_PLAN = {
+    **LAYER_PLAN,
+    "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
+                                    desired_input_layouts=(Replicate(), None, None, None, None)),
+    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+}
+
+# transformers' attention takes its input as the keyword `hidden_states`.
+TRANSFORMERS_SEQUENCE_PARALLEL_PLAN = {
+    **SEQUENCE_PARALLEL_PLAN,
+    "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
 }
 
 
@@ -51,18 +83,26 @@ def check_divisible(config: object, tp: int) -> None:
             raise ValueError(f"trainer.tensor_parallel_size = {tp} does not divide the model's {name} = {count}")
 
 
-def parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> bool:
-    """Apply the plan to `model` (one of `PLANNED_MODELS`) in place. Returns whether the LM head is vocabulary-
-    parallel: the native model's with untied embeddings (a tied head shares its weight with the replicated
-    embedding)."""
+def parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> bool:
+    """Apply the plan to `model` (one of `PLANNED_MODELS`) in place, with `sequence_parallel` the residual stream
+    split over the sequence between the regions. Returns whether the LM head is vocabulary-parallel: the native
+    model's with untied embeddings (a tied head shares its weight with the replicated embedding)."""
     name = type(model).__name__
     if name not in PLANNED_MODELS:
         raise ValueError(f"trainer.tensor_parallel_size > 1 has a plan for {sorted(PLANNED_MODELS)}, not {name}")
     check_divisible(model.config, tp_mesh.size())
+    native = name == "NativeCausalLM"
+    plan = LAYER_PLAN
+    if sequence_parallel:
+        plan = SEQUENCE_PARALLEL_PLAN if native else TRANSFORMERS_SEQUENCE_PARALLEL_PLAN
     for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, LAYER_PLAN)
+        parallelize_module(layer, tp_mesh, plan)
+    if sequence_parallel and native:
+        model.sequence_parallel_enable(SequenceShard(tp_mesh))
+    elif sequence_parallel:
+        TransformersRows(SequenceShard(tp_mesh)).hook(model)
     # transformers' model returns every position's logits, cut by a boolean mask afterwards: kept whole there
-    vocab_parallel = name == "NativeCausalLM" and not model.config.tie_word_embeddings
+    vocab_parallel = native and not model.config.tie_word_embeddings
     if vocab_parallel:
         # [kept, hidden] replicated in, [kept, vocab] sharded over the vocabulary out (a DTensor)
         parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(),
@@ -71,14 +111,47 @@ def parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> bool:
     return vocab_parallel
 
 
+class TransformersRows:
+    """Sequence parallelism's split and gathers around transformers' decoder stack, where the native model's forward
+    has them: the rows widened to split evenly (`SequenceShard.pad`), split entering the first decoder layer (the
+    mask and rotary embeddings are built from the whole embedding output before it), gathered after the final norm
+    and cut to their own width before the head."""
+
+    def __init__(self, shard: SequenceShard):
+        self.shard, self.width = shard, 0  # the width of the rows in the forward under way
+
+    def hook(self, model: torch.nn.Module) -> None:
+        model.register_forward_pre_hook(self.widen, with_kwargs=True)
+        model.model.layers[0].register_forward_pre_hook(self.split)
+        model.model.norm.register_forward_hook(self.gather)
+
+    def widen(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        rows = kwargs["input_ids"]  # [batch, width]
+        self.width = rows.shape[1]
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(self.width, device=rows.device)[None].expand_as(rows)
+        kwargs["input_ids"], kwargs["position_ids"] = self.shard.pad(rows, positions)
+        return args, kwargs
+
+    def split(self, module: torch.nn.Module, args: tuple) -> tuple:
+        return (self.shard.split(args[0]), *args[1:])
+
+    def gather(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return self.shard.gather(output)[:, :self.width]
+
+
 HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+SEQUENCE_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight")
 
 
-def sum_head_norm_grads(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
-    """The per-head norms' gradients summed over the tensor-parallel ranks (each saw a share of the heads);
-    after FSDP2's reduction over "dp", on each rank's data-parallel shard."""
+def sum_norm_grads(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """The per-head norms' gradients (each rank saw a share of the heads) and, with `sequence_parallel`, the
+    layer and final norms' (each rank saw a share of the positions) summed over the tensor-parallel ranks; after
+    FSDP2's reduction over "dp", on each rank's data-parallel shard."""
+    partial = HEAD_NORMS + SEQUENCE_NORMS if sequence_parallel else HEAD_NORMS
     for name, param in model.named_parameters():
-        if name.endswith(HEAD_NORMS) and param.grad is not None:
+        if name.endswith(partial) and param.grad is not None:
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             dist.all_reduce(grad, group=tp_mesh.get_group())
 
