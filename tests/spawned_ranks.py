@@ -1,12 +1,17 @@
 """Trainer ranks in spawned processes for the parallelism tests: `spawn_ranks(target, world, args, out)` runs
 `target(rank, *args)` in `world` processes (each joins a gloo group on 127.0.0.1 itself), waits for them, kills
-any still alive, even when a rank failed, and returns what rank 0 pickled to `out`."""
+any still alive, even when a rank failed, and returns what rank 0 pickled to `out`. What a rank reads off its
+backend (`synced_weights`, `gradients`) and the check of a checkpoint resumed on another mesh
+(`assert_resumed_alike`) are shared by the tests of every layout."""
 
 import multiprocessing
 import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors.torch import load_file
 
 
 def spawn_ranks(target: Callable[..., None], world: int, args: tuple, out: Path, timeout_s: float) -> Any:
@@ -26,3 +31,26 @@ def spawn_ranks(target: Callable[..., None], world: int, args: tuple, out: Path,
                 proc.join()
     with open(out, "rb") as f:
         return pickle.load(f)
+
+
+def synced_weights(backend) -> dict[str, torch.Tensor]:
+    """What weight sync sends: full tensors gathered bucket by bucket (64 KiB) from the shards."""
+    return {name: t.clone() for bucket in backend.named_weights(1 << 16) for name, t in bucket}
+
+
+def gradients(backend) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient (gathered from its shards)."""
+    return {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for name, p in backend.model.named_parameters() if p.grad is not None}
+
+
+def assert_resumed_alike(saved: dict, resumed: dict, directory: Path) -> None:
+    """A checkpoint saved on one mesh (`saved-hf`, then a step: `saved["weights"]`) and resumed on another
+    (`resumed-hf`, the same step): the two HF exports bit-identical, the next step's weights within 1e-6."""
+    exported = load_file(directory / "saved-hf/model.safetensors")
+    reloaded = load_file(directory / "resumed-hf/model.safetensors")
+    assert exported.keys() == reloaded.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(reloaded[name], tensor), name
+    for name, weight in saved["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-6, rtol=0, msg=name)

@@ -8,9 +8,8 @@ import pickle
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.spawned_ranks import spawn_ranks
+from tests.spawned_ranks import assert_resumed_alike, gradients, spawn_ranks, synced_weights
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.inference_client.ports import free_port
 from verst.models.factory import init_model
@@ -37,21 +36,14 @@ def make_items() -> list[TrainItem]:
                       {"advantages": torch.randn(r, generator=g)}, i) for i, (p, r) in enumerate(LENGTHS)]
 
 
-def weights(backend) -> dict[str, torch.Tensor]:
-    """What weight sync sends: full tensors gathered bucket by bucket (64 KiB) from the shards."""
-    return {name: t.clone() for bucket in backend.named_weights(1 << 16) for name, t in bucket}
-
-
 def one_step(backend, directory: str) -> dict:
     """Logprobs, entropy and the reference's logprobs, one train step: its metrics, gradients and updated weights."""
     items = make_items()
     logprobs, entropy = backend.logprobs(items, with_entropy=True)
     reference = backend.logprobs(items, reference=True)
     metrics = backend.train_step(items, pg_loss, with_entropy=True)
-    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-             for name, p in backend.model.named_parameters() if p.grad is not None}
-    return {"logprobs": logprobs, "entropy": entropy, "reference": reference, "metrics": metrics, "grads": grads,
-            "weights": weights(backend)}
+    return {"logprobs": logprobs, "entropy": entropy, "reference": reference, "metrics": metrics, "grads": gradients(backend),
+            "weights": synced_weights(backend)}
 
 
 def save_then_step(backend, directory: str) -> dict:
@@ -60,7 +52,7 @@ def save_then_step(backend, directory: str) -> dict:
     backend.save(f"{directory}/checkpoint")
     backend.export_hf(f"{directory}/saved-hf")
     backend.train_step(make_items(), pg_loss, with_entropy=True)
-    return {"weights": weights(backend)}
+    return {"weights": synced_weights(backend)}
 
 
 def resume_then_step(backend, directory: str) -> dict:
@@ -68,7 +60,7 @@ def resume_then_step(backend, directory: str) -> dict:
     backend.load(f"{directory}/checkpoint")
     backend.export_hf(f"{directory}/resumed-hf")
     backend.train_step(make_items(), pg_loss, with_entropy=True)
-    return {"weights": weights(backend)}
+    return {"weights": synced_weights(backend)}
 
 
 def _rank(rank: int, world: int, cp: int, port: int, model_path: str, job, directory: str, out: str,
@@ -156,10 +148,4 @@ def test_a_checkpoint_saved_context_parallel_resumes_on_one_rank(model_path, tmp
     within 1e-6."""
     saved = run_ranks(2, 2, model_path, tmp_path, save_then_step)
     resumed = run_ranks(1, 1, model_path, tmp_path, resume_then_step)
-    exported, reloaded = load_file(tmp_path / "saved-hf/model.safetensors"), load_file(
-        tmp_path / "resumed-hf/model.safetensors")
-    assert exported.keys() == reloaded.keys()
-    for name, tensor in exported.items():
-        assert torch.equal(reloaded[name], tensor), name
-    for name, weight in saved["weights"].items():
-        torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-6, rtol=0, msg=name)
+    assert_resumed_alike(saved, resumed, tmp_path)

@@ -8,9 +8,8 @@ import pickle
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.spawned_ranks import spawn_ranks
+from tests.spawned_ranks import assert_resumed_alike, gradients, spawn_ranks, synced_weights
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.inference_client.ports import free_port
 from verst.models.factory import EXPERTS_PER_TOKEN, N_EXPERTS, init_model, model_config
@@ -41,11 +40,6 @@ def make_items(routed: bool = False) -> list[TrainItem]:
     return items
 
 
-def weights(backend) -> dict[str, torch.Tensor]:
-    """What weight sync sends: full tensors gathered bucket by bucket (64 KiB) from the shards."""
-    return {name: t.clone() for bucket in backend.named_weights(1 << 16) for name, t in bucket}
-
-
 def one_step(backend, directory: str, routed: bool) -> dict:
     """Logprobs and entropy (the policy's and the reference's), one train step: its metrics, gradients and
     updated weights."""
@@ -53,9 +47,8 @@ def one_step(backend, directory: str, routed: bool) -> dict:
     logprobs, entropy = backend.logprobs(items, with_entropy=True)
     reference = backend.logprobs(items, reference=True)
     metrics = backend.train_step(items, pg_loss)
-    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-             for name, p in backend.model.named_parameters() if p.grad is not None}
-    return {"logprobs": logprobs, "entropy": entropy, "reference": reference, "metrics": metrics, "grads": grads, "weights": weights(backend)}
+    return {"logprobs": logprobs, "entropy": entropy, "reference": reference, "metrics": metrics,
+            "grads": gradients(backend), "weights": synced_weights(backend)}
 
 
 def save_then_step(backend, directory: str, routed: bool) -> dict:
@@ -63,14 +56,14 @@ def save_then_step(backend, directory: str, routed: bool) -> dict:
     backend.save(f"{directory}/checkpoint")
     backend.export_hf(f"{directory}/saved-hf")
     backend.train_step(make_items(routed), pg_loss)
-    return {"weights": weights(backend)}
+    return {"weights": synced_weights(backend)}
 
 
 def resume_then_step(backend, directory: str, routed: bool) -> dict:
     backend.load(f"{directory}/checkpoint")
     backend.export_hf(f"{directory}/resumed-hf")
     backend.train_step(make_items(routed), pg_loss)
-    return {"weights": weights(backend)}
+    return {"weights": synced_weights(backend)}
 
 
 def _rank(rank: int, world: int, ep: int, port: int, model_path: str, job, directory: str, out: str,
@@ -157,10 +150,4 @@ def test_a_checkpoint_saved_expert_parallel_resumes_on_one_rank(model_path, tmp_
     """Saved at ep 2, resumed at one rank (DCP reshards): the same HF export, the next step's weights within 1e-6."""
     saved = run_ranks(2, 2, model_path, tmp_path, save_then_step)
     resumed = run_ranks(1, 1, model_path, tmp_path, resume_then_step)
-    exported, reloaded = load_file(tmp_path / "saved-hf/model.safetensors"), load_file(
-        tmp_path / "resumed-hf/model.safetensors")
-    assert exported.keys() == reloaded.keys()
-    for name, tensor in exported.items():
-        assert torch.equal(reloaded[name], tensor), name
-    for name, weight in saved["weights"].items():
-        torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-6, rtol=0, msg=name)
+    assert_resumed_alike(saved, resumed, tmp_path)
