@@ -42,8 +42,8 @@ def one_step(backend, directory: str) -> dict:
     logprobs, entropy = backend.logprobs(items, with_entropy=True)
     reference = backend.logprobs(items, reference=True)
     metrics = backend.train_step(items, pg_loss, with_entropy=True)
-    return {"logprobs": logprobs, "entropy": entropy, "reference": reference, "metrics": metrics, "grads": gradients(backend),
-            "weights": synced_weights(backend)}
+    return {"logprobs": logprobs, "entropy": entropy, "reference": reference, "metrics": metrics,
+            "grads": gradients(backend), "weights": synced_weights(backend)}
 
 
 def save_then_step(backend, directory: str) -> dict:
