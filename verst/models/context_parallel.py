@@ -13,7 +13,11 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single_autograd
+
+try:
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+except ImportError:  # torch < 2.13 (2.11 is the floor): the same collective under its earlier name
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
 
 
 @dataclasses.dataclass(frozen=True)
