@@ -5,7 +5,9 @@ backend (`synced_weights`, `gradients`) and the check of a checkpoint resumed on
 (`assert_resumed_alike`) are shared by the tests of every layout."""
 
 import multiprocessing
+import os
 import pickle
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from safetensors.torch import load_file
 
 def spawn_ranks(target: Callable[..., None], world: int, args: tuple, out: Path, timeout_s: float) -> Any:
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=target, args=(rank, *args)) for rank in range(world)]
+    procs = [context.Process(target=_rank_then_exit, args=(target, rank, *args)) for rank in range(world)]
     for proc in procs:
         proc.start()
     try:
@@ -31,6 +33,16 @@ def spawn_ranks(target: Callable[..., None], world: int, args: tuple, out: Path,
                 proc.join()
     with open(out, "rb") as f:
         return pickle.load(f)
+
+
+def _rank_then_exit(target: Callable[..., None], rank: int, *args: Any) -> None:
+    """`target(rank, *args)` (which closes its process group), then the process ends without the interpreter's
+    teardown: there gloo's threads were seen to abort a rank (exit -6, "terminate called without an active
+    exception") after it had finished. A target that raises still exits non-zero."""
+    target(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def synced_weights(backend) -> dict[str, torch.Tensor]:
