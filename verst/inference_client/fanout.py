@@ -33,12 +33,10 @@ class HttpFanout:
         deadline = time.monotonic() + timeout_s
         # Requests go out in one pass over kept connections (no task per engine); new connections open together.
         sent: dict[str, tuple[KeptConnection, asyncio.Future]] = {}
-        opened = await asyncio.gather(*(self._open(url, deadline) for url in self.urls if not self._has_idle(url)),
-                                      return_exceptions=True)
-        fresh = {url: c for url, c in zip([u for u in self.urls if not self._has_idle(u)], opened)}
+        connections = await self._connections(deadline)
         results: dict[str, Reply | Exception] = {}
         for url in self.urls:
-            connection = fresh[url] if url in fresh else self._idle[url].pop()
+            connection = connections[url]
             if isinstance(connection, Exception):
                 results[url] = connection
                 continue
@@ -58,6 +56,20 @@ class HttpFanout:
                 if connection.usable:
                     self._idle.setdefault(url, []).append(connection)
         return {url: results[url] for url in self.urls}
+
+    async def _connections(self, deadline: float) -> dict[str, KeptConnection | Exception]:
+        """A connection per engine for this call: its idle ones taken before anything is awaited (a call made
+        meanwhile cannot take them too), new ones opened together for the others, and again for a taken one that
+        closed while they opened. An engine that could not be reached has the error instead."""
+        taken = {url: self._idle[url].pop() for url in self.urls if self._has_idle(url)}
+        missing = [url for url in self.urls if url not in taken]
+        opened = await asyncio.gather(*(self._open(url, deadline) for url in missing), return_exceptions=True)
+        connections = {**taken, **dict(zip(missing, opened, strict=True))}
+        closed = [url for url, connection in taken.items() if not connection.usable]
+        if closed:
+            reopened = await asyncio.gather(*(self._open(url, deadline) for url in closed), return_exceptions=True)
+            connections.update(zip(closed, reopened, strict=True))
+        return connections
 
     def _has_idle(self, url: str) -> bool:
         loop = asyncio.get_running_loop()
