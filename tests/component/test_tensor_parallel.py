@@ -1,7 +1,7 @@
 """Tensor parallelism on gloo ranks (float32): logprobs, entropy, loss, gradients and one step's updated weights
 equal the single-rank backend's, for tp 2 and dp 2 x tp 2 (native model) and tp 2 (transformers' model), each with
 sequence parallelism and without, with a tied head and an untied one (the native model's embedding and head split
-over the vocabulary, their logits sharded over it); a checkpoint saved at tp 2 resumes on one rank."""
+over the vocabulary, their logits sharded over it; transformers' too); a checkpoint saved at tp 2 resumes on one rank."""
 
 import json
 import pickle
@@ -59,22 +59,27 @@ def one_step(backend, directory: str) -> dict:
 def one_step_with_shapes(backend, directory: str) -> dict:
     """`one_step`, and the width of every forward's rows with the width of the residual stream the first decoder
     layer returns on this rank: [(row width, layer output width)]."""
+    layout = vocabulary_layout(backend)
     widths: list[list[int]] = []
     backend.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append([kwargs["input_ids"].shape[1]]),
                                             with_kwargs=True, prepend=True)
     backend.model.model.layers[0].register_forward_hook(lambda _, args, out: widths[-1].append(out.shape[1]))
-    return {**one_step(backend, directory), "widths": widths}
+    return {**one_step(backend, directory), **layout, "widths": widths}
 
 
-def one_step_with_vocabulary(backend, directory: str) -> dict:
-    """`one_step`, and how the native model's embedding and head are laid out: the rows of the embedding weight
-    this rank holds, whether the tied head is the embedding's parameter, and the logits' placements."""
+def vocabulary_layout(backend) -> dict:
+    """How the embedding and head are laid out: the rows of the embedding weight this rank holds, whether the head
+    is the embedding's parameter, and the placements of the logits a forward returns."""
     model = backend.model
     embedding = model.model.embed_tokens.weight  # FSDP2's shard over "dp" (of size 1) of the tensor-parallel one
     layout = {"embedding_rows": embedding.to_local().shape[0], "tied": model.lm_head.weight is embedding}
     with torch.no_grad():
         logits = model(input_ids=make_items()[0].tokens[None]).logits
-    layout["logits"] = logits.placements if hasattr(logits, "placements") else None
+    return {**layout, "logits": logits.placements if hasattr(logits, "placements") else None}
+
+
+def one_step_with_vocabulary(backend, directory: str) -> dict:
+    layout = vocabulary_layout(backend)
     return {**one_step(backend, directory), **layout}
 
 
@@ -179,19 +184,24 @@ def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
     """The embedding and the head (tied or not) split over the vocabulary: half its rows on each rank, logits
     sharded over the vocabulary."""
     got = run_ranks(2, 2, model_path, tmp_path, one_step_with_vocabulary)
+    assert_vocabulary_parallel(got, model_path)
+    assert_same(got, single)
+
+
+def assert_vocabulary_parallel(got: dict, model_path) -> None:
     assert got["embedding_rows"] == 133, got["embedding_rows"]  # rank 0's
     assert got["tied"] == json.loads((model_path / "config.json").read_text())["tie_word_embeddings"]
-    assert got["logits"] == (Shard(-1),) or got["logits"] == (Shard(2),), got["logits"]
-    assert_same(got, single)
+    assert got["logits"] in ((Shard(-1),), (Shard(2),)), got["logits"]  # [batch, seq, vocab]
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
 def test_transformers_model_at_tensor_parallel_2_equals_one_rank(sequence_parallel, model_path, tmp_path):
-    """The same plan on transformers' Qwen3 (its head kept whole), against transformers' model on one rank; with
+    """The same plan on transformers' Qwen3 (its embedding and head split over the vocabulary), against transformers' model on one rank; with
     sequence parallelism, the residual stream its first decoder layer returns holds half of every row's positions."""
     want = run_ranks(1, 1, model_path, tmp_path, impl="transformers")
-    job = one_step_with_shapes if sequence_parallel else one_step
+    job = one_step_with_shapes if sequence_parallel else one_step_with_vocabulary
     got = run_ranks(2, 2, model_path, tmp_path, job, impl="transformers", sequence_parallel=sequence_parallel)
+    assert_vocabulary_parallel(got, model_path)
     if sequence_parallel:
         assert any(width % 2 for width, _ in got["widths"])
         assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
@@ -239,6 +249,7 @@ def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(packing, model_p
     assert comms["reduce_scatter_tensor"] == 2 * layers + 1, comms
     assert comms["all_gather_into_tensor"] == 2 * layers + 1, comms
     assert "all_reduce" not in comms, comms
+    assert_vocabulary_parallel(got, model_path)
     assert_same(got, single_packed if packing else single)
 
 
