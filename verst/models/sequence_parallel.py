@@ -3,8 +3,8 @@ tensor-parallel regions each rank of a group holds `1 / size` of every row's pos
 
 The vocabulary-parallel embedding's partial rows are reduce-scattered onto the rank's share (transformers' model:
 looked up whole and split, `SequenceShard.split`); the norms run on the share; the final norm's output is gathered
-whole for the LM head. Entering and leaving attention and the
-MLP (all-gather in, reduce-scatter out) is the tensor-parallel plan's (`verst.trainer.tensor_parallel`).
+whole for the LM head. Entering and leaving attention and the MLP (all-gather in, reduce-scatter out) is the
+tensor-parallel plan's (`verst.trainer.tensor_parallel`).
 """
 
 from __future__ import annotations

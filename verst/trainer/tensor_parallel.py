@@ -93,8 +93,8 @@ def parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     name = type(model).__name__
     if name not in PLANNED_MODELS:
         raise ValueError(f"trainer.tensor_parallel_size > 1 has a plan for {sorted(PLANNED_MODELS)}, not {name}")
-    native = name == "NativeCausalLM"
     check_divisible(model.config, tp_mesh.size())
+    native = name == "NativeCausalLM"
     plan = LAYER_PLAN
     if sequence_parallel:
         plan = SEQUENCE_PARALLEL_PLAN if native else TRANSFORMERS_SEQUENCE_PARALLEL_PLAN
