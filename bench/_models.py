@@ -1,7 +1,8 @@
 """The benches' `--model` option: `smollm2` (SmolLM2-135M-Instruct, from $VERST_SMOLLM2 or converted once
 into the user's cache, as the slow tests get it), a real model's shape with random weights
 (`smollm2-135m-shape`, `qwen3-0.6b-shape`: its layers, widths and heads, with the tiny models' byte
-tokenizer and vocabulary, so no download), or the path of any Hugging Face checkpoint directory."""
+tokenizer and vocabulary, so no download; `smollm2-135m-8-heads-vocab-shape` at SmolLM2's vocabulary, whose ids
+the byte tokenizer never produces), or the path of any Hugging Face checkpoint directory."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ SHAPES = {
     # SmolLM2-135M's body with 8 query and 4 KV heads of 72 (the same width): its 9 and 3 heads do not split in 2
     "smollm2-135m-8-heads-shape": ("llama", {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                                              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 72}),
+    # the same, at SmolLM2's own 49,152-token vocabulary with its tied embeddings (28M of its parameters)
+    "smollm2-135m-8-heads-vocab-shape": ("llama", {"hidden_size": 576, "intermediate_size": 1536,
+                                                   "num_hidden_layers": 30, "num_attention_heads": 8,
+                                                   "num_key_value_heads": 4, "head_dim": 72, "vocab_size": 49152,
+                                                   "tie_word_embeddings": True}),
     "qwen3-0.6b-shape": ("qwen3", {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}),
 }

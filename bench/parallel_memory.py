@@ -4,6 +4,9 @@ the bytes of parameters, gradients and AdamW state each rank holds (its local sh
 train step's time (CPU, gloo, float32; time is reported, not a target). Ranks run as processes on this machine.
 
     .venv/bin/python bench/parallel_memory.py [--model smollm2-135m-8-heads-shape] [--layouts 1x1,2x1,1x2,2x2,1x2sp]
+
+`--model smollm2-135m-8-heads-vocab-shape`: the same body at SmolLM2's 49,152-token vocabulary, tied embeddings
+(the vocabulary-parallel embedding and head at tp > 1).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tensor parallelism on gloo ranks (float32): logprobs, entropy, loss, gradients and one step's updated weights
 equal the single-rank backend's, for tp 2 and dp 2 x tp 2 (native model) and tp 2 (transformers' model), each with
-sequence parallelism and without, with a tied head (replicated) and an untied one (vocabulary-parallel logits); a
-checkpoint saved at tp 2 resumes on one rank."""
+sequence parallelism and without, with a tied head and an untied one (the native model's embedding and head split
+over the vocabulary, their logits sharded over it; transformers' too); a checkpoint saved at tp 2 resumes on one rank."""
 
 import json
 import pickle
@@ -9,6 +9,7 @@ import pickle
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import Shard
 
 from tests.spawned_ranks import spawn_ranks
 from verst.config.schema import ModelConfig, TrainerConfig
@@ -16,7 +17,8 @@ from verst.inference_client.ports import free_port
 from verst.models.factory import init_model
 from verst.trainer import ForwardOutputs, MicroBatch, TrainItem
 
-VOCAB = 256
+VOCAB = 256  # the tiny tokenizer's byte tokens; its vocabulary has 265 rows, which tp 2 splits 133 / 132
+PAD = 256
 LENGTHS = [(5, 4), (9, 7), (3, 12), (20, 6), (4, 1), (2, 9), (7, 3), (6, 5)]
 TIMEOUT_S = 240
 # An RL learning rate. AdamW's first step moves each weight by about lr x sign(grad), so a gradient near zero
@@ -30,9 +32,13 @@ def pg_loss(outputs: ForwardOutputs, batch: MicroBatch, normalizer: float):
 
 
 def make_items() -> list[TrainItem]:
+    """Random tokens, and the padding token (256, on the second rank's rows of the vocabulary) in two prompts: its
+    embedding row gets no gradient through the lookup."""
     g = torch.Generator().manual_seed(5)
-    return [TrainItem(torch.randint(0, VOCAB, (p + r,), generator=g), r, torch.ones(r),
-                      {"advantages": torch.randn(r, generator=g)}, i) for i, (p, r) in enumerate(LENGTHS)]
+    items = [TrainItem(torch.randint(0, VOCAB, (p + r,), generator=g), r, torch.ones(r),
+                       {"advantages": torch.randn(r, generator=g)}, i) for i, (p, r) in enumerate(LENGTHS)]
+    items[1].tokens[0] = items[3].tokens[2] = PAD
+    return items
 
 
 def weights(backend) -> dict[str, torch.Tensor]:
@@ -53,11 +59,28 @@ def one_step(backend, directory: str) -> dict:
 def one_step_with_shapes(backend, directory: str) -> dict:
     """`one_step`, and the width of every forward's rows with the width of the residual stream the first decoder
     layer returns on this rank: [(row width, layer output width)]."""
+    layout = vocabulary_layout(backend)
     widths: list[list[int]] = []
     backend.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append([kwargs["input_ids"].shape[1]]),
                                             with_kwargs=True, prepend=True)
     backend.model.model.layers[0].register_forward_hook(lambda _, args, out: widths[-1].append(out.shape[1]))
-    return {**one_step(backend, directory), "widths": widths}
+    return {**one_step(backend, directory), **layout, "widths": widths}
+
+
+def vocabulary_layout(backend) -> dict:
+    """How the embedding and head are laid out: the rows of the embedding weight this rank holds, whether the head
+    is the embedding's parameter, and the placements of the logits a forward returns."""
+    model = backend.model
+    embedding = model.model.embed_tokens.weight  # FSDP2's shard over "dp" (of size 1) of the tensor-parallel one
+    layout = {"embedding_rows": embedding.to_local().shape[0], "tied": model.lm_head.weight is embedding}
+    with torch.no_grad():
+        logits = model(input_ids=make_items()[0].tokens[None]).logits
+    return {**layout, "logits": logits.placements if hasattr(logits, "placements") else None}
+
+
+def one_step_with_vocabulary(backend, directory: str) -> dict:
+    layout = vocabulary_layout(backend)
+    return {**one_step(backend, directory), **layout}
 
 
 def one_step_with_collectives(backend, directory: str) -> dict:
@@ -158,16 +181,27 @@ def assert_same(got: dict, want: dict, atol: float = 1e-5) -> None:
 
 
 def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
-    assert_same(run_ranks(2, 2, model_path, tmp_path), single)
+    """The embedding and the head (tied or not) split over the vocabulary: half its rows on each rank, logits
+    sharded over the vocabulary."""
+    got = run_ranks(2, 2, model_path, tmp_path, one_step_with_vocabulary)
+    assert_vocabulary_parallel(got, model_path)
+    assert_same(got, single)
+
+
+def assert_vocabulary_parallel(got: dict, model_path) -> None:
+    assert got["embedding_rows"] == 133, got["embedding_rows"]  # rank 0's
+    assert got["tied"] == json.loads((model_path / "config.json").read_text())["tie_word_embeddings"]
+    assert got["logits"] in ((Shard(-1),), (Shard(2),)), got["logits"]  # [batch, seq, vocab]
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
 def test_transformers_model_at_tensor_parallel_2_equals_one_rank(sequence_parallel, model_path, tmp_path):
-    """The same plan on transformers' Qwen3 (its head kept whole), against transformers' model on one rank; with
+    """The same plan on transformers' Qwen3 (its embedding and head split over the vocabulary), against transformers' model on one rank; with
     sequence parallelism, the residual stream its first decoder layer returns holds half of every row's positions."""
     want = run_ranks(1, 1, model_path, tmp_path, impl="transformers")
-    job = one_step_with_shapes if sequence_parallel else one_step
+    job = one_step_with_shapes if sequence_parallel else one_step_with_vocabulary
     got = run_ranks(2, 2, model_path, tmp_path, job, impl="transformers", sequence_parallel=sequence_parallel)
+    assert_vocabulary_parallel(got, model_path)
     if sequence_parallel:
         assert any(width % 2 for width, _ in got["widths"])
         assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
@@ -206,14 +240,16 @@ def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(packing, model_p
     """Rows whose widths are odd (packed rows of several sequences, or one padded sequence per row): the residual
     stream a decoder layer returns holds half of every row's positions on each rank (the row widened by one
     position when its width is odd); a forward gathers each layer's attention and MLP input once and
-    reduce-scatters their outputs (no all-reduce), and gathers the rows once for the head; and everything the
-    single rank computes is the same."""
+    reduce-scatters their outputs (no all-reduce), reduce-scatters the embedding's partial rows onto the shares and
+    gathers the rows once for the head; and everything the single rank computes is the same."""
     got = run_ranks(2, 2, model_path, tmp_path, one_step_with_collectives, sequence_parallel=True, packing=packing)
     assert any(width % 2 for width, _ in got["widths"])
     assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
     layers, comms = got["layers"], got["comms"]
-    assert comms["reduce_scatter_tensor"] == 2 * layers and comms["all_gather_into_tensor"] == 2 * layers + 1, comms
+    assert comms["reduce_scatter_tensor"] == 2 * layers + 1, comms
+    assert comms["all_gather_into_tensor"] == 2 * layers + 1, comms
     assert "all_reduce" not in comms, comms
+    assert_vocabulary_parallel(got, model_path)
     assert_same(got, single_packed if packing else single)
 
 

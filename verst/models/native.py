@@ -90,10 +90,15 @@ class Linear(nn.Linear):
         self.bias = _unloaded(outputs) if bias else None
 
 
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int):
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = num_embeddings, dim
+class Embedding(nn.Embedding):
+    """An `nn.Embedding` whose `weight` [vocab, hidden] comes from the checkpoint: being one, it takes torch's
+    `RowwiseParallel` (the vocabulary split over tensor-parallel ranks, `verst.trainer.tensor_parallel`).
+    `padding_idx` as transformers' embedding: that row gets no gradient through the lookup."""
+
+    def __init__(self, num_embeddings: int, dim: int, padding_idx: int | None):
+        nn.Module.__init__(self)  # not nn.Embedding's: no storage to allocate and initialise
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, dim, padding_idx
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
         self.weight = _unloaded(num_embeddings, dim)
 
 
@@ -194,7 +199,7 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     def __init__(self, cfg: Any, head_dim: int, theta: float, names: set[str]):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(cfg, head_dim, names, f"model.layers.{i}")
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -255,12 +260,11 @@ class NativeCausalLM(nn.Module):
         if context_shard is not None:
             input_ids, position_ids = context_shard.take(input_ids), context_shard.take(position_ids)
             logits_to_keep = context_shard.take(logits_to_keep) if logits_to_keep is not None else None
-        # padding_idx as transformers' embedding: that row gets no gradient through the lookup
-        h = F.embedding(input_ids, inner.embed_tokens.weight, padding_idx=self.config.pad_token_id)
+        # [batch, seq, hidden]; with sequence parallelism [batch, seq / size, hidden], the vocabulary-parallel
+        # lookup's partial rows reduce-scattered onto this rank's positions (attention and the MLP see whole rows)
+        h = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(h, position_ids)
         cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, head_dim]: broadcast over heads
-        if sequence is not None:
-            h = sequence.split(h)  # [batch, seq / size, hidden]; attention and the MLP see whole rows
         for layer in inner.layers:
             if self.checkpointing is not None and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, context_shard, **self.checkpointing)

@@ -1,9 +1,10 @@
 """Sequence parallelism's layout in verst's native model (Megatron's, under tensor parallelism): between the
 tensor-parallel regions each rank of a group holds `1 / size` of every row's positions, contiguous.
 
-The embedding is looked up whole on every rank (the group sees the same rows) and split; the norms run on the
-rank's share; the final norm's output is gathered whole for the LM head. Entering and leaving attention and the
-MLP (all-gather in, reduce-scatter out) is the tensor-parallel plan's (`verst.trainer.tensor_parallel`).
+The vocabulary-parallel embedding's partial rows are reduce-scattered onto the rank's share (transformers' model:
+looked up whole and split, `SequenceShard.split`); the norms run on the share; the final norm's output is gathered
+whole for the LM head. Entering and leaving attention and the MLP (all-gather in, reduce-scatter out) is the
+tensor-parallel plan's (`verst.trainer.tensor_parallel`).
 """
 
 from __future__ import annotations

@@ -215,13 +215,13 @@ def kept_outputs(model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
     """The model's outputs (logits, or a value head's values) at `batch.logits_to_keep`'s positions, [kept, out]:
     the head runs on those positions only where the model takes a boolean mask, else on every position and
     the kept rows are selected here."""
-    if _takes_logit_masks(model):
+    if takes_logit_masks(model):
         return model(input_ids=batch.input_ids, position_ids=batch.position_ids, logits_to_keep=batch.logits_to_keep,
                      use_cache=False).logits
     return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[batch.logits_to_keep]
 
 
-def _takes_logit_masks(model: torch.nn.Module) -> bool:
+def takes_logit_masks(model: torch.nn.Module) -> bool:
     """verst's native models take a [rows, width] boolean `logits_to_keep`; transformers' since the release
     that added `slice_logits_to_keep` (before it, a tensor indexes the sequence axis, e.g. in 5.17)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PEFT wrapper

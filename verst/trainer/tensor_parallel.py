@@ -4,10 +4,11 @@ shards the result over "dp".
 
 Per decoder layer, q/k/v and gate/up split their output features (whole heads, whole MLP columns) and
 o/down split their input features, so attention and the MLP each cost one all-reduce forward and one
-backward. The native model's LM head splits the vocabulary (untied embeddings): its logits stay a DTensor sharded over
-the vocabulary and `vocab_parallel_logprobs` reduces them without any rank holding a full row. Norms and
-the embedding are replicated over "tp" (FSDP2 still shards them over "dp"); Qwen3's per-head q/k norms see
-only their rank's heads, so `sum_norm_grads` adds their gradients over "tp" after backward.
+backward. The embedding and LM head split the vocabulary (tied or not: a tied head is the embedding's one sharded
+parameter): a lookup sums its partial rows over "tp", the logits stay a DTensor sharded over the vocabulary and
+`vocab_parallel_logprobs` reduces them without any rank holding a full row. Norms are replicated over "tp" (FSDP2
+still shards them over "dp"); Qwen3's per-head q/k norms see only their rank's heads, so `sum_norm_grads` adds
+their gradients over "tp" after backward.
 
 With sequence parallelism (`SEQUENCE_PARALLEL_PLAN`) the residual stream between the regions is split over "tp"
 along the sequence (`verst.models.sequence_parallel`; around transformers' decoder stack, `TransformersRows`):
@@ -31,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from verst.models.scoring import token_logprobs
 from verst.models.sequence_parallel import SequenceShard
+from verst.trainer.batching import takes_logit_masks
 
 LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -75,7 +77,8 @@ def trainer_mesh(device_type: str, world_size: int, tp: int) -> DeviceMesh:
 
 
 def check_divisible(config: object, tp: int) -> None:
-    """Whole heads and whole MLP columns on each rank; the message names the count that does not split."""
+    """Whole heads and whole MLP columns on each rank; the message names the count that does not split. (The
+    vocabulary need not divide: its rows are chunked as `torch.chunk` does, the first ranks holding one more.)"""
     counts = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
               "intermediate_size": config.intermediate_size}
     for name, count in counts.items():
@@ -85,8 +88,8 @@ def check_divisible(config: object, tp: int) -> None:
 
 def parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> bool:
     """Apply the plan to `model` (one of `PLANNED_MODELS`) in place, with `sequence_parallel` the residual stream
-    split over the sequence between the regions. Returns whether the LM head is vocabulary-parallel: the native
-    model's with untied embeddings (a tied head shares its weight with the replicated embedding)."""
+    split over the sequence between the regions. Returns whether the embedding and LM head are vocabulary-parallel
+    (`parallelize_vocabulary`): always but in transformers' releases without a boolean `logits_to_keep`."""
     name = type(model).__name__
     if name not in PLANNED_MODELS:
         raise ValueError(f"trainer.tensor_parallel_size > 1 has a plan for {sorted(PLANNED_MODELS)}, not {name}")
@@ -101,14 +104,29 @@ def parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
         model.sequence_parallel_enable(SequenceShard(tp_mesh))
     elif sequence_parallel:
         TransformersRows(SequenceShard(tp_mesh)).hook(model)
-    # transformers' model returns every position's logits, cut by a boolean mask afterwards: kept whole there
-    vocab_parallel = native and not model.config.tie_word_embeddings
+    # before transformers took a boolean `logits_to_keep`, its model returned every position's logits, cut by a
+    # boolean index afterwards (`kept_outputs`), which a DTensor does not take: embedding and head replicated there
+    vocab_parallel = native or takes_logit_masks(model)
     if vocab_parallel:
-        # [kept, hidden] replicated in, [kept, vocab] sharded over the vocabulary out (a DTensor)
-        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(input_layouts=Replicate(),
-                                                                         output_layouts=Shard(-1),
-                                                                         use_local_output=False)})
+        # transformers' model builds its mask from the whole embedding output, split entering the first layer
+        parallelize_vocabulary(model, tp_mesh, scatter=sequence_parallel and native)
     return vocab_parallel
+
+
+def parallelize_vocabulary(model: torch.nn.Module, tp_mesh: DeviceMesh, scatter: bool) -> None:
+    """The embedding and the LM head split over the vocabulary: `Shard(0)` of their [vocab, hidden] weights. A lookup
+    masks the ids outside this rank's rows and sums the partial rows over "tp" (with `scatter` reduce-scatters them
+    onto this rank's positions, sequence parallelism's split); the head takes [kept, hidden] replicated and returns
+    [kept, vocab] sharded over the vocabulary (a DTensor). A tied head is pointed at the embedding's sharded
+    parameter again (the plan distributes each module's weight anew): one parameter, which FSDP2 then shards over
+    "dp"."""
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                              output_layouts=Shard(1) if scatter else Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
+    })
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
 
 
 class TransformersRows:
