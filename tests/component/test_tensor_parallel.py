@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import Shard
 
-from tests.spawned_ranks import spawn_ranks
+from tests.spawned_ranks import assert_resumed_alike, gradients, spawn_ranks, synced_weights
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.inference_client.ports import free_port
 from verst.models.factory import init_model
@@ -31,6 +31,13 @@ def pg_loss(outputs: ForwardOutputs, batch: MicroBatch, normalizer: float):
     return per_token.sum() / normalizer, {}
 
 
+def entropy_bonus_loss(outputs: ForwardOutputs, batch: MicroBatch, normalizer: float):
+    """`pg_loss` with an entropy bonus, as RL recipes set (`algorithm.entropy_coef`): its gradient reaches every
+    vocabulary row through the vocabulary-parallel entropy."""
+    loss, metrics = pg_loss(outputs, batch, normalizer)
+    return loss - 0.01 * (outputs.entropy * batch.loss_mask).sum() / normalizer, metrics
+
+
 def make_items() -> list[TrainItem]:
     """Random tokens, and the padding token (256, on the second rank's rows of the vocabulary) in two prompts: its
     embedding row gets no gradient through the lookup."""
@@ -41,19 +48,21 @@ def make_items() -> list[TrainItem]:
     return items
 
 
-def weights(backend) -> dict[str, torch.Tensor]:
-    """What weight sync sends: full tensors gathered bucket by bucket (64 KiB) from the shards."""
-    return {name: t.clone() for bucket in backend.named_weights(1 << 16) for name, t in bucket}
-
-
 def one_step(backend, directory: str) -> dict:
     """Logprobs and entropy, one train step: its loss, gradients and updated weights."""
     items = make_items()
     logprobs, entropy = backend.logprobs(items, with_entropy=True)
     metrics = backend.train_step(items, pg_loss)
-    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-             for name, p in backend.model.named_parameters() if p.grad is not None}
-    return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": grads, "weights": weights(backend)}
+    return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": gradients(backend),
+            "weights": synced_weights(backend)}
+
+
+def one_step_with_entropy_bonus(backend, directory: str) -> dict:
+    """Logprobs and entropy, one train step with `entropy_bonus_loss`: its loss and gradients."""
+    items = make_items()
+    logprobs, entropy = backend.logprobs(items, with_entropy=True)
+    metrics = backend.train_step(items, entropy_bonus_loss, with_entropy=True)
+    return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "grads": gradients(backend)}
 
 
 def one_step_with_shapes(backend, directory: str) -> dict:
@@ -100,7 +109,7 @@ def save_then_step(backend, directory: str) -> dict:
     backend.save(f"{directory}/checkpoint")
     backend.export_hf(f"{directory}/saved-hf")
     backend.train_step(make_items(), pg_loss)
-    return {"weights": weights(backend)}
+    return {"weights": synced_weights(backend)}
 
 
 def resume_then_step(backend, directory: str) -> dict:
@@ -108,7 +117,7 @@ def resume_then_step(backend, directory: str) -> dict:
     backend.load(f"{directory}/checkpoint")
     backend.export_hf(f"{directory}/resumed-hf")
     backend.train_step(make_items(), pg_loss)
-    return {"weights": weights(backend)}
+    return {"weights": synced_weights(backend)}
 
 
 def _rank(rank: int, world: int, tp: int, port: int, model_path: str, job, directory: str, out: str,
@@ -155,6 +164,18 @@ def untie(path):
     return path
 
 
+def cases(names: str, fast: list[tuple], slow: list[tuple]) -> pytest.MarkDecorator:
+    """The tests' layouts by head (`model_path`: "tied" or "untied") and the other `names`: `make test` runs the `fast`
+    ones, which cover each head and each layout once; the other combinations are `slow`."""
+    ids = lambda case: "-".join(str(v) for v in case)  # noqa: E731
+    params = [pytest.param(*case, id=ids(case)) for case in fast]
+    params += [pytest.param(*case, id=ids(case), marks=pytest.mark.slow) for case in slow]
+    return pytest.mark.parametrize(names, params, indirect=["model_path"], scope="module")
+
+
+SP, NO_SP = "sequence-parallel", "no-sp"
+
+
 @pytest.fixture(scope="module", params=["tied", "untied"])
 def model_path(request, tmp_path_factory):
     path = init_model("qwen3", "tiny", tmp_path_factory.mktemp("tp") / "tiny-qwen3", seed=3)
@@ -188,17 +209,27 @@ def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
     assert_same(got, single)
 
 
+@cases("model_path", fast=[("tied",)], slow=[("untied",)])
+def test_an_entropy_bonus_at_tensor_parallel_2_has_the_gradients_of_one_rank(model_path, tmp_path):
+    """The entropy of logits sharded over the vocabulary, and its gradient to every row of the head (the weights
+    after the step are left out: AdamW's first step moves a weight by about lr x the sign of its gradient, and the
+    bonus gives many rows gradients near zero, whose sign float32 sums in another order may flip)."""
+    want = run_ranks(1, 1, model_path, tmp_path, one_step_with_entropy_bonus)
+    got = run_ranks(2, 2, model_path, tmp_path, one_step_with_entropy_bonus)
+    assert_same({**got, "weights": {}}, {**want, "weights": {}})
+
+
 def assert_vocabulary_parallel(got: dict, model_path) -> None:
     assert got["embedding_rows"] == 133, got["embedding_rows"]  # rank 0's
     assert got["tied"] == json.loads((model_path / "config.json").read_text())["tie_word_embeddings"]
     assert got["logits"] in ((Shard(-1),), (Shard(2),)), got["logits"]  # [batch, seq, vocab]
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
-def test_transformers_model_at_tensor_parallel_2_equals_one_rank(sequence_parallel, model_path, tmp_path):
+@cases("model_path,layout", fast=[("tied", NO_SP), ("untied", SP)], slow=[("untied", NO_SP), ("tied", SP)])
+def test_transformers_model_at_tensor_parallel_2_equals_one_rank(layout, model_path, tmp_path):
     """The same plan on transformers' Qwen3 (its embedding and head split over the vocabulary), against transformers' model on one rank; with
     sequence parallelism, the residual stream its first decoder layer returns holds half of every row's positions."""
-    want = run_ranks(1, 1, model_path, tmp_path, impl="transformers")
+    want, sequence_parallel = run_ranks(1, 1, model_path, tmp_path, impl="transformers"), layout == SP
     job = one_step_with_shapes if sequence_parallel else one_step_with_vocabulary
     got = run_ranks(2, 2, model_path, tmp_path, job, impl="transformers", sequence_parallel=sequence_parallel)
     assert_vocabulary_parallel(got, model_path)
@@ -214,20 +245,15 @@ def test_data_2_by_tensor_2_equals_one_rank(sequence_parallel, model_path, singl
     assert_same(run_ranks(4, 2, model_path, tmp_path, sequence_parallel=sequence_parallel), single)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence-parallel"])
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, sequence_parallel, model_path, tmp_path):
+@cases("model_path,world,layout", fast=[("tied", 2, NO_SP), ("untied", 2, SP)],
+       slow=[("untied", 2, NO_SP), ("tied", 2, SP), *((head, 4, layout) for head in ("tied", "untied")
+                                                     for layout in (NO_SP, SP))])
+def test_a_checkpoint_saved_tensor_parallel_resumes_on_one_rank(world, layout, model_path, tmp_path):
     """Saved at dp (world / 2) x tp 2 (with sequence parallelism or without), resumed at dp 1 x tp 1 (DCP
     reshards): the same HF export, and the next step's weights within 1e-6."""
-    saved = run_ranks(world, 2, model_path, tmp_path, save_then_step, sequence_parallel=sequence_parallel)
+    saved = run_ranks(world, 2, model_path, tmp_path, save_then_step, sequence_parallel=layout == SP)
     resumed = run_ranks(1, 1, model_path, tmp_path, resume_then_step)
-    exported, reloaded = load_file(tmp_path / "saved-hf/model.safetensors"), load_file(
-        tmp_path / "resumed-hf/model.safetensors")
-    assert exported.keys() == reloaded.keys()
-    for name, tensor in exported.items():
-        assert torch.equal(reloaded[name], tensor), name
-    for name, weight in saved["weights"].items():
-        torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-6, rtol=0, msg=name)
+    assert_resumed_alike(saved, resumed, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -235,13 +261,14 @@ def single_packed(model_path, tmp_path_factory):
     return run_ranks(1, 1, model_path, tmp_path_factory.mktemp("single-packed"), packing=True)
 
 
-@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(packing, model_path, single, single_packed, tmp_path):
+@cases("model_path,rows", fast=[("tied", "packed"), ("untied", "padded")], slow=[("untied", "packed"), ("tied", "padded")])
+def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(rows, model_path, single, single_packed, tmp_path):
     """Rows whose widths are odd (packed rows of several sequences, or one padded sequence per row): the residual
     stream a decoder layer returns holds half of every row's positions on each rank (the row widened by one
     position when its width is odd); a forward gathers each layer's attention and MLP input once and
     reduce-scatters their outputs (no all-reduce), reduce-scatters the embedding's partial rows onto the shares and
     gathers the rows once for the head; and everything the single rank computes is the same."""
+    packing = rows == "packed"
     got = run_ranks(2, 2, model_path, tmp_path, one_step_with_collectives, sequence_parallel=True, packing=packing)
     assert any(width % 2 for width, _ in got["widths"])
     assert all(layer == (width + 1) // 2 for width, layer in got["widths"]), got["widths"]
@@ -253,6 +280,7 @@ def test_sequence_parallel_at_tensor_parallel_2_equals_one_rank(packing, model_p
     assert_same(got, single_packed if packing else single)
 
 
+@cases("model_path", fast=[("untied",)], slow=[("tied",)])
 def test_sequence_parallel_under_activation_checkpointing_equals_one_rank(model_path, single_packed, tmp_path):
     """Each decoder layer recomputed in backward, its gathers and reduce-scatters with it."""
     got = run_ranks(2, 2, model_path, tmp_path, sequence_parallel=True, packing=True, checkpointing=True)

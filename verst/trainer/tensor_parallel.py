@@ -194,9 +194,34 @@ def vocab_parallel_logprobs(logits: DTensor, targets: torch.Tensor, temperature:
     with loss_parallel():
         log_probs = torch.log_softmax(logits, dim=-1)  # DTensor [n, vocab], sharded over the vocabulary
         chosen = -torch.nn.functional.nll_loss(log_probs, targets, reduction="none")
-    entropy = None
-    if with_entropy:
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-        entropy = entropy.full_tensor() if isinstance(entropy, DTensor) else entropy
+    entropy = vocab_parallel_entropy(logits) if with_entropy else None
     chosen = chosen.full_tensor() if isinstance(chosen, DTensor) else chosen
     return chosen, entropy
+
+
+def vocab_parallel_entropy(logits: DTensor) -> torch.Tensor:
+    """The entropy [n] of softmax(`logits`) [n, vocab] sharded over the vocabulary, log Σ e^z − Σ p z, from each
+    rank's shard and two sums over the group. Every rank of the group computes the same loss from the result, so
+    each sum passes its gradient back unchanged (`_SumOverGroup`): each shard's gradient is the single rank's."""
+    local, group = logits.to_local(), logits.device_mesh.get_group()
+    peak = local.detach().amax(-1, keepdim=True)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # [n, 1]: a shift, no gradient
+    exps = (local - peak).exp()
+    total = _SumOverGroup.apply(exps.sum(-1, keepdim=True), group)  # [n, 1]
+    expected = _SumOverGroup.apply((exps / total * local).sum(-1), group)  # Σ p z [n]
+    return (peak + total.log()).squeeze(-1) - expected
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """A sum over the ranks of `group` whose result every rank uses alike: forward all-reduces, backward hands each
+    rank the result's gradient as its part's (Megatron's reduce-from-model-parallel-region)."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = part.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
