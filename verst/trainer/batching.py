@@ -227,11 +227,12 @@ def takes_logit_masks(model: torch.nn.Module) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PEFT wrapper
     # FSDP2 subclasses the model's class: its bases tell what it is
     transformers_model = any(cls.__module__.startswith("transformers.") for cls in type(base).__mro__)
-    return not transformers_model or _transformers_slices_by_mask()
+    return not transformers_model or transformers_slices_by_mask()
 
 
 @functools.cache
-def _transformers_slices_by_mask() -> bool:
+def transformers_slices_by_mask() -> bool:
+    """Whether the installed transformers' causal LMs take a boolean `logits_to_keep` mask."""
     from transformers import modeling_utils
 
     return hasattr(modeling_utils, "slice_logits_to_keep")
