@@ -1,8 +1,8 @@
 """Trainer ranks in spawned processes for the parallelism tests: `spawn_ranks(target, world, args, out)` runs
 `target(rank, *args)` in `world` processes (each joins a gloo group on 127.0.0.1 itself), waits for them, kills
 any still alive, even when a rank failed, and returns what rank 0 pickled to `out`. What a rank reads off its
-backend (`synced_weights`, `gradients`) and the check of a checkpoint resumed on another mesh
-(`assert_resumed_alike`) are shared by the tests of every layout."""
+backend (`synced_weights`, `gradients`), and the checks of its tensors (`assert_tensors_close`) and of a checkpoint
+resumed on another mesh (`assert_resumed_alike`), are shared by the tests of every layout."""
 
 import multiprocessing
 import os
@@ -54,6 +54,13 @@ def gradients(backend) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient (gathered from its shards)."""
     return {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             for name, p in backend.model.named_parameters() if p.grad is not None}
+
+
+def assert_tensors_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float) -> None:
+    """The same names, each tensor within `atol` of `want`'s (gradients, or weights after a step)."""
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=atol, rtol=0, msg=name)
 
 
 def assert_resumed_alike(saved: dict, resumed: dict, directory: Path) -> None:

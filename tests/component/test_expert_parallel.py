@@ -9,7 +9,13 @@ import pickle
 import pytest
 import torch
 
-from tests.spawned_ranks import assert_resumed_alike, gradients, spawn_ranks, synced_weights
+from tests.spawned_ranks import (
+    assert_resumed_alike,
+    assert_tensors_close,
+    gradients,
+    spawn_ranks,
+    synced_weights,
+)
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.inference_client.ports import free_port
 from verst.models.factory import EXPERTS_PER_TOKEN, N_EXPERTS, init_model, model_config
@@ -120,12 +126,8 @@ def assert_same(got: dict, want: dict, atol: float = 1e-5) -> None:
         if key in want["metrics"]:
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], abs=atol), key
     assert got["metrics"]["train/grad_norm"] == pytest.approx(want["metrics"]["train/grad_norm"], rel=atol)
-    assert got["grads"].keys() == want["grads"].keys()
-    for name, grad in want["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, atol=atol, rtol=0, msg=name)
-    assert got["weights"].keys() == want["weights"].keys()
-    for name, weight in want["weights"].items():
-        torch.testing.assert_close(got["weights"][name], weight, atol=atol, rtol=0, msg=name)
+    assert_tensors_close(got["grads"], want["grads"], atol)
+    assert_tensors_close(got["weights"], want["weights"], atol)
 
 
 def test_expert_parallel_2_equals_one_rank(model_path, routing, single, tmp_path):

@@ -11,7 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import Shard
 
-from tests.spawned_ranks import assert_resumed_alike, gradients, spawn_ranks, synced_weights
+from tests.spawned_ranks import (
+    assert_resumed_alike,
+    assert_tensors_close,
+    gradients,
+    spawn_ranks,
+    synced_weights,
+)
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.inference_client.ports import free_port
 from verst.models.factory import init_model
@@ -194,12 +200,8 @@ def assert_same(got: dict, want: dict, atol: float = 1e-5) -> None:
             torch.testing.assert_close(a, b, atol=atol, rtol=0)
     assert got["metrics"]["train/loss"] == pytest.approx(want["metrics"]["train/loss"], abs=atol)
     assert got["metrics"]["train/grad_norm"] == pytest.approx(want["metrics"]["train/grad_norm"], rel=atol)
-    assert got["grads"].keys() == want["grads"].keys()
-    for name, grad in want["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, atol=atol, rtol=0, msg=name)
-    assert got["weights"].keys() == want["weights"].keys()
-    for name, weight in want["weights"].items():
-        torch.testing.assert_close(got["weights"][name], weight, atol=atol, rtol=0, msg=name)
+    assert_tensors_close(got["grads"], want["grads"], atol)
+    assert_tensors_close(got["weights"], want["weights"], atol)
 
 
 def test_tensor_parallel_2_equals_one_rank(model_path, single, tmp_path):
