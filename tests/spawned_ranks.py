@@ -15,6 +15,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+# (prompt, response) tokens of the tests' train items: uneven lengths, most not multiples of 2 or 4 (a
+# tensor-parallel group, 2 x a context-parallel one), several longer than a context-parallel chunk
+LENGTHS = [(5, 4), (9, 7), (3, 12), (20, 6), (4, 1), (2, 9), (7, 3), (6, 5)]
+TIMEOUT_S = 240  # a rank's whole job
+# An RL learning rate. AdamW's first step moves each weight by about lr x sign(grad), so a gradient near zero
+# (1e-10, where float32 reduction order shows) may move either way: the gradients are compared on their own.
+LR = 1e-5
+
 
 def spawn_ranks(target: Callable[..., None], world: int, args: tuple, out: Path, timeout_s: float) -> Any:
     context = multiprocessing.get_context("spawn")

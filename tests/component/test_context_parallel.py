@@ -9,19 +9,13 @@ import pickle
 import pytest
 import torch
 
-from tests.spawned_ranks import assert_resumed_alike, gradients, spawn_ranks, synced_weights
+from tests.spawned_ranks import LENGTHS, LR, TIMEOUT_S, assert_resumed_alike, gradients, spawn_ranks, synced_weights
 from verst.config.schema import ModelConfig, TrainerConfig
 from verst.inference_client.ports import free_port
 from verst.models.factory import init_model
 from verst.trainer import ForwardOutputs, MicroBatch, TrainItem
 
 VOCAB = 256
-# (prompt, response) tokens: uneven lengths, most not multiples of 4 (2 x cp), several longer than a chunk
-LENGTHS = [(5, 4), (9, 7), (3, 12), (20, 6), (4, 1), (2, 9), (7, 3), (6, 5)]
-TIMEOUT_S = 240
-# An RL learning rate: AdamW's first step moves each weight by about lr x sign(grad), so a gradient near zero
-# (where float32 reduction order shows) may move either way; the gradients are compared on their own.
-LR = 1e-5
 
 
 def pg_loss(outputs: ForwardOutputs, batch: MicroBatch, normalizer: float):

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from tests.spawned_ranks import (
+    LENGTHS,
+    LR,
+    TIMEOUT_S,
     assert_resumed_alike,
     assert_tensors_close,
     gradients,
@@ -22,10 +25,7 @@ from verst.models.factory import EXPERTS_PER_TOKEN, N_EXPERTS, init_model, model
 from verst.trainer import ForwardOutputs, MicroBatch, TrainItem
 
 VOCAB = 256
-LENGTHS = [(5, 4), (9, 7), (3, 12), (20, 6), (4, 1), (2, 9), (7, 3), (6, 5)]
 MOE_LAYERS = model_config("qwen3-moe", "tiny").num_hidden_layers
-TIMEOUT_S = 240
-LR = 1e-5  # an RL learning rate: AdamW's first step moves each weight by about lr x sign(grad)
 
 
 def pg_loss(outputs: ForwardOutputs, batch: MicroBatch, normalizer: float):

@@ -12,6 +12,9 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import Shard
 
 from tests.spawned_ranks import (
+    LENGTHS,
+    LR,
+    TIMEOUT_S,
     assert_resumed_alike,
     assert_tensors_close,
     gradients,
@@ -26,11 +29,6 @@ from verst.trainer.batching import transformers_slices_by_mask
 
 VOCAB = 256  # the tiny tokenizer's byte tokens; its vocabulary has 265 rows, which tp 2 splits 133 / 132
 PAD = 256
-LENGTHS = [(5, 4), (9, 7), (3, 12), (20, 6), (4, 1), (2, 9), (7, 3), (6, 5)]
-TIMEOUT_S = 240
-# An RL learning rate. AdamW's first step moves each weight by about lr x sign(grad), so a gradient near zero
-# (1e-10, where float32 reduction order shows) may move either way: the gradients are compared on their own.
-LR = 1e-5
 
 
 def pg_loss(outputs: ForwardOutputs, batch: MicroBatch, normalizer: float):
