@@ -62,9 +62,7 @@ def expert_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, lora:
         f"algorithm.advantage_estimator = {algorithm.advantage_estimator!r}": (
             algorithm.needs_critic, "the critic's value head has no expert-parallel plan"),
     }
-    for setting, (refused, why) in refusals.items():
-        if refused:
-            raise ValueError(f"trainer.expert_parallel_size = {ep} cannot combine with {setting}: {why}")
+    _refuse_combinations(f"trainer.expert_parallel_size = {ep}", refusals)
 
 
 def context_parallel_divides_the_ranks(trainer: TrainerConfig, cluster: ClusterConfig) -> None:
@@ -98,9 +96,15 @@ def context_parallel_has_a_plan(trainer: TrainerConfig, model: ModelConfig, lora
         f"algorithm.advantage_estimator = {algorithm.advantage_estimator!r}": (
             algorithm.needs_critic, "the critic's value head has no context-parallel forward"),
     }
+    _refuse_combinations(f"trainer.context_parallel_size = {cp}", refusals)
+
+
+def _refuse_combinations(layout: str, refusals: dict[str, tuple[bool, str]]) -> None:
+    """`layout` ("field = value") refused with the first setting of `refusals` (the setting as the message shows
+    it: (whether it is set, why they cannot combine)) that is set."""
     for setting, (refused, why) in refusals.items():
         if refused:
-            raise ValueError(f"trainer.context_parallel_size = {cp} cannot combine with {setting}: {why}")
+            raise ValueError(f"{layout} cannot combine with {setting}: {why}")
 
 
 def sequence_parallel_has_a_plan(trainer: TrainerConfig) -> None:
