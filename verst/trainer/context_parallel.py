@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 from verst.config.schema import ModelConfig
 from verst.models.context_parallel import ContextShard
 from verst.trainer.batching import MicroBatch
+from verst.trainer.distributed import data_by
 from verst.trainer.tensor_parallel import logprobs_and_entropy
 
 
@@ -27,9 +27,7 @@ def context_shard(device_type: str, world_size: int, cp: int, tp: int) -> Contex
         return None
     if tp > 1:
         raise ValueError(f"trainer.context_parallel_size = {cp} cannot combine with trainer.tensor_parallel_size = {tp}")
-    if world_size % cp:
-        raise ValueError(f"trainer.context_parallel_size = {cp} does not divide the {world_size} trainer ranks")
-    mesh = init_device_mesh(device_type, (world_size // cp, cp), mesh_dim_names=("dp", "cp"))
+    mesh = data_by("cp", cp, "trainer.context_parallel_size", device_type, world_size)
     return ContextShard(mesh["cp"].get_group(), mesh.get_local_rank("cp"), cp)
 
 

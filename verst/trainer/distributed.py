@@ -10,6 +10,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 def resolve_device(device: str) -> torch.device:
@@ -59,3 +60,11 @@ def gather_objects(group: dist.ProcessGroup | None, value: object) -> list:
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, value, group=group)
     return parts
+
+
+def data_by(axis: str, size: int, field: str, device_type: str, world_size: int) -> DeviceMesh:
+    """The trainer ranks as [dp, `axis`] named ("dp", `axis`): a group on `axis` holds `size` consecutive ranks
+    (`field`'s value, which must divide them)."""
+    if world_size % size:
+        raise ValueError(f"{field} = {size} does not divide the {world_size} trainer ranks")
+    return init_device_mesh(device_type, (world_size // size, size), mesh_dim_names=("dp", axis))

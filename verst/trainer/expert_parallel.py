@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from verst.trainer.distributed import data_by
 
 # Model class -> the class of its MoE layers' experts (3-D `gate_up_proj` [experts, 2 x inter, hidden] and
 # `down_proj` [experts, hidden, inter], called as experts(hidden [tokens, hidden], top_k_index, top_k_weights)).
@@ -26,9 +28,7 @@ def expert_mesh(device_type: str, world_size: int, ep: int, tp: int) -> DeviceMe
         return None
     if tp > 1:
         raise ValueError(f"trainer.expert_parallel_size = {ep} cannot combine with trainer.tensor_parallel_size = {tp}")
-    if world_size % ep:
-        raise ValueError(f"trainer.expert_parallel_size = {ep} does not divide the {world_size} trainer ranks")
-    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+    return data_by("ep", ep, "trainer.expert_parallel_size", device_type, world_size)
 
 
 class ScaleGrad(torch.autograd.Function):

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 from verst.models.scoring import token_logprobs
 from verst.models.sequence_parallel import SequenceShard
 from verst.trainer.batching import takes_logit_masks
+from verst.trainer.distributed import data_by
 
 LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -69,11 +70,9 @@ PLANNED_MODELS = frozenset({"NativeCausalLM", "LlamaForCausalLM", "Qwen2ForCausa
 def trainer_mesh(device_type: str, world_size: int, tp: int) -> DeviceMesh:
     """All ranks on one axis (FSDP2 alone), or [dp, tp] named ("dp", "tp"): a tensor-parallel group holds
     consecutive ranks, which see the same micro-batches."""
-    if world_size % tp:
-        raise ValueError(f"trainer.tensor_parallel_size = {tp} does not divide the {world_size} trainer ranks")
     if tp == 1:
         return init_device_mesh(device_type, (world_size,))
-    return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return data_by("tp", tp, "trainer.tensor_parallel_size", device_type, world_size)
 
 
 def check_divisible(config: object, tp: int) -> None:
