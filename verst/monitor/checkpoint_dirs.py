@@ -246,7 +246,7 @@ def mesh_change(saved: dict[str, Any], current: VerstConfig) -> str | None:
     """"dp 2 x tp 2 -> dp 1 x tp 1" when the resumed run's trainer mesh (`MESH_FIELDS`) is not the one the
     checkpoint's config (`saved`) was trained on; None when it is the same."""
     old, new = _flatten(saved), _flatten(current.model_dump(mode="json"))
-    meshes = [_mesh(flat["cluster.trainer_ranks"], flat.get("trainer.tensor_parallel_size", 1),
+    meshes = [mesh_name(flat["cluster.trainer_ranks"], flat.get("trainer.tensor_parallel_size", 1),
                     flat.get("trainer.context_parallel_size", 1)) for flat in (old, new)]
     return None if meshes[0] == meshes[1] else " -> ".join(meshes)
 
@@ -285,7 +285,8 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _mesh(ranks: int, tensor_parallel_size: int, context_parallel_size: int) -> str:
+def mesh_name(ranks: int, tensor_parallel_size: int, context_parallel_size: int) -> str:
+    """The trainer mesh as logs name it: "dp 2 x tp 2", "dp 1 x tp 1 x cp 2"."""
     mesh = f"dp {ranks // (tensor_parallel_size * context_parallel_size)} x tp {tensor_parallel_size}"
     return f"{mesh} x cp {context_parallel_size}" if context_parallel_size > 1 else mesh
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from verst.monitor.checkpoint_dirs import mesh_name
 from verst.monitor.diagnosis import cause_text, error_text, os_error_in
 
 if TYPE_CHECKING:
@@ -157,8 +158,8 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint (no {COMPLETE_MARKER} file)")
     state = torch.load(directory / STATE_FILE, weights_only=False)
     world_size = dist.get_world_size()
-    saved_mesh = _mesh(state["world_size"], state.get("tensor_parallel_size", 1), state.get("context_parallel_size", 1))
-    mesh = _mesh(world_size, tensor_parallel_size, context_parallel_size)
+    saved_mesh = mesh_name(state["world_size"], state.get("tensor_parallel_size", 1), state.get("context_parallel_size", 1))
+    mesh = mesh_name(world_size, tensor_parallel_size, context_parallel_size)
     resharded = saved_mesh != mesh
     if resharded and dist.get_rank() == 0:
         log.warning("checkpoint %s was saved on %s, this trainer is %s: weights and optimizer state are resharded "
@@ -185,11 +186,6 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         _set_rng_state(torch.load(directory / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     dist.barrier()
     return int(state["step"])
-
-
-def _mesh(world_size: int, tensor_parallel_size: int, context_parallel_size: int) -> str:
-    mesh = f"dp {world_size // (tensor_parallel_size * context_parallel_size)} x tp {tensor_parallel_size}"
-    return f"{mesh} x cp {context_parallel_size}" if context_parallel_size > 1 else mesh
 
 
 def saved_extra(directory: Path) -> dict:
