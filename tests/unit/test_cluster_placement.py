@@ -1,6 +1,7 @@
 """Placement on a multi-node cluster without Ray: bundles carry the roles' custom resources, impossible
 placements are refused by field name before anything is created, and `cluster.ray_address` is checked."""
 
+import json
 import socket
 from types import SimpleNamespace
 
@@ -123,6 +124,34 @@ def test_processes_on_other_machines_are_listed_not_surveyed(tmp_path):
     assert states["engine-0"].state.startswith("on node 10.0.0.9") and states["engine-0"].exit is None
     assert processes.all_pids() == [("trainer-0", 1)]
     assert ProcessStatus("x", "x", 1, None, "").node is None
+
+
+def test_processes_json_is_written_when_a_process_comes_or_goes(tmp_path):
+    """Every guarded phase looks; processes.json is rewritten only when the listing changed (an engine
+    restarted with a new pid), not at every phase of every step."""
+    import asyncio
+    import copy
+
+    from verst.orchestration.watchdog import Watchdog
+
+    engines = _Engines()
+    engines.infos = copy.deepcopy(_Engines.infos)
+    processes = RunProcesses(tmp_path, engines, _Trainer(), None, tmp_path, node="10.0.0.1")
+    watchdog, listing = Watchdog(tmp_path, processes), tmp_path / "processes.json"
+    writes = []
+    original = processes.write
+    processes.write = lambda listed: (writes.append(listed), original(listed))
+
+    async def phases(n: int) -> None:
+        for _ in range(n):
+            assert await watchdog.guard("a phase", 5.0, "step_timeout_s", asyncio.sleep(0, result=1)) == 1
+
+    asyncio.run(phases(3))
+    assert len(writes) == 1 and json.loads(listing.read_text())[0]["pid"] == 1
+    engines.infos[0]["server_pid"] = 2  # the engine was restarted
+    asyncio.run(phases(2))
+    assert len(writes) == 2
+    assert [entry["pid"] for entry in json.loads(listing.read_text()) if entry["name"].startswith("engine 0 (")] == [2]
 
 
 def test_the_distributed_transport_is_rooted_at_rank_0s_node_address(monkeypatch):

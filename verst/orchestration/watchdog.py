@@ -85,17 +85,30 @@ class RunProcesses:
         self.run_dir, self.engines, self.trainer, self.rollout, self.log_dir = run_dir, engines, trainer, rollout, log_dir
         self.node = node
         self._logs: dict[int, str | None] = {}  # pid -> its stderr file, remembered while it lives
+        self._written: list[dict[str, Any]] | None = None  # what processes.json holds
 
     def remember(self) -> None:
         """Note where each live Ray-hosted process writes its stderr (readable only while it lives) and
         write `processes.json` (names, pids, logs) into the run directory."""
+        listed = self.changes()
+        if listed is not None:
+            self.write(listed)
+
+    def changes(self) -> list[dict[str, Any]] | None:
+        """Note where each new live Ray-hosted process writes its stderr; the processes' listing when it
+        differs from what `processes.json` holds, else None (in memory and /proc only: no file is written)."""
         listed = []
         for status in self._static():
             if status.pid is not None and status.pid not in self._logs and self._here(status):
                 self._logs[status.pid] = stderr_path(status.pid)
             listed.append({"name": status.name, "pid": status.pid, "log": status.log or self._logs.get(status.pid),
                            "node": status.node, "node_id": status.node_id})
+        return None if listed == self._written else listed
+
+    def write(self, listed: list[dict[str, Any]]) -> None:
+        """`processes.json` holds `listed` (from `changes`)."""
         _write_json(self.run_dir / "processes.json", listed)
+        self._written = listed
 
     def survey(self, timeout_s: float = 5.0) -> list[ProcessStatus]:
         """Every known process with its state; the engines' servers are asked through their actors."""
@@ -176,8 +189,10 @@ class Watchdog:
     async def guard(self, phase: str, limit_s: float, field: str, awaitable: Awaitable[T]) -> T:
         """`await awaitable`, or `StuckError` naming `phase` and its limit's config `field` after `limit_s`
         (or the failure given to `fail`)."""
-        if self.processes is not None:
-            await asyncio.to_thread(_safe, self.processes.remember, None)
+        if self.processes is not None:  # the file is written only when a process came or went
+            listed = _safe(self.processes.changes, None)
+            if listed is not None:
+                await asyncio.to_thread(_safe, lambda: self.processes.write(listed), None)
         task = asyncio.ensure_future(awaitable)
         failed = asyncio.ensure_future(self._event().wait())
         try:
