@@ -17,7 +17,7 @@ ROLES = (("--side trl", "TRL process"), ("--side fully_async", "verst driver (fu
          ("verst.engine.server", "engine server"), ("serve engine", "engine server"),
          ("ray::TrainerRank", "trainer rank"), ("ray::EngineServer", "engine actor"),
          ("ray::_RolloutManagerActor", "rollout manager"), ("ray::RolloutManager", "rollout manager"),
-         ("gcs_server", "ray gcs"), ("raylet", "ray raylet"))
+         ("gcs_server", "ray gcs"), ("raylet/raylet", "ray raylet"))
 
 
 def peak_rss_mib(pid: int | None = None) -> float:

@@ -6,10 +6,12 @@ run to 128 tokens (ignore_eos). Both get the same cores (`--cores N`, default al
 divides (sync: trainer and engine each alone on all of them in turn; fully async: split between the two).
 Prints the mean step time of each (first step excluded), their ratio (target: fully async ≥ 2.5× faster),
 the threads each side had, and the engine idle fraction of each (`perf/engine_idle_fraction`:
-1 − the share of wall time the engines spent in forward steps, read from the engines themselves), and
-the fully async worker's idle slot fraction. The fully async worker keeps two batches of trajectories in
-flight by default (the sync schedule has one batch in flight by construction): while a straggler runs, the
-engine's batches stay full of the next groups instead of shrinking to the straggler.
+1 − the share of wall time the engines spent in forward steps, read from the engines themselves), the
+fully async worker's idle slot fraction, and how busy the cores were during the timed steps with the CPU
+milliseconds a step of each process (trainer rank, engine, rollout manager, driver, Ray's own). The fully
+async worker keeps two batches of trajectories in flight by default (the sync schedule has one batch in
+flight by construction): while a straggler runs, the engine's batches stay full of the next groups instead
+of shrinking to the straggler.
 With `--max-staleness K` the fully async side drops groups older than K versions, and prints the share of the
 groups it produced that were dropped as stale (`--admission fill` starts groups regardless of their staleness).
 Usage: .venv/bin/python bench/async_vs_sync.py [--rollouts 48] [--batch 8] [--n 4] [--max-in-flight 64]
@@ -33,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from _cores import bench_cores, describe, pin_here  # noqa: E402
+from _cpu import CpuMeter  # noqa: E402
 
 TAIL = ((75, 4), (20, 32), (5, 128))  # (% of samples, response tokens)
 TARGET = 2.5  # fully async over sync, step time, at equal cores
@@ -62,7 +65,7 @@ def fully_async_args(args) -> list[str]:
     return ["--rollout.admission", args.admission, *staleness]
 
 
-def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str, float]:
+def run(schedule: str, workdir: Path, model: Path, data: Path, args, cpu: CpuMeter) -> dict[str, float]:
     from verst.config import load_config
     from verst.monitor import read_metrics
     from verst.schedules import SCHEDULES
@@ -87,9 +90,11 @@ def run(schedule: str, workdir: Path, model: Path, data: Path, args) -> dict[str
     threads = {side: sorted({r[f"perf/{side}_threads"] for r in steps}) for side in ("trainer", "engine")}
     last = steps[-1]
     produced, stale = last.get("rollout/groups_produced_total"), last.get("buffer/dropped_stale_total", 0.0)
+    window = cpu.between(steps[0]["time"], last["time"])  # the timed steps after the first of them
     return {"step_s": step_s, "idle": idle, "idle_slots": slots, "response_length_mean": tokens,
             "steps": len(steps), "threads": threads, "groups_produced": produced,
-            "stale_dropped": stale if produced is not None else None}
+            "stale_dropped": stale if produced is not None else None,
+            "cpu": window.row(len(steps) - 1), "cpu_line": window.line(len(steps) - 1)}
 
 
 def main() -> int:
@@ -117,13 +122,13 @@ def main() -> int:
     from verst.models import init_model
     from verst.orchestration import RaySession
 
-    with tempfile.TemporaryDirectory() as tmp, RaySession(slots=4, log_to_driver=False):
+    with tempfile.TemporaryDirectory() as tmp, RaySession(slots=4, log_to_driver=False), CpuMeter(len(cores)) as cpu:
         work = args.keep or Path(tmp)
         model = init_model("qwen3", "tiny", work / "model", seed=0)
         train, test = make_splits("addition", n_train=500, n_test=20, seed=0)
         write_jsonl(train, work / "data" / "train.jsonl")
         write_jsonl(test, work / "data" / "test.jsonl")
-        results = {s: run(s, work, model, work / "data", args) for s in ("sync", "fully_async")}
+        results = {s: run(s, work, model, work / "data", args, cpu) for s in ("sync", "fully_async")}
     tail = ", ".join(f"{share}% {tokens}" for share, tokens in TAIL)
     print(f"\nlong-tailed lengths ({tail} tokens), {args.batch} prompts x {args.n} samples, "
           f"{args.rollouts} steps (first excluded), fully async max_in_flight {args.max_in_flight}; both schedules "
@@ -136,6 +141,7 @@ def main() -> int:
             f"({r['stale_dropped'] / max(r['groups_produced'], 1):.1%})" if r["stale_dropped"] is not None else ""
         print(f"{schedule:<12} step {r['step_s']:.2f} s   engine idle fraction {r['idle']:.2f}{slots}   "
               f"mean response {r['response_length_mean']:.1f} tokens   threads: {threads}{stale}")
+        print(f"{'':<12} {r['cpu_line']}")
     ratio = results["sync"]["step_s"] / results["fully_async"]["step_s"]
     print(f"ratio sync / fully async step time: {ratio:.2f}x  (target >= {TARGET}x)")
     if args.out:
