@@ -262,9 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
+    from verst.engine.app import uvicorn_config
     from verst.engine.core import EngineConfig, EngineCore
     from verst.engine.runner import EngineRunner
-    from verst.engine.server import listening_socket, uvicorn_config
+    from verst.engine.server import listening_socket
     from verst.engine.service import ServerState
     from verst.models.loader import load_tokenizer
     from verst.models.native import load_causal_lm

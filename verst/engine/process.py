@@ -119,8 +119,9 @@ class BackgroundServer:
     def start(self, timeout: float = 30.0) -> BackgroundServer:
         import uvicorn
 
+        from verst.engine.app import uvicorn_config
         from verst.engine.runner import EngineRunner
-        from verst.engine.server import create_app, listening_socket, uvicorn_config
+        from verst.engine.server import create_app, listening_socket
         from verst.engine.service import ServerState
 
         sock = listening_socket(self.host, 0)

@@ -17,12 +17,11 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
 
+from verst.engine.app import install_error_handlers, serve
 from verst.engine.config import IMPLS
-from verst.engine.http_errors import http_error, json_body, validated, validation_error
+from verst.engine.http_errors import json_body, validated
 from verst.engine.memory import release_memory, resume_memory
 from verst.engine.request import generate_reply
 from verst.engine.schema import ERROR_RESPONSES, UNHEALTHY, install_openapi
@@ -30,7 +29,6 @@ from verst.engine.service import (
     ServerState,
     build_request,
     error_response,
-    invalid_request_response,
     run_all_to_completion,
 )
 from verst.engine.weight_routes import add_lora_routes, add_weight_routes
@@ -68,9 +66,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="verst engine", version=ENGINE_VERSION, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.engine = state
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(InvalidRequest, lambda request, exc: invalid_request_response(exc))
-    app.add_exception_handler(HTTPException, http_error)
+    install_error_handlers(app)
     _add_generate_routes(app, state)
     _add_info_routes(app, state)
     _add_control_routes(app, state)
@@ -289,20 +285,10 @@ def parse_cores(text: str) -> tuple[int, ...]:
     return cores
 
 
-def uvicorn_config(app: FastAPI, log_level: str = "warning") -> Any:
-    """How the engine's app is served: uvloop and httptools, whose request handling costs a fraction of
-    asyncio's loop and h11's parser (a weight sync's control calls are a few small requests each)."""
-    import uvicorn
-
-    return uvicorn.Config(app, log_level=log_level, loop="uvloop", http="httptools", timeout_keep_alive=30,
-                          timeout_graceful_shutdown=5)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     arm_stack_dump()  # SIGUSR1 prints every thread's stack into the engine's log (hang reports)
     import torch
-    import uvicorn
 
     from verst.engine.core import EngineConfig, EngineCore
     from verst.engine.runner import EngineRunner
@@ -348,14 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model)),
         host=args.host, port=port,
     )
-    server = uvicorn.Server(uvicorn_config(create_app(state), args.log_level))
-    if args.port_file:
-        tmp = f"{args.port_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, args.port_file)
     log.info("serving %s on http://%s:%d", args.model, args.host, port)
-    server.run(sockets=[sock])
+    serve(create_app(state), sock, args.port_file, args.log_level)
     return 0
 
 

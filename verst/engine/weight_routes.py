@@ -1,10 +1,12 @@
 """The engine's weight routes: loads from disk, from tensors (SGLang's format) and from a process-group
-broadcast, the group's lifecycle, and LoRA adapters by name, as FastAPI routes over `EngineRunner`."""
+broadcast, the group's lifecycle, and LoRA adapters by name, as FastAPI routes over a runner that calls its
+core on the engine's thread (the text engine's `EngineRunner`, the diffusion engine's `ImageRunner`)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -26,8 +28,42 @@ from verst.inference_client.weight_protocol import (
     UpdateWeightsFromTensorRequest,
 )
 
+T = TypeVar("T")
 
-def add_weight_routes(app: FastAPI, state: ServerState) -> None:
+
+class WeightCore(Protocol):
+    """What the weight routes ask of an engine's core (on its thread, through `WeightServer.runner`). A core
+    that serves no LoRA adapters refuses `build_lora` and `loras.check_room` naming `lora_name`."""
+
+    weight_version: str
+    loras: Any  # check_room(name) before a pushed adapter's broadcast
+
+    def abort_all(self, message: str) -> int: ...
+    def check_weights(self, named_shapes: list[tuple[str, Any]]) -> dict[str, Any]: ...
+    def load_weights(self, named: Iterable[tuple[str, Any]], version: str | None, flush: bool = True,
+                     shapes: list[tuple[str, Any]] | None = None) -> int: ...
+    def build_lora(self, name: str, config: dict[str, Any], tensors: dict[str, Any]) -> Any: ...
+    def add_lora(self, adapter: Any, update_in_flight: bool = False) -> None: ...
+
+
+class CoreRunner(Protocol):
+    async def acall(self, fn: Callable[[Any], T]) -> T: ...
+
+
+class WeightServer(Protocol):
+    """What the weight routes ask of a server: its core, the runner that calls it, the joined groups."""
+
+    weight_groups: dict[str, Any]
+
+    @property
+    def core(self) -> WeightCore: ...
+    @property
+    def runner(self) -> CoreRunner: ...
+    @property
+    def on_cuda(self) -> bool: ...
+
+
+def add_weight_routes(app: FastAPI, state: WeightServer) -> None:
     async def load(named, version: str | None, flush: bool, abort_all: bool, shapes=None) -> dict[str, Any]:
         def apply(core):
             if abort_all:

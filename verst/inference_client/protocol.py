@@ -25,7 +25,7 @@ from verst.types.sampling import SamplingKnobs
 # SGLang fields the embedded engine accepts only at these values. sglang-router adds several of them to
 # every forwarded /generate body, so they cannot simply be unknown fields; any other value is refused
 # by name rather than silently ignored.
-_GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "return_hidden_states": (False, None),
     "background": (False, None),
     "return_bytes": (False, None),
@@ -45,7 +45,7 @@ _GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "return_prompt_token_ids": (False, None),
 }
 # Accepted and deliberately without effect: bookkeeping hints that change no output.
-_GENERATE_IGNORED = ("model", "log_metrics", "no_logs", "routing_key", "conversation_id", "session_id")
+GENERATE_IGNORED = ("model", "log_metrics", "no_logs", "routing_key", "conversation_id", "session_id")
 
 _SAMPLING_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "n": (1, None),
@@ -213,8 +213,8 @@ class SamplingParams(SamplingOptions):
 class _GenerateOptions(WireModel):
     """The fields of `POST /generate` that apply to every prompt of a request."""
 
-    accepted_only_at: ClassVar[dict[str, tuple[Any, ...]]] = _GENERATE_DEFAULT_ONLY
-    accepted_and_ignored: ClassVar[tuple[str, ...]] = _GENERATE_IGNORED
+    accepted_only_at: ClassVar[dict[str, tuple[Any, ...]]] = GENERATE_DEFAULT_ONLY
+    accepted_and_ignored: ClassVar[tuple[str, ...]] = GENERATE_IGNORED
     return_logprob: bool = False
     logprob_start_len: int | None = Field(
         None, ge=-1, description="With return_logprob: the first prompt position whose logprob comes back in "
@@ -231,9 +231,9 @@ class _GenerateOptions(WireModel):
     @model_validator(mode="before")
     @classmethod
     def _default_only(cls, data: Any) -> Any:
-        data = check_default_only(data, _GENERATE_DEFAULT_ONLY, "")
+        data = check_default_only(data, GENERATE_DEFAULT_ONLY, "")
         if isinstance(data, dict):
-            for name in _GENERATE_IGNORED:
+            for name in GENERATE_IGNORED:
                 data.pop(name, None)
         return data
 

@@ -1,0 +1,46 @@
+"""What every engine server's FastAPI app shares: the error handlers (SGLang's error body naming the field),
+how the app is served (uvicorn on a socket bound first), and the port file a launcher waits for.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from verst.engine.http_errors import http_error, validation_error
+from verst.engine.service import invalid_request_response
+from verst.inference_client.protocol import InvalidRequest
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """422 for a body that breaks the schema, 400 for `InvalidRequest`, FastAPI's own errors in the same body."""
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(InvalidRequest, lambda request, exc: invalid_request_response(exc))
+    app.add_exception_handler(HTTPException, http_error)
+
+
+def uvicorn_config(app: FastAPI, log_level: str = "warning") -> Any:
+    """How the engine's app is served: uvloop and httptools, whose request handling costs a fraction of
+    asyncio's loop and h11's parser (a weight sync's control calls are a few small requests each)."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, loop="uvloop", http="httptools", timeout_keep_alive=30,
+                          timeout_graceful_shutdown=5)
+
+
+def serve(app: FastAPI, sock: socket.socket, port_file: str | None, log_level: str = "warning") -> None:
+    """Serve `app` on the bound socket until stopped; the port goes to `port_file` (atomically) first."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn_config(app, log_level))
+    if port_file:
+        tmp = f"{port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(sock.getsockname()[1]))
+        os.replace(tmp, port_file)
+    server.run(sockets=[sock])
