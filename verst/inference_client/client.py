@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from verst.inference_client.batching import RequestBatcher
+from verst.inference_client.images import ImageResult, image_replies
 from verst.inference_client.pooled import PooledWire
 from verst.inference_client.replies import (  # what callers of the client catch and read, here as well
     EngineError,
@@ -232,6 +233,16 @@ class EngineClient:
                 self.retried += 1
                 await asyncio.sleep(min(self.retry_backoff_s * 2**attempt, 8.0))  # the engine's removal, meanwhile
         raise AssertionError("unreachable")
+
+    async def generate_images(self, text: str, sampling_params: dict[str, Any] | None = None, *,
+                              rid: str | None = None, return_logprob: bool = False) -> list[ImageResult]:
+        """The diffusion engine's images of one class description (`n` of them, seeds `sampling_seed + i`),
+        decoded; refused when a reply was sampled with other settings than `sampling_params` asks for."""
+        sampling_params = dict(sampling_params or {})
+        body = {"text": text, "sampling_params": sampling_params, "return_logprob": return_logprob,
+                **({"rid": rid} if rid is not None else {})}
+        replies = image_replies(await self._send_generate(body, None))
+        return [ImageResult.from_reply(reply).check(sampling_params) for reply in replies]
 
     async def abort(self, rid: str) -> None:
         await self._post("/abort_request", {"rid": rid}, self.timeouts.control)
