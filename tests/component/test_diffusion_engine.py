@@ -203,3 +203,9 @@ def test_a_reply_round_trips_its_arrays_exactly():
     result = ImageResult.from_reply(reply)
     assert np.array_equal(result.image, image) and result.latents.shape == (3, 3, 16, 16)
 
+
+def test_verst_diffusion_serve_starts_the_engine(base_dir):
+    with EngineProcess(base_dir, entry=["-m", "verst.cli.main", "diffusion", "serve"]) as proc:
+        assert httpx.get(proc.url + "/health_generate", timeout=30).status_code == 200
+        info = httpx.get(proc.url + "/get_model_info", timeout=30).json()
+    assert info["weight_version"] == "0" and info["num_classes"] == shapes.N_CLASSES

@@ -1,10 +1,11 @@
-"""`verst diffusion init | pretrain | classifier | rl`: the shapes denoiser made, pretrained and RL-trained locally.
+"""`verst diffusion init | pretrain | classifier | rl | serve`: the shapes denoiser made, pretrained and RL-trained locally.
 
 - init: a seeded class-conditioned UNet2DModel in diffusers' format.
 - pretrain: flow matching on the procedural coloured-shapes dataset; saved in diffusers' format.
 - classifier: the shapes classifier the alignment reward uses.
 - rl: Flow-GRPO steps with a reward (alignment, jpeg, or module:function); prints the held-out mean reward
   and classifier accuracy before and after, and writes the held-out samples before and after as image grids.
+- serve: the diffusion engine over HTTP (`verst diffusion serve --model DIR --port P`; see docs/diffusion.md).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--noise-level", type=float, default=0.7, help="the SDE sampler's a (default: %(default)s)")
     rl.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance while training")
     rl.add_argument("--eval-images", type=int, default=16, help="held-out images per class per evaluation")
+    # its flags are the server's own (verst.engine.diffusion_server.build_parser); main hands them over
+    commands.add_parser("serve", help="serve a denoiser over HTTP (--model DIR --port P; serve --help)", add_help=False)
     return parser
 
 
@@ -91,6 +94,10 @@ def save_grid(images, path: Path, columns: int, scale: int = 4) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["serve"]:
+        from verst.engine.diffusion_server import main as serve
+
+        return serve(argv[1:], prog="verst diffusion serve")
     args = build_parser().parse_args(argv)
     import torch
 
