@@ -42,7 +42,7 @@ def base_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(base_dir):
-    with EngineProcess(base_dir, entry=ENTRY, startup_timeout=120.0) as proc:
+    with EngineProcess(base_dir, entry=ENTRY, args=["--num-inference-steps", str(STEPS)], startup_timeout=120.0) as proc:
         yield proc
 
 
@@ -80,11 +80,22 @@ def test_step_logprobs_match_the_trainers_recomputation_and_seeds_fix_images(eng
 
 def test_sglang_router_forwards_seed_and_n_and_a_dropped_setting_is_refused(engine):
     with RouterManager([engine.url], policy="round_robin") as router:
-        results = run(images(router.url, sampling_seed=11, n=2, num_inference_steps=10))
+        # sglang-router 0.3.2 drops the sampling_params SGLang does not know: the engine's launch settings
+        # (--num-inference-steps) apply, and the reply says what was used
+        results = run(images(router.url, sampling_seed=11, n=2))
         assert [r.seed for r in results] == [11, 12] and len({r.rid for r in results}) == 2
-        # sglang-router 0.3.2 drops the sampling_params SGLang does not know; the reply says what was used
+        assert all(r.settings["num_inference_steps"] == STEPS and r.latents.shape[0] == STEPS + 1 for r in results)
         with pytest.raises(InvalidRequest, match="sampling_params.num_inference_steps"):
-            run(images(router.url, sampling_seed=11, num_inference_steps=3))
+            run(images(router.url, sampling_seed=11, num_inference_steps=STEPS - 1))
+    direct = run(images(engine.url, sampling_seed=11, num_inference_steps=STEPS - 1))  # straight to the engine
+    assert direct[0].latents.shape[0] == STEPS and direct[0].settings["num_inference_steps"] == STEPS - 1
+
+
+def test_a_bad_launch_setting_is_refused_naming_the_flag(base_dir):
+    from verst.engine.diffusion_server import main
+
+    with pytest.raises(SystemExit, match="--noise-level = 0: Input should be greater than 0"):
+        main(["--model", str(base_dir), "--noise-level", "0"])
 
 
 def test_weight_pushes_through_tensor_disk_and_distributed_set_the_version_and_the_images(engine, tmp_path):

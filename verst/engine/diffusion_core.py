@@ -19,7 +19,7 @@ import torch
 
 from verst.data import shapes
 from verst.engine.weights import check_weight_names
-from verst.inference_client.images import ImageGenerateRequest, ImageSamplingParams
+from verst.inference_client.images import SETTINGS, ImageGenerateRequest, ImageSamplingParams
 from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, InvalidRequest
 from verst.models import diffusion
 
@@ -53,10 +53,13 @@ class DiffusionCore:
     """A class-conditioned denoiser and its weight version. `generate` and the weight loads run on the
     runner's thread, one at a time; `abort` and `abort_all` may come from any thread."""
 
-    def __init__(self, model: torch.nn.Module, weight_version: str = "0", seed: int = 0):
+    def __init__(self, model: torch.nn.Module, weight_version: str = "0", seed: int = 0,
+                 settings: dict[str, Any] | None = None):
         self.model = model.eval()
         self.weight_version = weight_version
         self.seed = seed
+        # the sampler's settings a request leaves out (through sglang-router, which drops them, every request)
+        self.settings = ImageSamplingParams(**(settings or {}))
         self.loras = NoAdapters()
         self.n_classes = int(model.config.num_class_embeds) - 1
         self.counters = {"images": 0, "requests": 0, "aborted": 0, "weight_updates": 0}
@@ -72,9 +75,11 @@ class DiffusionCore:
             raise InvalidRequest("text", body.text, str(exc)) from None
         if label >= self.n_classes:
             raise InvalidRequest("text", body.text, f"class {label}; the model has {self.n_classes} classes")
-        seed = body.sampling_params.sampling_seed
-        return ImageJob(rid=rid, label=label, seed=self.seed if seed is None else seed,
-                        params=body.sampling_params, return_logprob=body.return_logprob)
+        asked = body.sampling_params
+        params = asked.model_copy(update={name: getattr(self.settings, name) for name in SETTINGS
+                                          if name not in asked.model_fields_set})
+        return ImageJob(rid=rid, label=label, seed=self.seed if asked.sampling_seed is None else asked.sampling_seed,
+                        params=params, return_logprob=body.return_logprob)
 
     def admit(self, job: ImageJob) -> None:
         with self._lock:

@@ -19,13 +19,14 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from verst.engine.app import install_error_handlers, serve
 from verst.engine.diffusion_core import DiffusionCore, ImageJob, ImageRunner
 from verst.engine.schema import ERROR_RESPONSES, UNHEALTHY
 from verst.engine.service import error_response
 from verst.engine.weight_routes import add_weight_routes
-from verst.inference_client.images import ImageGenerateRequest, encode_array
+from verst.inference_client.images import SETTINGS, ImageGenerateRequest, ImageSamplingParams, encode_array
 from verst.inference_client.ports import listening_socket
 from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, AbortRequest, PauseRequest
 from verst.inference_client.weight_protocol import UpdateWeightVersionRequest
@@ -179,6 +180,13 @@ def build_parser(prog: str = "python -m verst.engine.diffusion_server") -> argpa
     p.add_argument("--weight-version", default="0", help="version string of the loaded weights")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the sampler")
+    defaults = ImageSamplingParams()
+    p.add_argument("--num-inference-steps", type=int, default=defaults.num_inference_steps,
+                   help="SDE steps of a request that names none (every request through sglang-router)")
+    p.add_argument("--guidance-scale", type=float, default=defaults.guidance_scale,
+                   help="classifier-free guidance of a request that names none")
+    p.add_argument("--noise-level", type=float, default=defaults.noise_level,
+                   help="the SDE's noise level of a request that names none")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -186,7 +194,14 @@ def build_parser(prog: str = "python -m verst.engine.diffusion_server") -> argpa
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(*(prog,) if prog else ()).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    core = DiffusionCore(diffusion.load(args.model), weight_version=args.weight_version, seed=args.seed)
+    try:
+        settings = ImageSamplingParams(num_inference_steps=args.num_inference_steps,
+                                       guidance_scale=args.guidance_scale, noise_level=args.noise_level)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise SystemExit(f"--{str(error['loc'][0]).replace('_', '-')} = {error['input']!r}: {error['msg']}") from None
+    core = DiffusionCore(diffusion.load(args.model), weight_version=args.weight_version, seed=args.seed,
+                         settings=settings.model_dump(include=set(SETTINGS)))
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     state = DiffusionState(runner=ImageRunner(core, args.torch_threads), model_path=args.model,

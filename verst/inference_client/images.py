@@ -3,9 +3,10 @@
 of float32 C-order bytes with their shape (an exact round trip). Imports numpy, not torch.
 
 sglang-router 0.3.2 forwards only the `sampling_params` SGLang knows: `sampling_seed` and `n` reach an
-engine behind it, `num_inference_steps`, `guidance_scale` and `noise_level` are dropped and take their
-defaults there. Every reply states the settings it was sampled with, and `ImageResult.check` refuses a
-reply whose settings differ from the request's, so a dropped setting is an error, never a silent default.
+engine behind it, `num_inference_steps`, `guidance_scale` and `noise_level` are dropped, so there the
+engine's launch settings (`--num-inference-steps`, ...) apply. Every reply states the settings it was sampled
+with, and `ImageResult.check` refuses a reply whose settings differ from the request's, so a dropped setting is
+an error, never a silent default.
 """
 
 from __future__ import annotations
