@@ -288,3 +288,56 @@ def test_sequence_parallel_under_activation_checkpointing_equals_one_rank(model_
     """Each decoder layer recomputed in backward, its gathers and reduce-scatters with it."""
     got = run_ranks(2, 2, model_path, tmp_path, sequence_parallel=True, packing=True, checkpointing=True)
     assert_same(got, single_packed)
+
+
+def _both_from_shards(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of `vocab_parallel_logprobs` with the entropy, on logits sharded over an 11-token vocabulary
+    (chunks 4, 4, 3 over 3 ranks): its results, the gradients of its shard and the collectives it issued."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from verst.trainer.tensor_parallel import vocab_parallel_logprobs
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        logits, targets = _logits_and_targets()
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        sharded = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
+        comms = CommDebugMode()
+        with comms:
+            chosen, entropy = vocab_parallel_logprobs(sharded, targets, 0.7, with_entropy=True)
+        (chosen * torch.arange(1.0, 7.0) + entropy).sum().backward()
+        counts = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+        grads = [None] * world
+        dist.all_gather_object(grads, sharded.grad.to_local())
+        if rank == 0:
+            with open(out, "wb") as f:
+                pickle.dump({"chosen": chosen.detach(), "entropy": entropy.detach(), "grad": torch.cat(grads, 1),
+                             "comms": counts}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _logits_and_targets() -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(6, 11, generator=torch.Generator().manual_seed(3)) * 3
+    return logits, torch.tensor([0, 3, 4, 7, 8, 10])  # a target in every chunk, at both ends of each
+
+
+def test_the_logprobs_and_entropy_of_a_vocabulary_parallel_head_come_from_one_log_sum_exp(tmp_path):
+    """Logits over 11 tokens on 3 ranks (4, 4, 3), targets in every chunk, a loss weighting the entropy as much as
+    the logprobs: the chosen logprobs, the entropy and the gradient of each shard equal one rank's, from two
+    all-reduces (the max; Σ e^z, Σ e^z z and the target's logit at once)."""
+    from verst.models.scoring import token_logprobs
+
+    out = tmp_path / "both.pkl"
+    got = spawn_ranks(_both_from_shards, 3, (3, free_port(), str(out)), out, TIMEOUT_S)
+    logits, targets = _logits_and_targets()
+    logits.requires_grad_()
+    chosen, log_probs = token_logprobs(logits, targets, 0.7)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    (chosen * torch.arange(1.0, 7.0) + entropy).sum().backward()
+    assert_tensors_close({name: got[name] for name in ("chosen", "entropy", "grad")},
+                         {"chosen": chosen.detach(), "entropy": entropy.detach(), "grad": logits.grad}, 1e-5)
+    assert got["comms"] == {"allreduce_": 2}, got["comms"]

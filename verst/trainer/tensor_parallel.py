@@ -185,30 +185,43 @@ def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatur
 
 def vocab_parallel_logprobs(logits: DTensor, targets: torch.Tensor, temperature: float,
                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(target) [n] and, if asked, the entropy [n] from `logits` [n, vocab] sharded over the vocabulary:
-    the log-softmax's max and sum reduced across ranks (torch's `loss_parallel`), never a whole row on one rank."""
+    """log π(target) [n] and, if asked, the entropy [n] from `logits` [n, vocab] sharded over the vocabulary,
+    never a whole row on one rank. Without the entropy: torch's `loss_parallel` log-softmax. With it: both from
+    one log-sum-exp (`_vocab_parallel_both`), two reductions for the two."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
+    if with_entropy:
+        return _vocab_parallel_both(logits, targets)
     with loss_parallel():
         log_probs = torch.log_softmax(logits, dim=-1)  # DTensor [n, vocab], sharded over the vocabulary
         chosen = -torch.nn.functional.nll_loss(log_probs, targets, reduction="none")
-    entropy = vocab_parallel_entropy(logits) if with_entropy else None
-    chosen = chosen.full_tensor() if isinstance(chosen, DTensor) else chosen
-    return chosen, entropy
+    return (chosen.full_tensor() if isinstance(chosen, DTensor) else chosen), None
 
 
-def vocab_parallel_entropy(logits: DTensor) -> torch.Tensor:
-    """The entropy [n] of softmax(`logits`) [n, vocab] sharded over the vocabulary, log Σ e^z − Σ p z, from each
-    rank's shard and two sums over the group. Every rank of the group computes the same loss from the result, so
-    each sum passes its gradient back unchanged (`_SumOverGroup`): each shard's gradient is the single rank's."""
-    local, group = logits.to_local(), logits.device_mesh.get_group()
+def _vocab_parallel_both(logits: DTensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(target) = z_target − L and the entropy L − Σ p z, with L = log Σ e^z and Σ p z = Σ e^z z / Σ e^z,
+    from each rank's shard of `logits` [n, vocab] and two reductions over the group: the max, then one sum of
+    Σ e^z, Σ e^z z and the target's logit (which only the rank whose shard holds it adds). Every rank computes
+    the same loss from the sums, so their backward hands each rank the sums' gradient as its part's
+    (`_SumOverGroup`); nothing downstream of a sum uses a rank's own part, so each shard's gradient is the single
+    rank's."""
+    local, mesh = logits.to_local(), logits.device_mesh
+    group, vocab, width = mesh.get_group(), logits.shape[-1], local.shape[-1]
+    chunk = -(-vocab // mesh.size())  # DTensor's Shard: chunks of ceil(vocab / ranks), the last ones shorter
+    start = mesh.get_local_rank() * chunk
+    if width != max(0, min(chunk, vocab - start)):
+        raise RuntimeError(f"vocabulary shard of rank {mesh.get_local_rank()}: {width} logits where chunks of "
+                           f"{chunk} over {vocab} give {max(0, min(chunk, vocab - start))}")
     peak = local.detach().amax(-1, keepdim=True)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # [n, 1]: a shift, no gradient
     exps = (local - peak).exp()
-    total = _SumOverGroup.apply(exps.sum(-1, keepdim=True), group)  # [n, 1]
-    expected = _SumOverGroup.apply((exps / total * local).sum(-1), group)  # Σ p z [n]
-    return (peak + total.log()).squeeze(-1) - expected
+    held = (targets >= start) & (targets < start + width)
+    target_logit = local.gather(-1, (targets - start).clamp(0, width - 1)[:, None]).squeeze(-1) * held
+    parts = torch.stack((exps.sum(-1), (exps * local).sum(-1), target_logit), dim=-1)  # [n, 3]
+    total, weighted, chosen_logit = _SumOverGroup.apply(parts, group).unbind(-1)
+    log_total = peak.squeeze(-1) + total.log()
+    return chosen_logit - log_total, log_total - weighted / total
 
 
 class _SumOverGroup(torch.autograd.Function):
