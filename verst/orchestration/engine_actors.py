@@ -212,13 +212,15 @@ class EngineActorGroup:
     def health(self) -> dict[str, bool]:
         return dict(zip(self.urls, self._all("health", 30.0)))
 
-    def release_memory(self) -> list[bool]:
-        """Colocated: each engine gives its memory to the trainer while it steps (the run asks only where the
-        engines are idle then and their kind releases memory); per engine, whether it did."""
-        return self._all("release_memory", 120.0)
+    def release_memory(self, indices: list[int] | None = None) -> dict[int, bool | Exception]:
+        """Colocated: each engine (of `indices`; default all) gives its memory to the trainer while it steps (the
+        run asks only where the engines are idle then and their kind releases memory); by engine, True, or the
+        error of one that failed (the others still released theirs)."""
+        return self._each_settled("release_memory", indices, 120.0)
 
-    def resume_memory(self) -> list[bool]:
-        return self._all("resume_memory", 120.0)
+    def resume_memory(self, indices: list[int] | None = None) -> dict[int, bool | Exception]:
+        """Undo `release_memory`, by engine as it."""
+        return self._each_settled("resume_memory", indices, 120.0)
 
     def halt(self, index: int, timeout_s: float = 15.0) -> None:
         """Kill engine `index`'s server now (see `EngineServer.halt`); a dead actor has none left."""
@@ -280,6 +282,22 @@ class EngineActorGroup:
         if self._closed:
             raise RuntimeError(f"the engine actor group is shut down; cannot {method}")
         return self._collect([getattr(actor, method).remote() for actor in self._actors], method, timeout_s)
+
+    def _each_settled(self, method: str, indices: list[int] | None, timeout_s: float) -> dict[int, Any]:
+        """`method` on the engines of `indices` (default all) at once; by engine, its result or its error."""
+        if self._closed:
+            raise RuntimeError(f"the engine actor group is shut down; cannot {method}")
+        chosen = range(len(self._actors)) if indices is None else indices
+        refs = {index: getattr(self._actors[index], method).remote() for index in chosen}
+        deadline, out = time.monotonic() + timeout_s, {}
+        for index, ref in refs.items():
+            try:
+                out[index] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+            except ray.exceptions.GetTimeoutError:
+                out[index] = TimeoutError(f"engine {index} did not finish {method!r} within {timeout_s:g}s")
+            except ray.exceptions.RayError as error:
+                out[index] = RuntimeError(f"engine {index} failed in {method!r}: {error}")
+        return out
 
     def _collect(self, refs: list[ray.ObjectRef], method: str, timeout_s: float) -> list[Any]:
         deadline = time.monotonic() + timeout_s

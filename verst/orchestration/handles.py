@@ -20,12 +20,15 @@ class TrainBatchRef:
 class EngineMemory(Protocol):
     """The engines, as a colocated run uses them around each train step (`EngineActorGroup`)."""
 
-    def release_memory(self) -> Any:
-        """Give the device memory back while the trainer steps."""
+    urls: list[str]
+
+    def release_memory(self, indices: list[int] | None = None) -> dict[int, Any]:
+        """The engines of `indices` (default all) give their device memory back while the trainer steps; by
+        engine, True or the error of one that failed."""
         ...
 
-    def resume_memory(self) -> Any:
-        """Undo `release_memory`."""
+    def resume_memory(self, indices: list[int] | None = None) -> dict[int, Any]:
+        """Undo `release_memory`, by engine as it."""
         ...
 
 

@@ -120,6 +120,10 @@ class EngineSupervisor:
                 log.info("engine %d (%s) serves version %d with the others again after %.1f s (out for %.1f s)",
                          index, self.urls[index], version, restart, outage)
 
+    def replaced_since(self, moment: float) -> set[int]:
+        """The engines whose restart ended after `moment` (perf_counter): each a new server since then."""
+        return {index for index, at in self._replaced_at.items() if at > moment}
+
     async def check_now(self) -> None:
         """Probe every engine once and restart those found dead (before a weight sync reaches them)."""
         async with self.lock:

@@ -204,7 +204,7 @@ def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, s
                           trainer_version=version.get, record=monitor.log_evaluation, snapshots=snapshots,
                           fleet=eval_fleet)
     trainer = TrainerGroup(actors.trainer, guard, DeviceShare(shared_engines(cfg, actors.engines),
-                                                              evaluator.settle_on_engines), started_at)
+                                                              evaluator.settle_on_engines, supervisor), started_at)
     checkpointer = Checkpointer(cfg, run_dir, actors.trainer, rollouts,
                                 1 if actors.lane_cfgs else plan.train_steps_per_rollout)
     return RLRun(cfg, plan, rollouts=rollouts, trainer=trainer, weights=weights, evaluator=evaluator,

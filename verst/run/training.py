@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from verst.orchestration import EngineMemory, TrainBatchRef
 from verst.run.guard import Guard
@@ -18,13 +18,29 @@ from verst.trainer.backend import TrainerRanks
 from verst.trainer.rl_steps import train_adapter_step, train_rollout_step
 
 
+class EngineRecovery(Protocol):
+    """What the device share asks of the engine supervisor (`EngineSupervisor`) when an engine fails a memory call."""
+
+    @property
+    def restarts_engines(self) -> bool: ...
+
+    async def check_now(self) -> None: ...
+
+    def replaced_since(self, moment: float) -> set[int]: ...
+
+
 class DeviceShare:
     """Colocated placement: trainer and engines share the devices, so the engines release their memory
     while the trainer steps (after an evaluation running on them, `settle`, has finished). Disaggregated
-    (`engines` None): nothing to share."""
+    (`engines` None): nothing to share.
 
-    def __init__(self, engines: EngineMemory | None, settle: Callable[[], Awaitable[None]]):
-        self.engines, self.settle = engines, settle
+    An engine that fails a memory call because it died is restarted by `recovery` (the engine supervisor) and
+    the step goes on: restarted before the step, its new server releases its memory too; restarted during the
+    step, its new server holds its memory already and is not resumed. Any other failure is raised."""
+
+    def __init__(self, engines: EngineMemory | None, settle: Callable[[], Awaitable[None]],
+                 recovery: EngineRecovery | None = None):
+        self.engines, self.settle, self.recovery = engines, settle, recovery
 
     @contextlib.asynccontextmanager
     async def trainer_turn(self) -> AsyncIterator[None]:
@@ -32,11 +48,49 @@ class DeviceShare:
             yield
             return
         await self.settle()
-        await asyncio.to_thread(self.engines.release_memory)
+        released = await self._release(list(range(len(self.engines.urls))))
         try:
             yield
         finally:
-            await asyncio.to_thread(self.engines.resume_memory)
+            replaced = {i for i, at in released.items() if i in self._replaced_since(at)}
+            resumed = await asyncio.to_thread(self.engines.resume_memory, sorted(set(released) - replaced))
+            await self._restarted(_failures(resumed), released)
+
+    async def _release(self, engines: list[int]) -> dict[int, float]:
+        """The engines' memory released; by engine, when (perf_counter). An engine found dead on the way is
+        restarted, and its new server releases its memory too."""
+        started = time.perf_counter()
+        results = await asyncio.to_thread(self.engines.release_memory, engines)
+        released = {i: started for i, result in results.items() if result is True}
+        restarted = await self._restarted(_failures(results), dict.fromkeys(engines, started))
+        if restarted:
+            again = time.perf_counter()
+            failures = _failures(await asyncio.to_thread(self.engines.release_memory, restarted))
+            if failures:
+                raise next(iter(failures.values()))
+            released.update(dict.fromkeys(restarted, again))
+        return released
+
+    async def _restarted(self, failures: dict[int, BaseException], since: dict[int, float]) -> list[int]:
+        """The failed engines the supervisor, probing every engine now, has restarted since `since[engine]`;
+        the first failure of any other engine is raised."""
+        if not failures:
+            return []
+        if self.recovery is None or not self.recovery.restarts_engines:
+            raise next(iter(failures.values()))
+        await self.recovery.check_now()  # a dead engine is restarted here (or the run is stopped)
+        restarted = [i for i in failures if i in self.recovery.replaced_since(since[i])]
+        left = [error for i, error in failures.items() if i not in restarted]
+        if left:
+            raise left[0]
+        return sorted(restarted)
+
+    def _replaced_since(self, moment: float) -> set[int]:
+        return self.recovery.replaced_since(moment) if self.recovery is not None else set()
+
+
+def _failures(results: dict[int, Any]) -> dict[int, BaseException]:
+    return {index: result for index, result in results.items() if isinstance(result, BaseException)}
 
 
 class TrainerGroup:
