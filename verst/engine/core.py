@@ -32,7 +32,7 @@ from verst.engine.model_runner import ModelRunner
 from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, Phase, Request, check_request
 from verst.engine.sampling import sample
-from verst.engine.weights import check_weight_names
+from verst.engine.weights import check_weight_names, copy_weights
 from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, InvalidRequest
 from verst.models.scoring import sequence_logprobs
 
@@ -188,13 +188,7 @@ class EngineCore:
         With `shapes` (every name and shape `named` will yield), `named` may be lazy: it is read once, each
         tensor copied as it comes (a checkpoint read a file at a time)."""
         self._check_resident("a weight load", ("weights",))
-        items = named if shapes is not None else list(named)
-        table = self.check_weights(shapes if shapes is not None else [(name, t.shape) for name, t in items])
-        count = 0
-        with torch.no_grad():
-            for name, tensor in items:
-                table[name].copy_(tensor)
-                count += 1
+        count = copy_weights(self.model, named, shapes)
         if version is not None:
             self.weight_version = version
         if flush:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from verst.data import shapes
-from verst.engine.weights import check_weight_names
+from verst.engine.weights import check_weight_names, copy_weights
 from verst.inference_client.images import SETTINGS, ImageGenerateRequest, ImageSamplingParams
 from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, InvalidRequest
 from verst.models import diffusion
@@ -135,13 +135,7 @@ class DiffusionCore:
                      shapes: list[tuple[str, Any]] | None = None) -> int:
         """Copy tensors into the model by name, all validated first (with `shapes`, `named` may be lazy and is
         read once); set the version. `flush` has nothing to flush: no state outlives a request."""
-        items = named if shapes is not None else list(named)
-        table = self.check_weights(shapes if shapes is not None else [(name, t.shape) for name, t in items])
-        count = 0
-        with torch.no_grad():
-            for name, tensor in items:
-                table[name].copy_(tensor)
-                count += 1
+        count = copy_weights(self.model, named, shapes)
         if version is not None:
             self.weight_version = version
         self.counters["weight_updates"] += 1

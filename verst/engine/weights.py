@@ -4,7 +4,7 @@ safetensors checkpoint directory on disk (`update_weights_from_disk`), read one 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,21 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     files = safetensors_files(path)
     safetensors_shapes(files)  # a corrupt or unreadable file is refused by name before any tensor is read
     return dict(iter_safetensors(files))
+
+
+def copy_weights(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]],
+                 shapes: list[tuple[str, Any]] | None = None) -> int:
+    """Copy tensors into `model` by name, every name and shape checked first (`check_weight_names`); how many.
+    With `shapes` (every name and shape `named` will yield), `named` may be lazy: it is read once, each tensor
+    copied as it comes (a checkpoint read a file at a time)."""
+    items = named if shapes is not None else list(named)
+    table = check_weight_names(model, shapes if shapes is not None else [(name, t.shape) for name, t in items])
+    count = 0
+    with torch.no_grad():
+        for name, tensor in items:
+            table[name].copy_(tensor)
+            count += 1
+    return count
 
 
 def check_weight_names(model: torch.nn.Module, named_shapes: list[tuple[str, Any]]) -> dict[str, torch.Tensor]:
