@@ -1,20 +1,26 @@
 """What every engine server's FastAPI app shares: the error handlers (SGLang's error body naming the field),
-how the app is served (uvicorn on a socket bound first), and the port file a launcher waits for.
+the health routes, how the app is served (uvicorn on a socket bound first), and the port file a launcher waits
+for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from verst.engine.http_errors import http_error, validation_error
-from verst.engine.service import invalid_request_response
+from verst.engine.schema import UNHEALTHY
+from verst.engine.service import error_response, invalid_request_response
 from verst.inference_client.protocol import InvalidRequest
+
+HEALTH_PROBE_TIMEOUT_S = 20.0
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -22,6 +28,24 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(InvalidRequest, lambda request, exc: invalid_request_response(exc))
     app.add_exception_handler(HTTPException, http_error)
+
+
+def add_health_routes(app: FastAPI, runner: Any, *, stopped: str, bad_output: str) -> None:
+    """`/health`: 200 while `runner` (its `alive()`) runs, else 503 `stopped`. `/health_generate`: 200 when the
+    core's `probe()`, run on the engine's thread within `HEALTH_PROBE_TIMEOUT_S`, says the model's output is
+    finite, else 503 (`bad_output`, or why the probe failed)."""
+
+    @app.get("/health", response_class=Response, responses=UNHEALTHY)
+    async def health() -> Response:
+        return Response(status_code=200) if runner.alive() else error_response(503, stopped)
+
+    @app.get("/health_generate", response_class=Response, responses=UNHEALTHY)
+    async def health_generate() -> Response:
+        try:
+            ok = await asyncio.wait_for(runner.acall(lambda core: core.probe()), HEALTH_PROBE_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError) as exc:
+            return error_response(503, f"generation probe failed: {type(exc).__name__}: {exc}")
+        return Response(status_code=200) if ok else error_response(503, bad_output)
 
 
 def uvicorn_config(app: FastAPI, log_level: str = "warning") -> Any:

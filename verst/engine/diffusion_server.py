@@ -21,10 +21,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from verst.engine.app import install_error_handlers, serve
+from verst.engine.app import add_health_routes, install_error_handlers, serve
 from verst.engine.diffusion_core import DiffusionCore, ImageJob, ImageRunner
-from verst.engine.schema import ERROR_RESPONSES, UNHEALTHY
-from verst.engine.service import error_response
+from verst.engine.schema import ERROR_RESPONSES
 from verst.engine.weight_routes import add_weight_routes
 from verst.inference_client.images import SETTINGS, ImageGenerateRequest, ImageSamplingParams, encode_array
 from verst.inference_client.ports import listening_socket
@@ -34,7 +33,6 @@ from verst.models import diffusion
 
 log = logging.getLogger(__name__)
 ENGINE_VERSION = "verst-diffusion-0.1"
-HEALTH_PROBE_TIMEOUT_S = 20.0
 
 
 @dataclasses.dataclass
@@ -101,17 +99,8 @@ def _image_reply(job: ImageJob, i: int, traj: diffusion.Trajectory | None, versi
 
 
 def _add_info_routes(app: FastAPI, state: DiffusionState) -> None:
-    @app.get("/health", response_class=Response, responses=UNHEALTHY)
-    async def health() -> Response:
-        return Response(status_code=200) if state.runner.alive() else error_response(503, "the engine is stopping")
-
-    @app.get("/health_generate", response_class=Response, responses=UNHEALTHY)
-    async def health_generate() -> Response:
-        try:
-            ok = await asyncio.wait_for(state.runner.acall(lambda core: core.probe()), HEALTH_PROBE_TIMEOUT_S)
-        except (asyncio.TimeoutError, RuntimeError) as exc:
-            return error_response(503, f"generation probe failed: {type(exc).__name__}: {exc}")
-        return Response(status_code=200) if ok else error_response(503, "the model produced non-finite latents")
+    add_health_routes(app, state.runner, stopped="the engine is stopping",
+                      bad_output="the model produced non-finite latents")
 
     @app.get("/model_info")
     @app.get("/get_model_info")

@@ -19,16 +19,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from verst.engine.app import install_error_handlers, serve
+from verst.engine.app import add_health_routes, install_error_handlers, serve
 from verst.engine.config import IMPLS
 from verst.engine.http_errors import json_body, validated
 from verst.engine.memory import release_memory, resume_memory
 from verst.engine.request import generate_reply
-from verst.engine.schema import ERROR_RESPONSES, UNHEALTHY, install_openapi
+from verst.engine.schema import ERROR_RESPONSES, install_openapi
 from verst.engine.service import (
     ServerState,
     build_request,
-    error_response,
     run_all_to_completion,
 )
 from verst.engine.weight_routes import add_lora_routes, add_weight_routes
@@ -52,7 +51,6 @@ from verst.types.cores import CoreShare, take_share, usable_cores
 
 log = logging.getLogger(__name__)
 ENGINE_VERSION = "verst-engine-0.1"
-HEALTH_PROBE_TIMEOUT_S = 20.0
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -118,19 +116,8 @@ async def _stream(state: ServerState, req, text_fn):
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health", response_class=Response, responses=UNHEALTHY)
-    async def health() -> Response:
-        if state.runner.alive():
-            return Response(status_code=200)
-        return error_response(503, "the engine thread is not running")
-
-    @app.get("/health_generate", response_class=Response, responses=UNHEALTHY)
-    async def health_generate() -> Response:
-        try:
-            ok = await asyncio.wait_for(state.runner.acall(lambda core: core.probe()), HEALTH_PROBE_TIMEOUT_S)
-        except (asyncio.TimeoutError, RuntimeError) as exc:
-            return error_response(503, f"generation probe failed: {type(exc).__name__}: {exc}")
-        return Response(status_code=200) if ok else error_response(503, "the model produced non-finite logits")
+    add_health_routes(app, state.runner, stopped="the engine thread is not running",
+                      bad_output="the model produced non-finite logits")
 
     @app.get("/model_info")
     @app.get("/get_model_info")
