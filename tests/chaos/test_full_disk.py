@@ -134,7 +134,8 @@ def test_a_failed_save_of_the_rollout_side_names_it_and_removes_the_temporary_di
 
 @pytest.mark.slow
 def test_verst_train_on_a_real_30_mb_tmpfs_stops_in_one_screen(tiny_model_dir, addition_data_dir, tmp_path):
-    """The issue's own set-up: a 30 MB tmpfs (mounting needs root: skipped elsewhere), a save every 5 steps."""
+    """The issue's own set-up: a 30 MB tmpfs (mounting needs root: skipped elsewhere), a save every 5 steps, every
+    checkpoint kept (three of the tiny model's fit in 30 MB, so the default `keep_last` would never fill it)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(disk)], capture_output=True)
@@ -143,7 +144,7 @@ def test_verst_train_on_a_real_30_mb_tmpfs_stops_in_one_screen(tiny_model_dir, a
     try:
         run_dir = disk / "run"
         args = rl_args(tmp_path, tiny_model_dir, addition_data_dir, "--run-dir", str(run_dir),
-                       "--rollout.num-rollouts", "200", "--checkpoint.interval", "5")
+                       "--rollout.num-rollouts", "200", "--checkpoint.interval", "5", "--checkpoint.keep-last", "0")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         done = subprocess.run([sys.executable, "-m", "verst.cli.main", "train", *args], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=600)
