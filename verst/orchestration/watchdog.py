@@ -87,16 +87,10 @@ class RunProcesses:
         self._logs: dict[int, str | None] = {}  # pid -> its stderr file, remembered while it lives
         self._written: list[dict[str, Any]] | None = None  # what processes.json holds
 
-    def remember(self) -> None:
-        """Note where each live Ray-hosted process writes its stderr (readable only while it lives) and
-        write `processes.json` (names, pids, logs) into the run directory."""
-        listed = self.changes()
-        if listed is not None:
-            self.write(listed)
-
     def changes(self) -> list[dict[str, Any]] | None:
-        """Note where each new live Ray-hosted process writes its stderr; the processes' listing when it
-        differs from what `processes.json` holds, else None (in memory and /proc only: no file is written)."""
+        """Note where each new live Ray-hosted process writes its stderr (readable only while it lives); the
+        processes' listing (names, pids, logs) when it differs from what `processes.json` holds, else None (in
+        memory and /proc only: no file is written)."""
         listed = []
         for status in self._static():
             if status.pid is not None and status.pid not in self._logs and self._here(status):
@@ -106,7 +100,7 @@ class RunProcesses:
         return None if listed == self._written else listed
 
     def write(self, listed: list[dict[str, Any]]) -> None:
-        """`processes.json` holds `listed` (from `changes`)."""
+        """`processes.json` in the run directory holds `listed` (from `changes`)."""
         _write_json(self.run_dir / "processes.json", listed)
         self._written = listed
 
