@@ -130,7 +130,6 @@ class ImageResult:
         return self
 
 
-
 def image_replies(body: Any) -> list[dict[str, Any]]:
     """A /generate reply as a list: one reply for n = 1, SGLang's list for n > 1."""
     return body if isinstance(body, list) else [body]
