@@ -27,8 +27,7 @@ from verst.engine.schema import ERROR_RESPONSES
 from verst.engine.weight_routes import add_weight_routes
 from verst.inference_client.images import SETTINGS, ImageGenerateRequest, ImageSamplingParams, encode_array
 from verst.inference_client.ports import listening_socket
-from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, AbortRequest, PauseRequest
-from verst.inference_client.weight_protocol import UpdateWeightVersionRequest
+from verst.inference_client.protocol import AbortRequest, PauseRequest
 from verst.models import diffusion
 
 log = logging.getLogger(__name__)
@@ -123,10 +122,6 @@ def _add_info_routes(app: FastAPI, state: DiffusionState) -> None:
             "internal_states": [dict(state.core.counters, pending=len(state.core.pending()))],
         }
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> dict[str, str]:
-        return {"weight_version": state.core.weight_version}
-
 
 def _add_control_routes(app: FastAPI, state: DiffusionState) -> None:
     @app.post("/flush_cache")
@@ -148,16 +143,6 @@ def _add_control_routes(app: FastAPI, state: DiffusionState) -> None:
     async def continue_generation() -> dict[str, Any]:
         state.runner.resume()
         return {"success": True, "message": "Generation continued."}
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
-        def apply(core: DiffusionCore) -> None:
-            if body.abort_all_requests:
-                core.abort_all(WEIGHT_UPDATE_ABORT)
-            core.weight_version = body.new_version
-
-        await state.runner.acall(apply)
-        return {"success": True, "weight_version": body.new_version}
 
 
 def build_parser(prog: str = "python -m verst.engine.diffusion_server") -> argparse.ArgumentParser:

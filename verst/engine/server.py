@@ -33,7 +33,6 @@ from verst.engine.service import (
 from verst.engine.weight_routes import add_lora_routes, add_weight_routes
 from verst.inference_client.ports import listening_socket
 from verst.inference_client.protocol import (
-    WEIGHT_UPDATE_ABORT,
     AbortRequest,
     BatchGenerateRequest,
     GenerateRequest,
@@ -44,7 +43,6 @@ from verst.inference_client.protocol import (
 from verst.inference_client.weight_protocol import (
     MemoryOccupationRequest,
     SetCoresRequest,
-    UpdateWeightVersionRequest,
 )
 from verst.monitor.stacks import arm_stack_dump
 from verst.types.cores import CoreShare, take_share, usable_cores
@@ -155,10 +153,6 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         """SGLang's GetLoadReqOutput per data-parallel rank (one here); ts_tic is when it was taken."""
         return [{**await state.runner.acall(lambda core: core.load()), "ts_tic": time.time()}]
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> dict[str, str]:
-        return {"weight_version": state.core.weight_version}
-
 
 def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/flush_cache")
@@ -208,16 +202,6 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
             raise InvalidRequest("cores", body.cores, f"cannot run there: {exc.strerror}") from None
         state.runner.torch_threads = share.threads
         return {"success": True, "cores": list(share.cores), "threads": share.threads}
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
-        def apply(core):
-            if body.abort_all_requests:
-                core.abort_all(WEIGHT_UPDATE_ABORT)
-            core.weight_version = body.new_version
-
-        await state.runner.acall(apply)
-        return {"success": True, "weight_version": body.new_version}
 
 
 def build_parser() -> argparse.ArgumentParser:

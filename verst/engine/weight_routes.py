@@ -1,5 +1,5 @@
 """The engine's weight routes: loads from disk, from tensors (SGLang's format) and from a process-group
-broadcast, the group's lifecycle, and LoRA adapters by name, as FastAPI routes over a runner that calls its
+broadcast, the group's lifecycle, the weight version, and LoRA adapters by name, as FastAPI routes over a runner that calls its
 core on the engine's thread (the text engine's `EngineRunner`, the diffusion engine's `ImageRunner`)."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from verst.inference_client.weight_protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
 )
 
 T = TypeVar("T")
@@ -147,6 +148,20 @@ def add_weight_routes(app: FastAPI, state: WeightServer) -> None:
         name = (body or DestroyWeightsUpdateGroupRequest()).group_name
         state.weight_groups.pop(name, None)
         return {"success": True, "message": f"Left {name!r}."}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, str]:
+        return {"weight_version": state.core.weight_version}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
+        def apply(core: WeightCore) -> None:
+            if body.abort_all_requests:
+                core.abort_all(WEIGHT_UPDATE_ABORT)
+            core.weight_version = body.new_version
+
+        await state.runner.acall(apply)
+        return {"success": True, "weight_version": body.new_version}
 
 
 def add_lora_routes(app: FastAPI, state: ServerState) -> None:
