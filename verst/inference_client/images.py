@@ -24,7 +24,7 @@ from verst.inference_client.protocol import (
     GENERATE_IGNORED,
     InvalidRequest,
     WireModel,
-    check_default_only,
+    without_hints,
 )
 
 DTYPE = "float32"
@@ -64,11 +64,7 @@ class ImageGenerateRequest(WireModel):
     @model_validator(mode="before")
     @classmethod
     def _router_fields(cls, data: Any) -> Any:
-        data = check_default_only(data, _ROUTER_DEFAULTS, "")
-        if isinstance(data, dict):
-            for name in GENERATE_IGNORED:
-                data.pop(name, None)
-        return data
+        return without_hints(data, _ROUTER_DEFAULTS)
 
 
 def encode_array(array: np.ndarray) -> dict[str, Any]:

@@ -72,6 +72,16 @@ class InvalidRequest(ValueError):
         self.value = value
 
 
+def without_hints(data: Any, allowed: dict[str, tuple[Any, ...]]) -> Any:
+    """A raw /generate body without the fields accepted only at their defaults (`allowed`, checked as
+    `check_default_only` does) and those accepted and ignored (`GENERATE_IGNORED`)."""
+    data = check_default_only(data, allowed, "")
+    if isinstance(data, dict):
+        for name in GENERATE_IGNORED:
+            data.pop(name, None)
+    return data
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -231,11 +241,7 @@ class _GenerateOptions(WireModel):
     @model_validator(mode="before")
     @classmethod
     def _default_only(cls, data: Any) -> Any:
-        data = check_default_only(data, GENERATE_DEFAULT_ONLY, "")
-        if isinstance(data, dict):
-            for name in GENERATE_IGNORED:
-                data.pop(name, None)
-        return data
+        return without_hints(data, GENERATE_DEFAULT_ONLY)
 
 
 class GenerateRequest(_GenerateOptions):
