@@ -210,9 +210,10 @@ def _vocab_parallel_both(logits: DTensor, targets: torch.Tensor) -> tuple[torch.
     group, vocab, width = mesh.get_group(), logits.shape[-1], local.shape[-1]
     chunk = -(-vocab // mesh.size())  # DTensor's Shard: chunks of ceil(vocab / ranks), the last ones shorter
     start = mesh.get_local_rank() * chunk
-    if width != max(0, min(chunk, vocab - start)):
+    expected = max(0, min(chunk, vocab - start))
+    if width != expected:
         raise RuntimeError(f"vocabulary shard of rank {mesh.get_local_rank()}: {width} logits where chunks of "
-                           f"{chunk} over {vocab} give {max(0, min(chunk, vocab - start))}")
+                           f"{chunk} over {vocab} give {expected}")
     peak = local.detach().amax(-1, keepdim=True)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # [n, 1]: a shift, no gradient
     exps = (local - peak).exp()
