@@ -13,7 +13,12 @@ from verst.types.sampling import SamplingKnobs
 
 
 class ModelConfig(Section):
-    path: str = Field("artifacts/models/tiny-qwen3", description="Hugging Face checkpoint directory (config, weights, tokenizer).")
+    path: str = Field("artifacts/models/tiny-qwen3", description="Hugging Face checkpoint directory (config, weights, "
+                      "tokenizer); for kind = 'diffusion', a denoiser in diffusers' format.")
+    kind: Literal["causal_lm", "diffusion"] = Field(
+        "causal_lm", description="causal_lm: a language model; diffusion: a class-conditioned flow-matching denoiser "
+        "(diffusers' UNet2DModel), sampled by cluster.engine = 'diffusion' and trained with Flow-GRPO "
+        "(docs/diffusion.md).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype; float32 on CPU, bfloat16 on GPU."
     )
@@ -23,6 +28,18 @@ class ModelConfig(Section):
         "no transformers import), transformers, or auto (native where it applies; the trainer on CUDA: "
         "transformers, for flash attention and packed sequences).",
     )
+
+
+class DiffusionConfig(Section):
+    """model.kind = 'diffusion': the SDE sampler's settings, the same for the engines and the trainer's recomputed
+    step log-probabilities (docs/diffusion.md)."""
+
+    num_inference_steps: int = Field(10, ge=1, le=1000, description="Denoising steps from noise to image; each is "
+                                     "one 'token' of the trajectory.")
+    guidance_scale: float = Field(1.0, ge=0.0, le=100.0, description="Classifier-free guidance (1: none).")
+    noise_level: float = Field(0.7, gt=0.0, le=10.0, description="The SDE's a: σ_t = a·√(t / (1 − t)).")
+    eval_images_per_prompt: int = Field(4, ge=1, le=64, description="Held-out images per prompt at each evaluation, "
+                                        "from fixed seeds; the report shows them as a grid.")
 
 
 class DataConfig(Section):

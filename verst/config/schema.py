@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from verst.config.imports import import_plugins
-from verst.config.inputs import DataConfig, ModelConfig, RewardConfig, RolloutConfig, SamplingConfig, SandboxConfig
+from verst.config.inputs import DataConfig, DiffusionConfig, ModelConfig, RewardConfig, RolloutConfig, SamplingConfig, SandboxConfig
 from verst.config.rules import check_rules
 from verst.config.runtime import (
     BufferConfig,
@@ -37,7 +37,7 @@ from verst.config.training import (
 
 __all__ = [
     "MODEL_IMPLS", "RESERVED_RESOURCES", "AlgorithmConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig",
-    "CriticConfig", "DataConfig", "EvalConfig", "FaultConfig", "LoggingConfig", "LoraAdapterConfig", "LoraConfig",
+    "CriticConfig", "DataConfig", "DiffusionConfig", "EvalConfig", "FaultConfig", "LoggingConfig", "LoraAdapterConfig", "LoraConfig",
     "ModelConfig", "ModelImpl", "RewardConfig", "RolloutConfig", "SFTConfig", "SamplingConfig", "SandboxConfig", "Section",
     "SyncConfig", "TeacherConfig", "TrainerConfig", "VerstConfig",
 ]
@@ -62,6 +62,8 @@ class VerstConfig(Section):
     schedule: Schedule = Field("sync", description="RL schedule: sync, one_step_off or fully_async.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
+    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig, description="The image sampler "
+                                       "(model.kind = 'diffusion').")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout volume and sampling.")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Sandboxes for the agent's tools.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")

@@ -91,11 +91,12 @@ def _short(value: Any) -> Any:
 
 @dataclasses.dataclass
 class ImageResult:
-    """One image of a reply: the image (3, H, W) in [-1, 1]; with `return_logprob`, the latents
+    """One image of a reply: the class id the engine drew (`label`), the image (3, H, W) in [-1, 1]; with `return_logprob`, the latents
     (steps + 1, 3, H, W) from the start noise to the unclamped image and each step's log-probability (steps,)."""
 
     rid: str
     seed: int
+    label: int
     weight_version: str
     finish_reason: dict[str, Any]
     settings: dict[str, Any]
@@ -109,7 +110,7 @@ class ImageResult:
         latents = meta.get("latents")
         logprobs = meta.get("step_logprobs")
         return cls(
-            rid=meta["id"], seed=meta["seed"], weight_version=meta["weight_version"],
+            rid=meta["id"], seed=meta["seed"], label=meta["label"], weight_version=meta["weight_version"],
             finish_reason=meta["finish_reason"], settings={k: meta[k] for k in SETTINGS},
             image=decode_array(reply["image"]) if reply.get("image") is not None else None,
             latents=decode_array(latents, "latents") if latents is not None else None,

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from verst.inference_client.images import decode_array
 from verst.types import Sample
 
 # The extra every item built from a Sample carries: the engine's logprobs of the response tokens.
@@ -31,6 +32,8 @@ class TrainItem:
     `index` is the item's position in the caller's list (results come back in that order).
     `routed_experts`: MoE, the engine's expert choices for every token but the last (the sample's
     `routed_experts`), which routing replay feeds to the trainer's routers.
+    `latents`: an image trajectory's recorded latents (the sample's `latents`, decoded), `[response_length + 1,
+    C, H, W]` float32: one per denoising step and the start noise (the diffusion backend's input).
     """
 
     tokens: torch.Tensor  # [len] int64: prompt + response ids
@@ -39,6 +42,7 @@ class TrainItem:
     extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # each [response_length]
     index: int = 0
     routed_experts: torch.Tensor | None = None  # [len - 1, moe_layers, top_k] int64
+    latents: torch.Tensor | None = None  # [response_length + 1, C, H, W] float32
 
     def __post_init__(self) -> None:
         self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
@@ -69,6 +73,9 @@ class TrainItem:
             raise TrainItemError(
                 f"{where}: loss_mask has shape {tuple(self.loss_mask.shape)}, expected ({self.response_length},)"
             )
+        if self.latents is not None and (self.latents.dim() < 2 or self.latents.shape[0] != self.response_length + 1):
+            raise TrainItemError(f"{where}: latents have shape {tuple(self.latents.shape)}, expected "
+                                 f"({self.response_length + 1}, ...): one per denoising step and the start noise")
         experts = self.routed_experts
         if experts is not None and (experts.dim() != 3 or experts.shape[0] != self.length - 1):
             raise TrainItemError(f"{where}: routed_experts has shape {tuple(experts.shape)}, expected "
@@ -79,7 +86,9 @@ class TrainItem:
     def from_sample(cls, sample: Sample, index: int, **extras: Any) -> TrainItem:
         """An item from a Sample; `extras` values are per-token arrays or scalars (broadcast)."""
         merged = {ROLLOUT_LOGPROBS: sample.rollout_logprobs, **extras}
-        return cls(sample.tokens, sample.response_length, sample.loss_mask, merged, index, sample.routed_experts)
+        latents = None if sample.latents is None else torch.from_numpy(decode_array(sample.latents, "latents"))
+        return cls(sample.tokens, sample.response_length, sample.loss_mask, merged, index, sample.routed_experts,
+                   latents)
 
 
 def make_items(samples: Sequence[Sample], **extras: Sequence[Any]) -> list[TrainItem]:

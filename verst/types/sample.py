@@ -45,6 +45,12 @@ class Sample:
     update carry the old one, its continuation's the new one.
     `teacher_logprobs` (on-policy distillation) are a teacher model's logprobs of the response tokens,
     aligned with the response like `rollout_logprobs` (0.0 on environment tokens); None without a teacher.
+
+    An image trajectory (a diffusion model, docs/diffusion.md) is a sample too: a denoising step plays a token's
+    part. `tokens` are the class id, then the step numbers 0..steps − 1 (`response_length` = steps);
+    `rollout_logprobs` are the engine's step log-probabilities and `latents` the recorded latents
+    (steps + 1, C, H, W), from the start noise to the image, as {"data": base64 of float32 C-order bytes,
+    "shape", "dtype"} (`verst.inference_client.images.encode_array`). None for text.
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -57,6 +63,7 @@ class Sample:
     routed_experts: list[list[list[int]]] | None = None
     token_versions: list[int] | None = None
     teacher_logprobs: list[float] | None = None
+    latents: dict[str, Any] | None = None
     group_index: int = 0
     index: int = 0
     label: Any = None
@@ -143,6 +150,11 @@ class Sample:
             raise SampleError(
                 f"{where}: len(routed_experts)={len(self.routed_experts)} != len(tokens) - 1 = {n_tok - 1}"
             )
+        if self.latents is not None:
+            shape = self.latents.get("shape") if isinstance(self.latents, dict) else None
+            if not shape or shape[0] != n_resp + 1:
+                raise SampleError(f"{where}: latents of shape {shape} for response_length={n_resp} "
+                                  f"(one latent per denoising step and the start noise: {n_resp + 1})")
         for v in self.weight_versions:
             _version_number(v, self.index)
         return self
