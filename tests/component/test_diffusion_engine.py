@@ -204,15 +204,15 @@ def test_bad_weight_pushes_are_refused_naming_the_field(engine, tmp_path):
 
 
 def test_a_reply_round_trips_its_arrays_exactly():
-    from verst.inference_client.images import encode_array
+    from verst.types.arrays import encode_array
 
     image = np.random.default_rng(0).standard_normal((3, 16, 16)).astype(np.float32)
     reply = {"image": encode_array(image), "meta_info": {
-        "id": "r", "seed": 1, "weight_version": "0", "finish_reason": {"type": "stop"}, "num_inference_steps": 2,
+        "id": "r", "seed": 1, "label": 4, "weight_version": "0", "finish_reason": {"type": "stop"}, "num_inference_steps": 2,
         "guidance_scale": 1.0, "noise_level": 0.7, "latents": encode_array(image[None].repeat(3, 0)),
         "step_logprobs": [0.5, 0.25]}}
     result = ImageResult.from_reply(reply)
-    assert np.array_equal(result.image, image) and result.latents.shape == (3, 3, 16, 16)
+    assert np.array_equal(result.image, image) and result.label == 4 and result.latents.shape == (3, 3, 16, 16)
 
 
 def test_verst_diffusion_serve_starts_the_engine(base_dir):

@@ -132,6 +132,8 @@ class RewardConfig(Section):
     )
     path: str | None = Field(None, description="Import path of a custom reward fn (type = 'custom').")
     url: str | None = Field(None, description="Remote reward endpoint (type = 'remote').")
+    model_path: str | None = Field(None, description="The file of a reward that scores with a model of its own "
+                                   "(shape_alignment: the classifier `verst diffusion classifier` trains).")
     timeout_s: float = Field(30.0, gt=0, description="Remote reward request timeout in seconds.")
     max_concurrency: int = Field(32, ge=1, description="Remote reward requests in flight at once.")
     group: bool = Field(False, description="Call the reward once per group with all its samples.")

@@ -51,6 +51,7 @@ class EngineEntry(Entry):
     cpu_share: bool = False  # on CPU, takes its cores and torch threads from the run (cluster.cores), also mid-run
     flags_table: str | None = None  # its pass-through table of server flags ([vllm], [sglang])
     owned_flags: tuple[str, ...] = ()  # server flags verst sets from its own config, refused in the table
+    images: bool = False  # serves a diffusion model (model.kind = "diffusion"): images, not tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +63,19 @@ class TransportEntry(Entry):
     one_gpu: bool = True  # works with a trainer rank and an engine on one GPU (NCCL refuses two ranks there)
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardEntry(Entry):
+    """A reward fn `async (sample) -> float | dict`; with `takes_model`, a factory `(reward.model_path) -> that fn`."""
+
+    takes_model: bool = False  # built from the file reward.model_path names (a reward model, a classifier)
+    images: bool = False  # scores images (model.kind = "diffusion")
+    keys: tuple[str, ...] = ()  # a dict reward's keys, one of which reward.key selects
+
+
 ADVANTAGE_ESTIMATORS: Registry[EstimatorEntry] = Registry("algorithm.advantage_estimator", EstimatorEntry)
 POLICY_LOSSES: Registry[Entry] = Registry("algorithm.policy_loss")
 MISMATCH_CORRECTIONS: Registry[CorrectionEntry] = Registry("algorithm.mismatch_correction", CorrectionEntry)
-REWARDS: Registry[Entry] = Registry("reward.type")
+REWARDS: Registry[RewardEntry] = Registry("reward.type", RewardEntry)
 ENGINE_KINDS: Registry[EngineEntry] = Registry("cluster.engine", EngineEntry)
 WEIGHT_TRANSPORTS: Registry[TransportEntry] = Registry("sync.transport", TransportEntry)
 GROUP_FILTERS: Registry[Entry] = Registry("rollout.dynamic_filter")
@@ -108,7 +118,13 @@ for _name, _doc in (
     ("math_verify", "1 when math-verify finds the response's answer equal to a label's, else 0"),
     ("token_f1", "SQuAD-style token F1 between the response and the best-matching label"),
 ):
-    REWARDS.add(_name, Entry(f"verst.rewards.builtin:{_name}", _doc))
+    REWARDS.add(_name, RewardEntry(f"verst.rewards.builtin:{_name}", _doc))
+REWARDS.add("shape_alignment", RewardEntry(
+    "verst.rewards.image:shape_alignment", "images: the shapes classifier (reward.model_path) on the prompt's class: "
+    "'alignment' its probability, 'correct' 1 when it is the classifier's choice", takes_model=True, images=True,
+    keys=("alignment", "correct")))
+REWARDS.add("jpeg_compressibility", RewardEntry(
+    "verst.rewards.image:jpeg_reward", "images: minus the JPEG size in kB (DDPO's compressibility)", images=True))
 
 _KINDS = "verst.engine_kinds.kinds"
 ENGINE_KINDS.add("embedded", EngineEntry(
@@ -125,6 +141,10 @@ ENGINE_KINDS.add("sglang", EngineEntry(
     transports=("distributed", "tensor", "disk"), lora=True, lora_flag="enable-lora", releases_memory=True,
     memory_flag="enable-memory-saver", cuda_ipc=True, routed_experts=True, flags_table="sglang",
     owned_flags=("model-path", "host", "port", "dtype", "weight-version")))
+
+ENGINE_KINDS.add("diffusion", EngineEntry(
+    f"{_KINDS}:DIFFUSION", "verst's diffusion engine: a denoiser's images with each denoising step's log-probability",
+    transports=("distributed", "tensor", "disk"), images=True))
 
 WEIGHT_TRANSPORTS.add("distributed", TransportEntry(
     "verst.sync.distributed:DistributedTransport", "a process-group broadcast from trainer rank 0 (gloo; NCCL "

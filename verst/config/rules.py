@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from verst.config.adapters import adapter_run_config
 from verst.config.arithmetic import batch_plan
 from verst.config.core_rules import CORE_RULES
+from verst.config.diffusion_rules import DIFFUSION_RULES
 from verst.config.engine_rules import ENGINE_RULES, engines_with
 from verst.config.inputs import ModelConfig, RewardConfig, RolloutConfig, SandboxConfig
 from verst.config.parallel_rules import PARALLEL_RULES
@@ -344,7 +345,7 @@ def every_adapter_is_a_valid_run(config: Section) -> None:
 
 RULES: tuple[Callable[..., None], ...] = (
     rollout_divides_into_train_steps, train_steps_take_whole_groups, train_steps_split_across_ranks,
-    *PARALLEL_RULES,
+    *PARALLEL_RULES, *DIFFUSION_RULES,
     over_sampling_covers_the_batch, in_flight_holds_a_group, context_leaves_room_for_a_prompt,
     fully_async_needs_disaggregated, fully_async_calls_no_rollout_fn, staleness_admission_needs_a_limit,
     staleness_admission_is_fully_async, partial_rollouts_abort_on_a_weight_update, restarts_need_checkpoints,

@@ -13,7 +13,15 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from verst.config.imports import import_plugins
-from verst.config.inputs import DataConfig, DiffusionConfig, ModelConfig, RewardConfig, RolloutConfig, SamplingConfig, SandboxConfig
+from verst.config.inputs import (
+    DataConfig,
+    DiffusionConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    SamplingConfig,
+    SandboxConfig,
+)
 from verst.config.rules import check_rules
 from verst.config.runtime import (
     BufferConfig,

@@ -25,10 +25,11 @@ from verst.engine.app import add_health_routes, install_error_handlers, serve
 from verst.engine.diffusion_core import DiffusionCore, ImageJob, ImageRunner
 from verst.engine.schema import ERROR_RESPONSES
 from verst.engine.weight_routes import add_weight_routes
-from verst.inference_client.images import SETTINGS, ImageGenerateRequest, ImageSamplingParams, encode_array
+from verst.inference_client.images import SETTINGS, ImageGenerateRequest, ImageSamplingParams
 from verst.inference_client.ports import listening_socket
 from verst.inference_client.protocol import AbortRequest, PauseRequest
 from verst.models import diffusion
+from verst.types.arrays import encode_array
 
 log = logging.getLogger(__name__)
 ENGINE_VERSION = "verst-diffusion-0.1"
@@ -154,6 +155,7 @@ def build_parser(prog: str = "python -m verst.engine.diffusion_server") -> argpa
     p.add_argument("--weight-version", default="0", help="version string of the loaded weights")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the sampler")
+    p.add_argument("--device", default="cpu", choices=("cpu",), help="where the sampler runs (the CPU only)")
     defaults = ImageSamplingParams()
     p.add_argument("--num-inference-steps", type=int, default=defaults.num_inference_steps,
                    help="SDE steps of a request that names none (every request through sglang-router)")

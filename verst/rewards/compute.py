@@ -35,6 +35,8 @@ def build_reward_fn(cfg: RewardConfig) -> RewardFn | GroupRewardFn:
         return fn
     if cfg.type == "remote":
         return RemoteReward(cfg.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency)
+    if REWARDS.entry(cfg.type).takes_model:
+        return REWARDS.load(cfg.type)(cfg.model_path)
     return REWARDS.load(cfg.type)
 
 

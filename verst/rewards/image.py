@@ -4,6 +4,8 @@
 - `ShapeClassifier`: a small CNN trained on the procedural shapes dataset; `alignment` rewards the
   probability it gives the prompt's class, and `accuracy` counts its argmax agreeing with the prompt.
 - `load_image_reward`: a custom reward by import path "module:function", called as fn(images, labels).
+- The RL run's reward fns on an image trajectory's sample (its final latent, its class id the prompt token):
+  `shape_alignment` (registered as "shape_alignment", built from the classifier's file) and `jpeg_reward`.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ from __future__ import annotations
 import importlib
 import io
 from collections.abc import Callable
+from collections.abc import Awaitable
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+
+from verst.rewards.values import RewardError
+from verst.types import Sample
+from verst.types.arrays import decode_array
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -95,3 +102,33 @@ def load_image_reward(spec: str) -> ImageReward:
     if not callable(fn):
         raise ValueError(f"image reward {spec!r}: {module} has no callable {name!r}")
     return fn
+
+
+def sample_image(sample: Sample) -> torch.Tensor:
+    """An image trajectory's image (3, H, W) in [-1, 1]: its last latent, clamped (what the engine returned)."""
+    if sample.latents is None:
+        raise RewardError(f"sample {sample.index}: no latents; an image reward scores image trajectories "
+                          "(model.kind = 'diffusion')")
+    return torch.from_numpy(decode_array(sample.latents, "latents")[-1]).clamp(-1, 1)
+
+
+def shape_alignment(classifier_path: str) -> Callable[[Sample], Awaitable[dict[str, float]]]:
+    """The reward fn of the classifier at `classifier_path`: {"alignment": its probability of the sample's
+    class (the prompt token), "correct": 1.0 when that class is its choice}."""
+    classifier = ShapeClassifier.load(classifier_path)
+
+    async def reward(sample: Sample) -> dict[str, float]:
+        image, label = sample_image(sample)[None], torch.tensor([sample.tokens[0]])
+        if not 0 <= int(label) < classifier.n_classes:
+            raise RewardError(f"sample {sample.index}: class {int(label)} is not one of the classifier's "
+                              f"{classifier.n_classes}")
+        with torch.no_grad():
+            probs = classifier(image).softmax(1)[0]
+        return {"alignment": float(probs[label]), "correct": float(int(probs.argmax()) == int(label))}
+
+    return reward
+
+
+async def jpeg_reward(sample: Sample) -> float:
+    """Minus the sample's image's JPEG size in kB."""
+    return float(jpeg_compressibility(sample_image(sample)[None])[0])

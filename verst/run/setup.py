@@ -35,7 +35,7 @@ def engine_server_args(cfg: VerstConfig, version: int = 0) -> list[str]:
     kind, table = engine_kind(cfg.cluster.engine), ENGINE_KINDS.entry(cfg.cluster.engine).flags_table
     flags = getattr(cfg, table) if table else {}
     return kind.server_args(version=version, model_impl=cfg.model.impl, dtype=cfg.model.dtype, flags=flags,
-                            engine_python=kind.python(cfg.cluster.engine_python))
+                            engine_python=kind.python(cfg.cluster.engine_python), sampler=cfg.diffusion)
 
 
 def absolute_paths(cfg: VerstConfig) -> VerstConfig:

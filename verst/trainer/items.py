@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from verst.inference_client.images import decode_array
 from verst.types import Sample
+from verst.types.arrays import decode_array
 
 # The extra every item built from a Sample carries: the engine's logprobs of the response tokens.
 ROLLOUT_LOGPROBS = "rollout_logprobs"
