@@ -27,6 +27,8 @@ TP2 = ["--trainer.tensor-parallel-size", "2", "--cluster.trainer-ranks", "2"]
 EP2 = ["--trainer.expert-parallel-size", "2", "--cluster.trainer-ranks", "2"]
 CP2 = ["--trainer.context-parallel-size", "2", "--cluster.trainer-ranks", "2"]
 VLLM = ["--cluster.engine", "vllm", "--sync.transport", "disk"]
+DIFFUSION = ["--model.kind", "diffusion", "--cluster.engine", "diffusion", "--cluster.device", "cpu",
+             "--reward.type", "jpeg_compressibility"]
 
 # rule -> (overrides that break it, what the message says)
 CASES: dict[str, tuple[list[str], str]] = {
@@ -147,6 +149,14 @@ CASES: dict[str, tuple[list[str], str]] = {
                                             r"cluster.trainer_threads = 2 with algorithm.true_on_policy = true"),
     "every_adapter_is_a_valid_run": ([*ADAPTERS, "--lora.adapters", "[{name: add, batch_size: 3, global_batch_size: 16}]"],
                                      r"lora.adapters\[0\] \('add'\): .*3 × 8 = 24 samples per rollout"),
+    "image_engines_serve_diffusion_models": (["--model.kind", "diffusion"],
+                                             r"model.kind = 'diffusion' needs an engine that samples images: "
+                                             r"cluster.engine = 'diffusion', not 'embedded'"),
+    "diffusion_runs_use_what_images_have": ([*DIFFUSION, "--lora.enabled", "true"],
+                                            r"lora.enabled = true does not apply to model.kind = 'diffusion' \(LoRA"),
+    "rewards_score_what_the_model_makes": ([*DIFFUSION, "--reward.type", "shape_alignment", "--reward.key", "alignment"],
+                                           r"reward.type = 'shape_alignment' scores with a model of its own: set "
+                                           r"reward.model_path"),
 }
 
 
@@ -258,12 +268,14 @@ def test_core_count_against_the_machine():
 
 
 def test_rules_of_sft():
-    assert [rule.__name__ for rule in SFT_RULES] == ["sft_trains_one_policy"]
+    assert [rule.__name__ for rule in SFT_RULES] == ["sft_trains_one_policy", "sft_trains_a_language_model"]
     check_sft_rules(load_config(None, []))
     with pytest.raises(ValueError, match=r"lora.adapters \(\['add', 'rev'\]\): multi-LoRA trains with RL only"):
         check_sft_rules(load_config(None, ADAPTERS))
     with pytest.raises(ValueError, match="eval.num_engines = 2: the evaluation fleet scores RL runs"):
         check_sft_rules(load_config(None, ["--eval.num-engines", "2"]))
+    with pytest.raises(ValueError, match="model.kind = 'diffusion': SFT trains language models on text"):
+        check_sft_rules(load_config(None, DIFFUSION))
 
 
 def test_config_loading_imports_no_torch():

@@ -45,7 +45,8 @@ def not_async(sample: Sample) -> float:
 
 
 def test_registry_names():
-    assert set(REWARDS) == {"exact_match", "numeric_match", "math_verify", "token_f1"}
+    assert set(REWARDS) == {"exact_match", "numeric_match", "math_verify", "token_f1", "shape_alignment",
+                            "jpeg_compressibility"}
 
 
 def test_exact_match():

@@ -3,6 +3,7 @@
 - init: a seeded class-conditioned UNet2DModel in diffusers' format.
 - pretrain: flow matching on the procedural coloured-shapes dataset; saved in diffusers' format.
 - classifier: the shapes classifier the alignment reward uses.
+- prompts: the prompt files of an RL run on the shapes (`verst train` with model.kind = "diffusion").
 - rl: Flow-GRPO steps with a reward (alignment, jpeg, or module:function); prints the held-out mean reward
   and classifier accuracy before and after, and writes the held-out samples before and after as image grids.
 - serve: the diffusion engine over HTTP (`verst diffusion serve --model DIR --port P`; see docs/diffusion.md).
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     clf = commands.add_parser("classifier", help="train the shapes classifier")
     clf.add_argument("--out", required=True)
     clf.add_argument("--steps", type=int, default=1000)
+    prompts = commands.add_parser("prompts", help="the RL run's prompt files (train.jsonl, test.jsonl)")
+    prompts.add_argument("--out", required=True)
+    prompts.add_argument("--repeat", type=int, default=8, help="each class's lines in train.jsonl")
     rl = commands.add_parser("rl", help="Flow-GRPO on a pretrained denoiser")
     rl.add_argument("--base", required=True, help="the denoiser (diffusers' format)")
     rl.add_argument("--classifier", required=True)
@@ -80,17 +84,9 @@ def evaluate(model, classifier, reward, per_class: int, grid: Path, seed: int = 
 
 def save_grid(images, path: Path, columns: int, scale: int = 4) -> None:
     """Images (N, 3, H, W) in [-1, 1], row by row, as one PNG enlarged `scale` times."""
-    from PIL import Image
+    from verst.monitor import image_grid
 
-    from verst.rewards.image import to_uint8
-
-    pixels = to_uint8(images)  # (N, H, W, 3)
-    n, h, w, _ = pixels.shape
-    if n % columns:
-        raise ValueError(f"{n} images do not fill rows of {columns} columns")
-    rows = n // columns
-    sheet = pixels.reshape(rows, columns, h, w, 3).transpose(0, 2, 1, 3, 4).reshape(rows * h, columns * w, 3)
-    Image.fromarray(sheet).resize((columns * w * scale, rows * h * scale), Image.NEAREST).save(path)
+    image_grid.save_grid(image_grid.to_pixels(images.detach().cpu().numpy()), path, columns, scale)
 
 
 def main(argv: list[str]) -> int:
@@ -117,6 +113,10 @@ def main(argv: list[str]) -> int:
                   f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
         diffusion.save(model, args.out)
         print(args.out)
+        return 0
+    if args.command == "prompts":
+        for path in shapes.write_prompts(args.out, args.repeat):
+            print(path)
         return 0
     if args.command == "classifier":
         images, labels = (torch.tensor(a) for a in shapes.dataset(1800, seed=1))

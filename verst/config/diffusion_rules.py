@@ -54,8 +54,8 @@ def diffusion_runs_use_what_images_have(config: Section) -> None:
         for part in field.split("."):
             value = getattr(value, part, None)
         if value != off:
-            raise ValueError(f"{field} = {value!r} does not apply to model.kind = 'diffusion' ({why}); "
-                             f"leave it at {off!r}")
+            raise ValueError(f"{field} = {_shown(value)} does not apply to model.kind = 'diffusion' ({why}); "
+                             f"leave it at {_shown(off)}")
     estimator = config.algorithm.advantage_estimator
     if ADVANTAGE_ESTIMATORS.entry(estimator).needs_critic:
         raise ValueError(f"algorithm.advantage_estimator = {estimator!r} needs a value model, which a diffusion run "
@@ -81,6 +81,11 @@ def rewards_score_what_the_model_makes(model: ModelConfig, reward: RewardConfig)
     if entry.keys and reward.key not in entry.keys:
         raise ValueError(f"reward.type = {reward.type!r} returns the components {list(entry.keys)}; "
                          f"reward.key = {reward.key!r} must select one")
+
+
+def _shown(value: object) -> str:
+    """A value as a recipe writes it: true, 0.0, 'cpu'."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 DIFFUSION_RULES = (image_engines_serve_diffusion_models, diffusion_runs_use_what_images_have,

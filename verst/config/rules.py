@@ -400,7 +400,13 @@ def sft_trains_one_policy(lora: LoraConfig, eval: EvalConfig) -> None:
                          "with the trainer's model (set eval.num_engines = 0)")
 
 
-SFT_RULES: tuple[Callable[..., None], ...] = (sft_trains_one_policy,)
+def sft_trains_a_language_model(model: ModelConfig) -> None:
+    if model.kind != "causal_lm":
+        raise ValueError(f"model.kind = {model.kind!r}: SFT trains language models on text; a diffusion model trains "
+                         "with RL (`verst train`, docs/diffusion.md) or `verst diffusion pretrain`")
+
+
+SFT_RULES: tuple[Callable[..., None], ...] = (sft_trains_one_policy, sft_trains_a_language_model)
 
 
 def check_sft_rules(config: Section) -> None:

@@ -7,6 +7,9 @@ Every image shows one shape (circle, square, triangle) in one colour (red, green
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
 COLOURS = {"red": (1.0, 0.1, 0.1), "green": (0.1, 0.9, 0.1), "blue": (0.15, 0.3, 1.0)}
@@ -29,6 +32,18 @@ def label_of(description: str) -> int:
         raise ValueError(f"{description!r} is not '<colour> <shape>' with colour in {list(COLOURS)} "
                          f"and shape in {list(SHAPES)}")
     return list(COLOURS).index(parts[0]) * len(SHAPES) + SHAPES.index(parts[1])
+
+
+def write_prompts(directory: str | Path, repeat: int = 8) -> tuple[Path, Path]:
+    """An RL run's prompt files: train.jsonl with every class description `repeat` times, test.jsonl with each
+    once ({"prompt": "red circle", "label": 0}) -> their paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [json.dumps({"prompt": describe(label), "label": label}) + "\n" for label in range(N_CLASSES)]
+    train, test = directory / "train.jsonl", directory / "test.jsonl"
+    train.write_text("".join(rows * repeat))
+    test.write_text("".join(rows))
+    return train, test
 
 
 def draw(label: int, rng: np.random.Generator, size: int = 16) -> np.ndarray:

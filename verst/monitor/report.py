@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from verst.monitor import report_figures as figs
+from verst.monitor.image_grid import data_uri, eval_grids
 from verst.monitor.report_data import (
     Run,
     by_namespace,
@@ -26,6 +27,7 @@ from verst.monitor.report_data import (
 from verst.monitor.samples import examples, pick_steps, read_samples
 
 REPORT_FILE = "report.html"
+MAX_GRIDS = 8  # held-out image grids shown
 COMPARE_FILE = "report-compare.html"
 # Keys the first three sections draw (and train/loss, in place of the reward, for SFT runs);
 # "everything else" shows the rest.
@@ -112,6 +114,7 @@ def render(runs: list[Run], out: Path) -> str:
         ("time", "Where the time goes", _panels(figs.time_panels(runs), figures)),
         ("data", "Where the data goes", _panels(figs.data_panels(runs), figures)),
         ("samples", "Sample generations", _samples(runs[0]) if len(runs) == 1 else ""),
+        ("images", "Held-out images", _images(runs[0]) if len(runs) == 1 else ""),
         ("metrics", "Everything else", _everything_else(runs, figures)),
         ("config", "Config", _config(runs)),
     ]
@@ -234,6 +237,24 @@ def _samples(run: Run) -> str:
         parts.append(f"<h3>Step {step}</h3><table><tr><th>prompt</th><th>response</th><th>reward</th>"
                      f"<th>status</th></tr>{''.join(rows)}</table>")
     return "".join(parts)
+
+
+def _images(run: Run) -> str:
+    """An image run's held-out grids (the same prompts and seeds at every evaluation: a row per prompt), with the
+    step's score; at most MAX_GRIDS steps, the first and the last among them."""
+    grids = eval_grids(run.path)
+    if not grids:
+        return ""
+    steps = list(grids)
+    if len(steps) > MAX_GRIDS:
+        steps = sorted({steps[round(i * (len(steps) - 1) / (MAX_GRIDS - 1))] for i in range(MAX_GRIDS)})
+    scores = {int(r["step"]): r["eval/accuracy"] for r in run.records if "eval/accuracy" in r and "step" in r}
+    figures = "".join(
+        f'<figure class="panel"><img src="{data_uri(grids[step])}" alt="step {step}" style="image-rendering:pixelated">'
+        f"<figcaption>step {step}" + (f" · eval/accuracy {scores[step]:.3f}" if step in scores else "")
+        + "</figcaption></figure>" for step in steps)
+    return ('<p class="caption">The same held-out prompts and seeds at each evaluation: a row per prompt '
+            f'(diffusion.eval_images_per_prompt images each).</p><div class="grid small">{figures}</div>')
 
 
 def _reward(record: dict[str, Any]) -> str:

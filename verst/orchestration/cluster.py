@@ -288,6 +288,9 @@ class RolloutManagerHandle:
     def engine_urls(self) -> list[str]:
         return self._call("engine_urls")
 
+    def evaluate(self, version: int) -> dict[str, float]:
+        return self._call("evaluate", version)
+
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")
 

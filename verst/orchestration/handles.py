@@ -60,6 +60,11 @@ class RolloutSource(Protocol):
         """Fully async: stop the worker; how many unfinished groups it handed back."""
         ...
 
+    def evaluate(self, version: int) -> dict[str, float]:
+        """An image run's held-out score through the engines, which must serve `version` (its reward lives on the
+        rollout side)."""
+        ...
+
     def save_state(self, path: str) -> dict[str, int]:
         """Checkpoint: write the rollout side's state (source, buffer, worker) to `path`; the counts saved."""
         ...

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import importlib
 import io
-from collections.abc import Callable
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np

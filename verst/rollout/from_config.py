@@ -11,7 +11,7 @@ import functools
 
 from verst.config import VerstConfig, batch_plan, load_object
 from verst.config.imports import import_plugins
-from verst.data import PromptSource
+from verst.data import PromptSource, load_prompts_from_config
 from verst.inference_client.client import EngineClient
 from verst.models import load_tokenizer
 from verst.monitor.samples import append_samples
@@ -27,6 +27,7 @@ from verst.rollout import (
 )
 from verst.rollout.admission import StalenessGate
 from verst.rollout.buffer import DiscardReason, OnDiscard
+from verst.rollout.images import evaluate_images, generate_image
 from verst.rollout.manager import RolloutEndpoints, RolloutParts
 from verst.rollout.teacher import TeacherScorer
 from verst.types import Group
@@ -36,7 +37,8 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
     """Data source, rollout context, and (fully async) the buffer and worker, from the config (its `plugins`
     imported first: the names they register are looked up here)."""
     import_plugins(cfg.plugins)
-    tokenizer = load_tokenizer(cfg.model.path)
+    images = cfg.model.kind == "diffusion"
+    tokenizer = None if images else load_tokenizer(cfg.model.path)  # a denoiser's prompt is its class
     source = load_object(cfg.data.source, "data.source")(cfg.data) if cfg.data.source else PromptSource.from_config(cfg.data)
     engine = EngineClient(endpoints.router_url or endpoints.engine_urls[0], max_connections=cfg.rollout.concurrency,
                           max_batch=request_batch(cfg, endpoints.router_url),
@@ -48,7 +50,9 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
         teacher = TeacherScorer([EngineClient(url, max_connections=cfg.rollout.concurrency)
                                  for url in endpoints.teacher_urls],
                                 temperature=cfg.rollout.sampling.temperature, concurrency=cfg.rollout.concurrency)
-    ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control, teacher=teacher)
+    image_fn = {"generate_fn": generate_image} if images and cfg.rollout.generate_fn is None else {}
+    ctx = RolloutContext.from_config(cfg, engine, tokenizer, source, control_engines=control, teacher=teacher,
+                                     **image_fn)
     last: dict[str, float] = {}
 
     async def generate_batch(rollout_id: int, weight_version: int) -> list[Group]:
@@ -70,6 +74,9 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
 
     parts = RolloutParts(generate_batch=generate_batch, source=source, close=close, metrics=metrics,
                          batch_metrics=functools.partial(batch_metrics, key=cfg.reward.key))
+    if images:  # the held-out images are scored here, where the reward (a classifier) lives
+        prompts = held_out_images(cfg)
+        parts.evaluate = lambda version: evaluate_images(ctx, prompts, version, cfg.run_dir)
     if cfg.logging.sample_groups_per_step and cfg.run_dir:
         # one step off: a batch is generated a step ahead of its first train step; else the next step takes it
         ahead = batch_plan(cfg).train_steps_per_rollout if cfg.schedule == "one_step_off" else None
@@ -141,7 +148,16 @@ def record_samples(run_dir: str, n_groups: int, steps_per_rollout: int | None, g
 def prepare_rollout_parts(cfg: VerstConfig) -> None:
     """What `build_rollout_parts` can do before the engines are up: load the tokenizer, which imports
     transformers — seconds the actor otherwise spends after the engines are ready."""
-    load_tokenizer(cfg.model.path)
+    if cfg.model.kind != "diffusion":
+        load_tokenizer(cfg.model.path)
+
+
+def held_out_images(cfg: VerstConfig) -> list:
+    """An image run's held-out prompts (eval.path, else data.test_path), `eval.max_prompts` of them; none without."""
+    path = cfg.eval.path or cfg.data.test_path
+    if path is None:
+        return []
+    return load_prompts_from_config(cfg.data.model_copy(update={"test_path": path}), "test")[: cfg.eval.max_prompts]
 
 
 def request_batch(cfg: VerstConfig, router_url: str | None) -> int:

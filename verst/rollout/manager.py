@@ -60,6 +60,8 @@ class RolloutParts:
     batch_metrics: Callable[[list[Group]], dict[str, float]] | None = None
     record_batch: Callable[[list[Group], int | None, int], None] | None = None
     progress: Callable[[], str] | None = None  # fully async: what the worker made of its groups so far
+    # held-out scoring on the rollout side, (weight version) -> eval/ metrics: an image run's (its reward lives here)
+    evaluate: Callable[[int], Awaitable[dict[str, float]]] | None = None
 
 
 PartsFactory = Callable[[RolloutEndpoints], RolloutParts | Awaitable[RolloutParts]]
@@ -257,6 +259,13 @@ class RolloutManager:
         if parts.metrics is not None:
             out.update(parts.metrics())
         return out
+
+    async def evaluate(self, version: int) -> dict[str, float]:
+        """The held-out score through the engines, which must serve `version` (`RolloutParts.evaluate`)."""
+        parts = self._ready("evaluate")
+        if parts.evaluate is None:
+            raise RuntimeError("evaluate: the rollout parts score no held-out prompts (RolloutParts.evaluate)")
+        return await parts.evaluate(version)
 
     async def engine_urls(self) -> list[str]:
         return list(self._engine_urls or [])

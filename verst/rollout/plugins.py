@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from verst.config import (
     ConfigError,
     DataConfig,
+    DiffusionConfig,
     RewardConfig,
     RolloutConfig,
     SamplingConfig,
@@ -237,6 +238,7 @@ class RolloutContext:
     # MoE routing replay: the policy's experts per token (num_experts_per_tok) when the samples record the
     # engines' routed experts (`algorithm.routing_replay`); None: they do not
     routed_experts_top_k: int | None = None
+    diffusion: DiffusionConfig | None = None  # model.kind = "diffusion": the image sampler's settings
     # what plug-ins build lazily and share across calls (the agentic generate fn's session server), by
     # name; `aclose` closes every value with an `aclose()`. Copies of the context share the dict.
     resources: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -274,7 +276,8 @@ class RolloutContext:
         cls, cfg: VerstConfig, engine: Any, tokenizer: Any, source: DataSource | None, **overrides: Any
     ) -> RolloutContext:
         settings = dict(max_rounds=cfg.rollout.max_over_sampling_rounds, abort_timeout_s=cfg.rollout.abort_timeout_s,
-                        dump_dir=cfg.rollout.dump_dir, routed_experts_top_k=routed_experts_top_k(cfg))
+                        dump_dir=cfg.rollout.dump_dir, routed_experts_top_k=routed_experts_top_k(cfg),
+                        diffusion=cfg.diffusion if cfg.model.kind == "diffusion" else None)
         return cls(engine=engine, tokenizer=tokenizer, rollout=cfg.rollout, data=cfg.data, reward=cfg.reward,
                    sandbox=cfg.sandbox, source=source, **{**settings, **overrides})
 

@@ -129,6 +129,9 @@ class Evaluator:
         metrics: dict[str, float] = {}
         for lane in self.lanes:
             cfg = lane.cfg
+            if cfg.model.kind == "diffusion":  # scored on the rollout side, where the image reward lives
+                metrics |= lane.namespaced(await in_daemon_thread(lane.rollout.evaluate, served))
+                continue
             scored = await score_engines(cfg, self.router_url, run_tokenizer(cfg.model.path), held_out_prompts(cfg),
                                          served, max_batch=request_batch(cfg, lane.rollout.router_url),
                                          lora_path=cfg.lora.served_adapter)

@@ -53,6 +53,7 @@ def absolute_paths(cfg: VerstConfig) -> VerstConfig:
         "data": cfg.data.model_copy(update={"train_path": absolute(cfg.data.train_path),
                                             "test_path": absolute(cfg.data.test_path)}),
         "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
+        "reward": cfg.reward.model_copy(update={"model_path": absolute(cfg.reward.model_path)}),
         "rollout": cfg.rollout.model_copy(update={"dump_dir": absolute(cfg.rollout.dump_dir)}),
     })
 

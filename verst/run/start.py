@@ -54,7 +54,7 @@ from verst.run.signals import STOP
 from verst.run.snapshots import EvalSnapshots
 from verst.run.training import DeviceShare, TrainerGroup
 from verst.run.weights import RestartSource, WeightPush
-from verst.trainer.factory import fsdp2_backend
+from verst.trainer.factory import diffusion_backend, fsdp2_backend
 
 log = logging.getLogger(__name__)
 RunOpener = Callable[[VerstConfig, int], AbstractAsyncContextManager[RLRun]]
@@ -86,7 +86,8 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
     resume = prepare_resume(cfg)  # refused before anything starts
     if cfg.teacher.model_path is not None:
         check_same_tokenizer(cfg.model.path, cfg.teacher.model_path)
-    _load_in_background(run_tokenizer, cfg.model.path)  # the evaluations' (transformers' import), while Ray starts
+    if cfg.model.kind == "causal_lm":  # the evaluations' (transformers' import), while Ray starts
+        _load_in_background(run_tokenizer, cfg.model.path)
     run_dir = prepare_run_dir(cfg)
     (run_dir / "logs").mkdir(exist_ok=True)
     plan, clock = batch_plan(cfg), StartupClock(started)
@@ -160,14 +161,8 @@ def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan, cores: 
     `cores`: on CPU, the cores and threads of each rank and policy engine."""
     lane_cfgs = {name: absolute_paths(adapter_run_config(cfg, name)) for name in adapter_names(cfg)}  # multi-LoRA
     adapter_steps = {name: batch_plan(own).total_train_steps for name, own in lane_cfgs.items()}
-    trainer = orch.start_trainer(functools.partial(
-        fsdp2_backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
-        temperature=sampling_temperature(cfg), device=orch.device,
-        ref_model_path=cfg.model.path if cfg.algorithm.needs_reference else None, lora=cfg.lora,
-        critic=cfg.critic if cfg.algorithm.needs_critic else None,
-        per_sequence=cfg.algorithm.true_on_policy, routing=cfg.algorithm.routing_replay,
-        adapter_steps=adapter_steps or None, plugins=cfg.plugins,
-    ), wait=False, shares=list(cores.trainer) if cores else None)  # its start-up: time/startup/trainer_s
+    trainer = orch.start_trainer(backend_factory(cfg, plan, orch.device, adapter_steps or None),
+                                 wait=False, shares=list(cores.trainer) if cores else None)  # time/startup/trainer_s
     engines = orch.start_engines(cfg.model.path, args=engine_args(cfg, orch.device), wait=False,
                                  shares=list(cores.engines) if cores and cores.engines else None)
     teacher = orch.start_teacher_engines(cfg.teacher.model_path, args=engine_server_args(cfg), wait=False) \
@@ -179,6 +174,24 @@ def start_actors(orch: Orchestration, cfg: VerstConfig, plan: BatchPlan, cores: 
                                                  prepare=functools.partial(prepare_rollout_parts, own))
                 for name, own in (lane_cfgs or {None: cfg}).items()}
     return Actors(trainer, engines, teacher, evaluators, managers, lane_cfgs)
+
+
+def backend_factory(cfg: VerstConfig, plan: BatchPlan, device: str,
+                    adapter_steps: dict[str, int | None] | None) -> Callable[[], Any]:
+    """What the trainer ranks build (torch imported there): FSDP2 over the language model, or over the denoiser
+    (`model.kind = "diffusion"`)."""
+    reference = cfg.model.path if cfg.algorithm.needs_reference else None
+    if cfg.model.kind == "diffusion":
+        return functools.partial(diffusion_backend, cfg.model, cfg.trainer, cfg.diffusion,
+                                 total_steps=plan.total_train_steps, ref_model_path=reference, device=device,
+                                 plugins=cfg.plugins)
+    return functools.partial(
+        fsdp2_backend, cfg.model, cfg.trainer, total_steps=plan.total_train_steps,
+        temperature=sampling_temperature(cfg), device=device, ref_model_path=reference, lora=cfg.lora,
+        critic=cfg.critic if cfg.algorithm.needs_critic else None,
+        per_sequence=cfg.algorithm.true_on_policy, routing=cfg.algorithm.routing_replay,
+        adapter_steps=adapter_steps, plugins=cfg.plugins,
+    )
 
 
 def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, syncer: TrainerWeightSync,

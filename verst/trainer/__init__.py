@@ -17,6 +17,8 @@ _EXPORTS = {
     "TrainBackend": "verst.trainer.backend",
     "TrainerRanks": "verst.trainer.backend",
     "fsdp2_backend": "verst.trainer.factory",
+    "diffusion_backend": "verst.trainer.factory",
+    "DiffusionBackend": "verst.trainer.diffusion_backend",
     "ForwardOutputs": "verst.trainer.batching",
     "MicroBatch": "verst.trainer.batching",
     "FSDP2Backend": "verst.trainer.fsdp",

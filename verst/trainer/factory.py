@@ -18,3 +18,11 @@ def fsdp2_backend(*args: Any, plugins: Sequence[str] = (), **kwargs: Any) -> Tra
 
     import_plugins(list(plugins))
     return FSDP2Backend(*args, **kwargs)
+
+
+def diffusion_backend(*args: Any, plugins: Sequence[str] = (), **kwargs: Any) -> TrainBackend:
+    """`DiffusionBackend(*args, **kwargs)`, imported when called, as `fsdp2_backend` (model.kind = 'diffusion')."""
+    from verst.trainer.diffusion_backend import DiffusionBackend
+
+    import_plugins(list(plugins))
+    return DiffusionBackend(*args, **kwargs)
