@@ -83,18 +83,11 @@ demo-moe: $(STAMP)
 demo-real: $(STAMP)
 	$(Q)$(PY) -m examples.demo_real
 
-# Diffusion RL (docs/diffusion.md): pretrain the shapes denoiser and the classifier (reused when present), then
-# Flow-GRPO on the classifier's confidence in the prompt's shape and colour; prints held-out reward and accuracy
-# before and after, the paths of the held-out image grids, and the time in all (docs/benchmarks.md).
+# Diffusion RL (docs/diffusion.md): the shapes classifier, the pretrained denoiser and the prompt files (each reused
+# when present), then Flow-GRPO through the RL run (recipes/flow_grpo_shapes.toml); prints held-out classifier
+# accuracy and mean reward before and after, the image grids, the report and the time (docs/benchmarks.md).
 demo-diffusion: $(STAMP)
-	$(Q)start=$$(date +%s) && \
-	{ test -f artifacts/diffusion/classifier.pt || \
-		$(PY) -m verst.cli.main diffusion classifier --out artifacts/diffusion/classifier.pt; } && \
-	{ test -f artifacts/diffusion/base/config.json || \
-		$(PY) -m verst.cli.main diffusion pretrain --out artifacts/diffusion/base; } && \
-	$(PY) -m verst.cli.main diffusion rl --base artifacts/diffusion/base \
-		--classifier artifacts/diffusion/classifier.pt --out artifacts/diffusion/run && \
-	echo "demo-diffusion: $$(( $$(date +%s) - start )) s in all"
+	$(Q)$(PY) -m examples.demo_diffusion $(ARGS)
 
 # The agentic demo (about half an hour on 2 CPU cores; docs/recipes.md): calculator tool-use data, SFT on a teacher's tool calls, then
 # GRPO on whole agent episodes through the session server; prints held-out success before and after.

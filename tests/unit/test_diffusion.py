@@ -80,3 +80,18 @@ def test_the_denoiser_round_trips_through_diffusers_format(tmp_path):
     labels = torch.tensor([2, 5])
     assert torch.equal(diffusion.sample(model, labels, seed=1, steps=3).latents,
                        diffusion.sample(loaded, labels, seed=1, steps=3).latents)
+
+
+def test_the_diffusion_commands_write_their_outputs(tmp_path, capsys):
+    import json
+
+    from verst.cli import diffusion as cli
+
+    assert cli.main(["init", "--out", str(tmp_path / "base"), "--widths", "8,16"]) == 0
+    assert diffusion.load(tmp_path / "base").config.num_class_embeds == shapes.N_CLASSES + 1
+    assert cli.main(["classifier", "--out", str(tmp_path / "clf.pt"), "--steps", "20"]) == 0
+    assert "classifier held-out accuracy" in capsys.readouterr().out
+    assert cli.main(["prompts", "--out", str(tmp_path / "prompts"), "--repeat", "2"]) == 0
+    train = [json.loads(line) for line in (tmp_path / "prompts" / "train.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in train] == list(range(shapes.N_CLASSES)) * 2  # the classes in turn
+    assert all(shapes.label_of(r["prompt"]) == r["label"] for r in train)

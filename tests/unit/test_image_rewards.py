@@ -1,10 +1,12 @@
 """Image rewards: JPEG compressibility, the shapes classifier's alignment, a custom reward by import path."""
 
-import pytest
+import asyncio
+
+import numpy as np
 import torch
 
 from verst.data import shapes
-from verst.rewards.image import ShapeClassifier, jpeg_compressibility, load_image_reward
+from verst.rewards.image import ShapeClassifier, jpeg_compressibility, sample_image
 
 
 def test_flat_images_compress_better_than_noise():
@@ -26,14 +28,19 @@ def test_the_classifier_learns_the_shapes_and_scores_alignment(tmp_path):
     assert torch.equal(ShapeClassifier.load(tmp_path / "clf.pt").alignment(held, held_labels), right)
 
 
-def brightness(images, labels):
-    return images.mean(dim=(1, 2, 3))
+async def brightness(sample):
+    """A custom image reward: the mean of the sample's image."""
+    return float(sample_image(sample).mean())
 
 
-def test_a_custom_image_reward_loads_by_import_path():
-    fn = load_image_reward(f"{__name__}:brightness")
-    assert fn(torch.ones(2, 3, 4, 4), torch.zeros(2)).tolist() == [1.0, 1.0]
-    with pytest.raises(ValueError, match="not 'module:function'"):
-        load_image_reward("no_colon")
-    with pytest.raises(ValueError, match="no callable 'missing'"):
-        load_image_reward(f"{__name__}:missing")
+def test_a_custom_image_reward_is_a_custom_reward_on_the_sample():
+    from verst.config import RewardConfig
+    from verst.rewards import build_reward_fn
+    from verst.types import Sample
+    from verst.types.arrays import encode_array
+
+    fn = build_reward_fn(RewardConfig(type="custom", path=f"{__name__}:brightness"))
+    latents = np.stack([np.zeros((3, 4, 4)), np.full((3, 4, 4), 0.25)]).astype(np.float32)
+    sample = Sample(tokens=[0, 0], response_length=1, loss_mask=[1], rollout_logprobs=[0.0],
+                    latents=encode_array(latents))
+    assert asyncio.run(fn(sample)) == 0.25  # the last latent is the image

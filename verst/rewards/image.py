@@ -3,14 +3,12 @@
 - `jpeg_compressibility`: DDPO's (Black et al. 2023, arXiv:2305.13301): minus the JPEG size in kilobytes.
 - `ShapeClassifier`: a small CNN trained on the procedural shapes dataset; `alignment` rewards the
   probability it gives the prompt's class, and `accuracy` counts its argmax agreeing with the prompt.
-- `load_image_reward`: a custom reward by import path "module:function", called as fn(images, labels).
 - The RL run's reward fns on an image trajectory's sample (its final latent, its class id the prompt token):
   `shape_alignment` (registered as "shape_alignment", built from the classifier's file) and `jpeg_reward`.
 """
 
 from __future__ import annotations
 
-import importlib
 import io
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -87,20 +85,6 @@ class ShapeClassifier(torch.nn.Module):
         model = cls(int(saved["n_classes"]))
         model.load_state_dict(saved["state"])
         return model.eval()
-
-
-ImageReward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def load_image_reward(spec: str) -> ImageReward:
-    """A custom image reward by import path "module:function"; it is called as fn(images, labels) -> (N,)."""
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"image reward {spec!r} is not 'module:function'")
-    fn = getattr(importlib.import_module(module), name, None)
-    if not callable(fn):
-        raise ValueError(f"image reward {spec!r}: {module} has no callable {name!r}")
-    return fn
 
 
 def sample_image(sample: Sample) -> torch.Tensor:

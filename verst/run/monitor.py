@@ -94,8 +94,10 @@ class RunMonitor:
         write_summary(self.run_dir, summary)
         report = write_report(self.run_dir)
         (v0, before), (v1, after) = score_span(history)
+        images = self.cfg.model.kind == "diffusion"  # the mean reward of the held-out images, not a rate
+        scored, shown = ("mean reward", ".3f") if images else (f"greedy {score_key[5:]}", ".1%")
         scores = "no evaluation" if before is None else \
-            f"held-out greedy {score_key[5:]} {before:.1%} (version {v0}) -> {after:.1%} (version {v1})"
+            f"held-out {scored} {before:{shown}} (version {v0}) -> {after:{shown}} (version {v1})"
         if lanes[0].adapter is not None:  # multi-LoRA: the scores are the adapters'
             for line in adapter_score_lines(lanes, summary, score_key):
                 log.info(line)
