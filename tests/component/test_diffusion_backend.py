@@ -258,12 +258,13 @@ def test_exports_and_weight_sync_give_the_trained_denoiser(model_dirs, tmp_path)
     count = core.load_weights([named for bucket in trainer.named_weights(1 << 12) for named in bucket], version="1")
     assert count == len(trained) and core.weight_version == "1"
     params = ImageSamplingParams(num_inference_steps=STEPS, guidance_scale=GUIDANCE, noise_level=NOISE, n=2)
-    _, images = core.generate(ImageJob(rid="r", label=3, seed=11, params=params, return_logprob=True))
+    job = ImageJob(rid="r", label=3, seed=11, params=params, return_logprob=True)
+    _, images = core.generate([job])[job.key]
     with torch.no_grad():
         want = diffusion.sample(trainer.model, torch.tensor([3]), seed=12, steps=STEPS, guidance=GUIDANCE,
                                 noise_level=NOISE)
-    assert torch.equal(images[1].latents, want.latents)
-    assert torch.equal(images[1].logprobs, want.logprobs)
+    assert torch.allclose(images[1].latents, want.latents, atol=1e-5)  # sampled in a batch of 2
+    assert torch.allclose(images[1].logprobs, want.logprobs, atol=1e-5)
 
 
 def test_refusals_name_the_field(model_dirs):

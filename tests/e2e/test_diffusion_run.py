@@ -60,7 +60,7 @@ def trained_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("schedule,transport,engines", [
-    ("sync", "tensor", "1"), ("fully_async", "distributed", "2"),
+    ("sync", "tensor", "1"), ("sync", "disk", "1"), ("fully_async", "distributed", "2"),
 ])
 def test_a_denoiser_trains_through_the_run_and_its_weights_reach_the_engines(
         ray_session, shapes_run, tmp_path, schedule, transport, engines):  # noqa: F811

@@ -113,3 +113,20 @@ def test_a_failure_the_supervisor_does_not_restart_is_raised():
     with pytest.raises(RuntimeError, match="Connection refused"):
         turn(DeviceShare(engines, nothing, supervisor))
     assert supervisor.checks == 0
+
+
+@pytest.mark.parametrize("takes_engine_cores", [True, False])
+def test_an_evaluation_on_the_engines_ends_before_the_trainer_takes_their_cores(takes_engine_cores):
+    """Disaggregated on CPU under the sync schedule, each side has every core in turn: the trainer's turn waits for
+    an evaluation on the engines; where the sides have cores of their own it does not."""
+    settled = []
+
+    async def settle():
+        settled.append(True)
+
+    async def main():
+        share = DeviceShare(None, settle, takes_engine_cores=takes_engine_cores)
+        async with share.trainer_turn():
+            return list(settled)
+
+    assert asyncio.run(main()) == ([True] if takes_engine_cores else [])

@@ -42,6 +42,8 @@ _TEXT_ONLY: tuple[tuple[str, object, str], ...] = (
     ("eval.backend", None, "images are evaluated on the run's engines"),
     ("eval.num_engines", 0, "images are evaluated on the run's engines"),
     ("sandbox.provider", None, "sandboxes serve an agent's tools"),
+    ("rollout.agent_fn", None, "an agent runs text episodes"),
+    ("sync.check_weights", False, "it compares text logprobs; train/rollout_logprob_abs_diff compares each step's"),
 )
 
 

@@ -144,7 +144,7 @@ ENGINE_KINDS.add("sglang", EngineEntry(
 
 ENGINE_KINDS.add("diffusion", EngineEntry(
     f"{_KINDS}:DIFFUSION", "verst's diffusion engine: a denoiser's images with each denoising step's log-probability",
-    transports=("distributed", "tensor", "disk"), images=True))
+    transports=("distributed", "tensor", "disk"), images=True, cpu_share=True))
 
 WEIGHT_TRANSPORTS.add("distributed", TransportEntry(
     "verst.sync.distributed:DistributedTransport", "a process-group broadcast from trainer rank 0 (gloo; NCCL "

@@ -19,6 +19,8 @@ from verst.engine.http_errors import http_error, validation_error
 from verst.engine.schema import UNHEALTHY
 from verst.engine.service import error_response, invalid_request_response
 from verst.inference_client.protocol import InvalidRequest
+from verst.inference_client.weight_protocol import SetCoresRequest
+from verst.types.cores import CoreShare, take_share
 
 HEALTH_PROBE_TIMEOUT_S = 20.0
 
@@ -68,3 +70,31 @@ def serve(app: FastAPI, sock: socket.socket, port_file: str | None, log_level: s
             f.write(str(sock.getsockname()[1]))
         os.replace(tmp, port_file)
     server.run(sockets=[sock])
+
+
+def add_core_routes(app: FastAPI, runner: Any) -> None:
+    """`POST /set_cores` (verst's, on CPU): the cores the engine computes on from now on and its torch threads,
+    taken on the runner's thread (`runner.acall`; torch's thread count is the calling thread's)."""
+
+    @app.post("/set_cores")
+    async def set_cores(body: SetCoresRequest) -> dict[str, Any]:
+        share = CoreShare(tuple(sorted(set(body.cores))), body.threads)
+        if share.cores[-1] >= (os.cpu_count() or 1):
+            raise InvalidRequest("cores", body.cores, f"this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
+        try:
+            await runner.acall(lambda core: take_share(share))
+        except OSError as exc:  # a core this machine does not have, or one the process may not use
+            raise InvalidRequest("cores", body.cores, f"cannot run there: {exc.strerror}") from None
+        runner.torch_threads = share.threads
+        return {"success": True, "cores": list(share.cores), "threads": share.threads}
+
+
+def parse_cores(text: str) -> tuple[int, ...]:
+    """`--cpu-cores`: "0,1,4" -> (0, 1, 4)."""
+    try:
+        cores = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise SystemExit(f"--cpu-cores {text!r}: give comma-separated CPU ids, e.g. 0,1") from None
+    if not cores or min(cores) < 0:
+        raise SystemExit(f"--cpu-cores {text!r}: give comma-separated CPU ids, e.g. 0,1")
+    return cores

@@ -25,6 +25,7 @@ from verst.models import diffusion
 
 T = TypeVar("T")
 _job_ids = itertools.count()
+MAX_BATCH = 256  # images in one forward
 
 
 @dataclasses.dataclass
@@ -50,8 +51,8 @@ class NoAdapters:
 
 
 class DiffusionCore:
-    """A class-conditioned denoiser and its weight version. `generate` and the weight loads run on the
-    runner's thread, one at a time; `abort` and `abort_all` may come from any thread."""
+    """A class-conditioned denoiser and its weight version. `generate` (a batch of jobs) and the weight loads run
+    on the runner's thread, one at a time; `abort` and `abort_all` may come from any thread."""
 
     def __init__(self, model: torch.nn.Module, weight_version: str = "0", seed: int = 0,
                  settings: dict[str, Any] | None = None):
@@ -62,7 +63,7 @@ class DiffusionCore:
         self.settings = ImageSamplingParams(**(settings or {}))
         self.loras = NoAdapters()
         self.n_classes = int(model.config.num_class_embeds) - 1
-        self.counters = {"images": 0, "requests": 0, "aborted": 0, "weight_updates": 0}
+        self.counters = {"images": 0, "batches": 0, "requests": 0, "aborted": 0, "weight_updates": 0}
         self._pending: dict[int, ImageJob] = {}
         self._lock = threading.Lock()
 
@@ -107,20 +108,29 @@ class DiffusionCore:
         self.counters["aborted"] += len(jobs)
         return len(jobs)
 
-    def generate(self, job: ImageJob) -> tuple[str, list[diffusion.Trajectory | None]]:
-        """The weight version and each image's trajectory (batch 1, its own seed, so one seed gives one image
-        whatever `n`); None for an image an abort came before."""
-        out: list[diffusion.Trajectory | None] = []
-        labels = torch.tensor([job.label])
-        p = job.params
-        for i in range(p.n):
-            if job.aborted is not None:
-                out.append(None)
-                continue
-            out.append(diffusion.sample(self.model, labels, seed=job.seed + i, steps=p.num_inference_steps,
-                                        guidance=p.guidance_scale, noise_level=p.noise_level))
-            self.counters["images"] += 1
-        return self.weight_version, out
+    def generate(self, jobs: list[ImageJob]) -> dict[int, tuple[str, list[diffusion.Trajectory | None]]]:
+        """By job key: the weight version and each image's trajectory; None for an image an abort came before.
+        The images of every job with the same sampler settings are sampled as one batch (up to MAX_BATCH), each
+        from its own seed (`seed + i`), so a seed gives one image (within float32 noise) whatever the batch."""
+        out = {job.key: [None] * job.params.n for job in jobs}
+        batches: dict[tuple, list[tuple[ImageJob, int]]] = {}
+        for job in jobs:
+            if job.aborted is None:
+                p = job.params
+                batches.setdefault((p.num_inference_steps, p.guidance_scale, p.noise_level), []).extend(
+                    (job, i) for i in range(p.n))
+        for (steps, guidance, noise_level), images in batches.items():
+            for start in range(0, len(images), MAX_BATCH):
+                part = images[start:start + MAX_BATCH]
+                traj = diffusion.sample(self.model, torch.tensor([job.label for job, _ in part]),
+                                        seeds=[job.seed + i for job, i in part], steps=steps, guidance=guidance,
+                                        noise_level=noise_level)
+                for row, (job, i) in enumerate(part):
+                    out[job.key][i] = diffusion.Trajectory(traj.latents[row:row + 1], traj.logprobs[row:row + 1],
+                                                           traj.times)
+                self.counters["images"] += len(part)
+                self.counters["batches"] += 1
+        return {job.key: (self.weight_version, out[job.key]) for job in jobs}
 
     def probe(self) -> bool:
         """One step of one image: whether the model's output is finite."""
@@ -149,8 +159,9 @@ class DiffusionCore:
 
 
 class ImageRunner:
-    """Runs the core's work one call at a time on its own thread (generation and weight loads never overlap)
-    and holds new requests while paused; a request already sampling finishes its current image."""
+    """Runs the core's work one call at a time on its own thread (generation and weight loads never overlap):
+    the requests that arrive while a batch samples are the next batch. New requests wait while paused; a batch
+    already sampling finishes."""
 
     def __init__(self, core: DiffusionCore, torch_threads: int = 1):
         self.core = core
@@ -159,6 +170,8 @@ class ImageRunner:
         self.busy_seconds = 0.0
         self.stopped = False
         self.started_at = time.monotonic()
+        self._queued: list[tuple[ImageJob, asyncio.Future]] = []  # jobs waiting for the next batch
+        self._batching: asyncio.Future | None = None  # the task sampling them
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="verst-diffusion", initializer=torch.set_num_threads, initargs=(torch_threads,))
 
@@ -173,6 +186,8 @@ class ImageRunner:
         return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
 
     async def generate(self, job: ImageJob) -> tuple[str, list[diffusion.Trajectory | None]]:
+        """The job's images, sampled with every job queued meanwhile (one batch a turn of the engine's thread);
+        held while paused."""
         loop = asyncio.get_running_loop()
         woken = asyncio.Event()
         job.wake = lambda: loop.call_soon_threadsafe(woken.set)
@@ -181,9 +196,28 @@ class ImageRunner:
             while self.paused and job.aborted is None:
                 woken.clear()
                 await woken.wait()
-            return await self.acall(lambda core: core.generate(job))
+            done: asyncio.Future = loop.create_future()
+            self._queued.append((job, done))
+            if self._batching is None or self._batching.done():
+                self._batching = asyncio.ensure_future(self._sample_queued())
+            return await done
         finally:
             self.core.leave(job)
+
+    async def _sample_queued(self) -> None:
+        """Sample what is queued, as one batch, until nothing is (a batch's failure is each of its jobs')."""
+        while self._queued:
+            batch, self._queued = self._queued, []
+            try:
+                results = await self.acall(lambda core: core.generate([job for job, _ in batch]))
+            except Exception as exc:  # noqa: BLE001  (handed to every request of the batch)
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(exc)
+                continue
+            for job, done in batch:
+                if not done.done():  # a request whose client went away is cancelled
+                    done.set_result(results[job.key])
 
     def pause(self, mode: str) -> int:
         """abort: requests held or queued end as aborted; retract and in_place: they wait for `resume`."""

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from verst.engine.app import add_health_routes, install_error_handlers, serve
+from verst.engine.app import add_core_routes, add_health_routes, install_error_handlers, parse_cores, serve
 from verst.engine.diffusion_core import DiffusionCore, ImageJob, ImageRunner
 from verst.engine.schema import ERROR_RESPONSES
 from verst.engine.weight_routes import add_weight_routes
@@ -30,6 +30,7 @@ from verst.inference_client.ports import listening_socket
 from verst.inference_client.protocol import AbortRequest, PauseRequest
 from verst.models import diffusion
 from verst.types.arrays import encode_array
+from verst.types.cores import CoreShare, take_share
 
 log = logging.getLogger(__name__)
 ENGINE_VERSION = "verst-diffusion-0.1"
@@ -69,6 +70,7 @@ def create_app(state: DiffusionState) -> FastAPI:
     _add_info_routes(app, state)
     _add_control_routes(app, state)
     add_weight_routes(app, state)
+    add_core_routes(app, state.runner)
     return app
 
 
@@ -156,6 +158,8 @@ def build_parser(prog: str = "python -m verst.engine.diffusion_server") -> argpa
     p.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of the sampler")
     p.add_argument("--device", default="cpu", choices=("cpu",), help="where the sampler runs (the CPU only)")
+    p.add_argument("--cpu-cores", default=None, metavar="IDS",
+                   help="the CPUs to compute on, e.g. 0,1 (with --torch-threads threads); default: any")
     defaults = ImageSamplingParams()
     p.add_argument("--num-inference-steps", type=int, default=defaults.num_inference_steps,
                    help="SDE steps of a request that names none (every request through sglang-router)")
@@ -176,6 +180,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except ValidationError as exc:
         error = exc.errors()[0]
         raise SystemExit(f"--{str(error['loc'][0]).replace('_', '-')} = {error['input']!r}: {error['msg']}") from None
+    if args.cpu_cores:
+        take_share(CoreShare(parse_cores(args.cpu_cores), args.torch_threads))
     core = DiffusionCore(diffusion.load(args.model), weight_version=args.weight_version, seed=args.seed,
                          settings=settings.model_dump(include=set(SETTINGS)))
     sock = listening_socket(args.host, args.port)

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from verst.engine.app import add_health_routes, install_error_handlers, serve
+from verst.engine.app import add_core_routes, add_health_routes, install_error_handlers, parse_cores, serve
 from verst.engine.config import IMPLS
 from verst.engine.http_errors import json_body, validated
 from verst.engine.memory import release_memory, resume_memory
@@ -42,7 +42,6 @@ from verst.inference_client.protocol import (
 )
 from verst.inference_client.weight_protocol import (
     MemoryOccupationRequest,
-    SetCoresRequest,
 )
 from verst.monitor.stacks import arm_stack_dump
 from verst.types.cores import CoreShare, take_share, usable_cores
@@ -67,6 +66,7 @@ def create_app(state: ServerState) -> FastAPI:
     _add_info_routes(app, state)
     _add_control_routes(app, state)
     add_weight_routes(app, state)
+    add_core_routes(app, state.runner)
     add_lora_routes(app, state)
     from verst.engine.openai_api import add_openai_routes
 
@@ -191,17 +191,6 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
         resumed = await state.runner.acall(lambda core: resume_memory(core, tags))
         return {"success": True, "message": f"Resumed {', '.join(resumed) or 'nothing'}."}
 
-    @app.post("/set_cores")
-    async def set_cores(body: SetCoresRequest) -> dict[str, Any]:
-        share = CoreShare(tuple(sorted(set(body.cores))), body.threads)
-        if share.cores[-1] >= (os.cpu_count() or 1):
-            raise InvalidRequest("cores", body.cores, f"this machine has CPUs 0-{(os.cpu_count() or 1) - 1}")
-        try:  # on the engine thread: torch's thread count is the calling thread's
-            await state.runner.acall(lambda core: take_share(share))
-        except OSError as exc:  # a core this machine does not have, or one the process may not use
-            raise InvalidRequest("cores", body.cores, f"cannot run there: {exc.strerror}") from None
-        state.runner.torch_threads = share.threads
-        return {"success": True, "cores": list(share.cores), "threads": share.threads}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,17 +232,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     return p
-
-
-def parse_cores(text: str) -> tuple[int, ...]:
-    """`--cpu-cores`: "0,1,4" -> (0, 1, 4)."""
-    try:
-        cores = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
-    except ValueError:
-        raise SystemExit(f"--cpu-cores {text!r}: give comma-separated CPU ids, e.g. 0,1") from None
-    if not cores or min(cores) < 0:
-        raise SystemExit(f"--cpu-cores {text!r}: give comma-separated CPU ids, e.g. 0,1")
-    return cores
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ sampler's weights it equals the sampler's values.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,12 +108,28 @@ def _gaussian_logprob(sample: torch.Tensor, mean: torch.Tensor, std: float) -> t
     return lp.flatten(1).mean(1)
 
 
-def sample(model: UNet2DModel, labels: torch.Tensor, *, seed: int, steps: int = 10, guidance: float = 1.0,
-           noise_level: float = 0.7, size: int | None = None) -> Trajectory:
-    """The SDE sampler from seeded noise -> every step's latent and log-probability (no gradients)."""
+def sample(model: UNet2DModel, labels: torch.Tensor, *, seed: int | None = None, seeds: Sequence[int] | None = None,
+           steps: int = 10, guidance: float = 1.0, noise_level: float = 0.7, size: int | None = None) -> Trajectory:
+    """The SDE sampler from seeded noise -> every step's latent and log-probability (no gradients). `seed`: one
+    generator draws the whole batch's noise; `seeds`: each image's own (image i's noise is what `seeds[i]` alone
+    draws, so an image does not depend on the batch it is sampled in)."""
     size = size or model.config.sample_size
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn((labels.shape[0], 3, size, size), generator=gen)
+    shape = (labels.shape[0], 3, size, size)
+    if (seed is None) == (seeds is None):
+        raise ValueError("sample: give seed (one generator for the batch) or seeds (one per image), not both")
+    if seeds is not None:
+        if len(seeds) != labels.shape[0]:
+            raise ValueError(f"sample: {len(seeds)} seeds for {labels.shape[0]} images")
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+
+        def noise() -> torch.Tensor:
+            return torch.cat([torch.randn((1, *shape[1:]), generator=g) for g in gens])
+    else:
+        gen = torch.Generator().manual_seed(seed)
+
+        def noise() -> torch.Tensor:
+            return torch.randn(shape, generator=gen)
+    x = noise()
     times = time_grid(steps)
     t_cap = times[1] if steps > 1 else 0.5
     latents, logprobs = [x], []
@@ -120,7 +137,7 @@ def sample(model: UNet2DModel, labels: torch.Tensor, *, seed: int, steps: int = 
         for t, t_next in zip(times[:-1], times[1:]):
             v = velocity(model, x, t, labels, guidance)
             mean, std = _sde_mean_std(x, v, t, t_next, noise_level, t_cap)
-            x = mean + std * torch.randn(x.shape, generator=gen)
+            x = mean + std * noise()
             latents.append(x)
             logprobs.append(_gaussian_logprob(x, mean, std))
     return Trajectory(torch.stack(latents, 1), torch.stack(logprobs, 1), times)

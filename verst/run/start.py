@@ -216,8 +216,10 @@ def assemble(cfg: VerstConfig, plan: BatchPlan, run_dir: Path, actors: Actors, s
     evaluator = Evaluator(cfg, lanes, rollouts.router_url, served_version=lambda: weights.version,
                           trainer_version=version.get, record=monitor.log_evaluation, snapshots=snapshots,
                           fleet=eval_fleet)
+    takes_engine_cores = cores is not None and bool(cores.plan.engines) and not cores.plan.concurrent
     trainer = TrainerGroup(actors.trainer, guard, DeviceShare(shared_engines(cfg, actors.engines),
-                                                              evaluator.settle_on_engines, supervisor), started_at)
+                                                              evaluator.settle_on_engines, supervisor,
+                                                              takes_engine_cores), started_at)
     checkpointer = Checkpointer(cfg, run_dir, actors.trainer, rollouts,
                                 1 if actors.lane_cfgs else plan.train_steps_per_rollout)
     return RLRun(cfg, plan, rollouts=rollouts, trainer=trainer, weights=weights, evaluator=evaluator,

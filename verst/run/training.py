@@ -32,19 +32,23 @@ class EngineRecovery(Protocol):
 class DeviceShare:
     """Colocated placement: trainer and engines share the devices, so the engines release their memory
     while the trainer steps (after an evaluation running on them, `settle`, has finished). Disaggregated
-    (`engines` None): nothing to share.
+    (`engines` None): nothing to share, but with `takes_engine_cores` (on CPU, the sync schedule gives each side
+    every core in turn) an evaluation on the engines still ends first: both at once would ask twice the cores.
 
     An engine that fails a memory call because it died is restarted by `recovery` (the engine supervisor) and
     the step goes on: restarted before the step, its new server releases its memory too; restarted during the
     step, its new server holds its memory already and is not resumed. Any other failure is raised."""
 
     def __init__(self, engines: EngineMemory | None, settle: Callable[[], Awaitable[None]],
-                 recovery: EngineRecovery | None = None):
+                 recovery: EngineRecovery | None = None, takes_engine_cores: bool = False):
         self.engines, self.settle, self.recovery = engines, settle, recovery
+        self.takes_engine_cores = takes_engine_cores
 
     @contextlib.asynccontextmanager
     async def trainer_turn(self) -> AsyncIterator[None]:
         if self.engines is None:
+            if self.takes_engine_cores:
+                await self.settle()
             yield
             return
         await self.settle()
