@@ -59,13 +59,15 @@ def trained_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return diffusion.load(run_dir / "hf").state_dict()
 
 
-@pytest.mark.parametrize("schedule,transport,engines", [
-    ("sync", "tensor", "1"), ("sync", "disk", "1"), ("fully_async", "distributed", "2"),
+@pytest.mark.parametrize("schedule,transport,engines,extra", [
+    ("sync", "tensor", "1", ()), ("sync", "disk", "1", ()),
+    # a KL term to the base: the trainer rank holds a frozen reference denoiser
+    ("fully_async", "distributed", "2", ("--algorithm.kl-loss-coef", "0.01", "--algorithm.old-logprobs", "rollout")),
 ])
 def test_a_denoiser_trains_through_the_run_and_its_weights_reach_the_engines(
-        ray_session, shapes_run, tmp_path, schedule, transport, engines):  # noqa: F811
+        ray_session, shapes_run, tmp_path, schedule, transport, engines, extra):  # noqa: F811
     cfg = diffusion_config(tmp_path, shapes_run, "--schedule", schedule, "--sync.transport", transport,
-                           "--cluster.num-engines", engines, "--checkpoint.interval", "1")
+                           "--cluster.num-engines", engines, "--checkpoint.interval", "1", *extra)
     summary = run(cfg)
     run_dir = Path(cfg.run_dir)
     assert summary["train/steps"] == 2
@@ -74,6 +76,7 @@ def test_a_denoiser_trains_through_the_run_and_its_weights_reach_the_engines(
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert r["sync/version"] == r["step"]  # every step's weights reached the engines
+        assert ("train/kl" in r) == bool(extra)
         assert r["train/grad_norm"] > 0 and np.isfinite(r["train/loss"])
         assert 0 < r["rollout/reward_mean"] <= 1  # the classifier's probability of the prompt's class
     # the trainer's recomputed step log-probabilities are the engines' where they sampled with the trainer's weights
@@ -97,12 +100,15 @@ def test_a_denoiser_trains_through_the_run_and_its_weights_reach_the_engines(
 
 
 def test_a_diffusion_run_resumes_from_its_checkpoint(ray_session, shapes_run, tmp_path):  # noqa: F811
-    """Two steps straight, or one step, a stop and a resume from its checkpoint: the same weights."""
+    """Two steps straight, or one step, a stop and a resume from its checkpoint: the same weights, up to the float32
+    noise of images sampled in other batches (the engine batches the requests that arrive together), which AdamW
+    turns into moves of up to lr on weights whose gradient is that noise: far closer than one step apart."""
     common = ("--schedule", "sync", "--sync.transport", "tensor", "--eval.interval", "0")
     straight = diffusion_config(tmp_path / "a", shapes_run, *common)
     run(straight)
     first = diffusion_config(tmp_path / "b", shapes_run, *common, "--rollout.num-rollouts", "1")
     run(first)
+    one_step = trained_weights(Path(first.run_dir))
     resumed = first.model_copy(update={
         "rollout": first.rollout.model_copy(update={"num_rollouts": 2}),
         "checkpoint": first.checkpoint.model_copy(update={"load": first.run_dir}),
@@ -111,9 +117,12 @@ def test_a_diffusion_run_resumes_from_its_checkpoint(ray_session, shapes_run, tm
     assert summary["train/steps"] == 2
     assert [(s["from_step"], s["to_step"]) for s in summary["segments"]] == [(0, 1), (1, 2)]  # one step each
     a, b = trained_weights(Path(straight.run_dir)), trained_weights(Path(resumed.run_dir))
-    base = diffusion.load(shapes_run / "denoiser").state_dict()
-    assert any((a[k] - base[k]).abs().max() > 1e-4 for k in a)  # training moved the weights
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+    def apart(x, y) -> float:
+        return float(sum((x[k] - y[k]).abs().sum() for k in x) / sum(x[k].numel() for k in x))
+
+    assert apart(a, one_step) > 1e-4  # the second step moved the weights
+    assert apart(a, b) < 0.05 * apart(a, one_step)  # the resumed run took that step from the saved state
 
 
 @pytest.mark.parametrize("override,field", [
@@ -123,6 +132,7 @@ def test_a_diffusion_run_resumes_from_its_checkpoint(ray_session, shapes_run, tm
     (("--algorithm.advantage-estimator", "ppo"), "algorithm.advantage_estimator"),
     (("--algorithm.entropy-coef", "0.01"), "algorithm.entropy_coef"),
     (("--rollout.partial-rollout", "true"), "rollout.partial_rollout"),
+    (("--schedule", "fully_async"), "algorithm.old_logprobs"),
 ])
 def test_what_a_diffusion_run_cannot_use_is_refused_by_name(shapes_run, tmp_path, override, field):
     with pytest.raises((ConfigError, ValueError), match=field.replace(".", r"\.")):

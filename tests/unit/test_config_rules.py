@@ -154,6 +154,9 @@ CASES: dict[str, tuple[list[str], str]] = {
                                              r"cluster.engine = 'diffusion', not 'embedded'"),
     "diffusion_runs_use_what_images_have": ([*DIFFUSION, "--lora.enabled", "true"],
                                             r"lora.enabled = true does not apply to model.kind = 'diffusion' \(LoRA"),
+    "stale_images_take_the_engines_logprobs": ([*DIFFUSION, "--schedule", "fully_async"],
+                                               r"schedule = 'fully_async' trains on images sampled by older weights; "
+                                               r"with model.kind = 'diffusion' set algorithm.old_logprobs = 'rollout'"),
     "rewards_score_what_the_model_makes": ([*DIFFUSION, "--reward.type", "shape_alignment", "--reward.key", "alignment"],
                                            r"reward.type = 'shape_alignment' scores with a model of its own: set "
                                            r"reward.model_path"),

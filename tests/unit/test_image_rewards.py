@@ -16,9 +16,10 @@ def test_flat_images_compress_better_than_noise():
 
 
 def test_the_classifier_learns_the_shapes_and_scores_alignment(tmp_path):
+    torch.manual_seed(0)  # its initial weights: whatever ran before in this process leaves the RNG elsewhere
     images, labels = (torch.tensor(a) for a in shapes.dataset(900, seed=0))
     classifier = ShapeClassifier(shapes.N_CLASSES)
-    classifier.fit(images, labels, steps=400)
+    classifier.fit(images, labels, steps=800)  # 0.94–0.99 held-out over initial seeds 0–4; 400 steps: 0.74–0.97
     held, held_labels = (torch.tensor(a) for a in shapes.dataset(180, seed=9))
     assert classifier.accuracy(held, held_labels) > 0.8
     right = classifier.alignment(held, held_labels)

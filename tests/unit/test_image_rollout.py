@@ -104,3 +104,5 @@ def test_the_held_out_evaluation_writes_its_grid_and_refuses_other_weights(tmp_p
     assert all(params["sampling_seed"] == EVAL_SEED and params["n"] == 2 for _, params in ctx.engine.calls)
     with pytest.raises(ValueError, match="came from weight version 3, not 4"):
         asyncio.run(evaluate_images(ctx, prompts, 4, None))
+    with pytest.raises(ValueError, match="set eval.path or data.test_path"):
+        asyncio.run(evaluate_images(ctx, [], 3, None))

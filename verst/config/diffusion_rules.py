@@ -67,6 +67,18 @@ def diffusion_runs_use_what_images_have(config: Section) -> None:
                          "'diffusion' (a Gaussian step's entropy does not depend on the weights); leave it at 0")
 
 
+def stale_images_take_the_engines_logprobs(config: Section) -> None:
+    """Where images may be a version stale (one-step-off, fully async), the old policy is the engine's: a step's
+    log-probability is a mean over the latent's elements, and with the trainer's own as the old policy stale images
+    pull the denoiser off the reward (measured: docs/benchmarks.md)."""
+    if config.model.kind != "diffusion" or config.schedule == "sync" or config.algorithm.old_logprobs == "rollout":
+        return
+    raise ValueError(f"schedule = {config.schedule!r} trains on images sampled by older weights; with model.kind = "
+                     f"'diffusion' set algorithm.old_logprobs = 'rollout' (the engine's step log-probabilities as the "
+                     f"old policy, with a small algorithm.eps_clip such as 1e-4), not "
+                     f"{config.algorithm.old_logprobs!r}, or use schedule = 'sync'")
+
+
 def rewards_score_what_the_model_makes(model: ModelConfig, reward: RewardConfig) -> None:
     """An image reward for a denoiser, a text reward for a language model; a model file where the reward needs one,
     and a key that selects a dict reward's component."""
@@ -91,4 +103,4 @@ def _shown(value: object) -> str:
 
 
 DIFFUSION_RULES = (image_engines_serve_diffusion_models, diffusion_runs_use_what_images_have,
-                   rewards_score_what_the_model_makes)
+                   stale_images_take_the_engines_logprobs, rewards_score_what_the_model_makes)

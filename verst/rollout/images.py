@@ -93,6 +93,8 @@ async def evaluate_images(ctx: RolloutContext, prompts: Sequence[Sample], versio
     images go to RUN/eval_images/step_<version>.png, a row per prompt."""
     if ctx.diffusion is None:
         raise ValueError("image evaluation needs the run's [diffusion] settings (model.kind = 'diffusion')")
+    if not prompts:
+        raise ValueError("image evaluation needs held-out prompts: set eval.path or data.test_path")
     per_prompt = ctx.diffusion.eval_images_per_prompt
     params = {**sampler_params(ctx.diffusion), "sampling_seed": EVAL_SEED, "n": per_prompt}
     samples: list[Sample] = []
