@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from verst.models import diffusion as denoiser
 from verst.trainer import persistence
 from verst.trainer.backend import Batch
 from verst.trainer.batching import ForwardOutputs, MicroBatch, balance_across_ranks, collate, pad_right, split_to_count
-from verst.trainer.distributed import ensure_single_process_group, gather_objects, resolve_device
+from verst.trainer.distributed import gather_objects, join_ranks
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
 from verst.trainer.optim import build_optimizer
@@ -52,14 +51,9 @@ class DiffusionBackend:
             raise ValueError(f"model.dtype = {model.dtype!r}: the diffusion backend trains the denoiser in float32, "
                              "the dtype its recomputed step logprobs match the engine's in; set it to 'float32'")
         self.model_config, self.config, self.sampler = model, trainer, diffusion
-        self.device = resolve_device(device)
-        ensure_single_process_group(self.device)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(trainer.seed + self.rank)
+        self.device, self.rank, self.world_size = join_ranks(device, trainer.seed)
         self._step = 0
-        self._writing: persistence.BackgroundSave | None = None  # a background save in progress
-        self._checkpoint_group = None  # its own process group: the write's collectives run in a thread
-        self._stager = None
+        self._saves = persistence.Saves()  # a background save's copy and write run in threads
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Python objects (metrics, logprob dicts) travel over gloo even when tensors use NCCL.
         self._object_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
@@ -137,7 +131,7 @@ class DiffusionBackend:
         _refuse_entropy(with_entropy)
         start = time.perf_counter()
         items = _image_items(batch)
-        self._wait_staged()  # a background save's copy of the weights and optimizer state is made first
+        self._saves.wait_staged()  # a background save's copy of the weights and optimizer state is made first
         total = float(normalizer(pad_right([it.loss_mask for it in items])))
         if not total > 0:
             raise ValueError(f"the global batch's normaliser is {total}: no policy steps (loss_mask all 0)")
@@ -198,25 +192,11 @@ class DiffusionBackend:
     def save(self, directory: str | Path, *, background: bool = False) -> None:
         """Model, optimizer, lr schedule, RNG state and step (`persistence.save`); with `background`, written by
         a thread, complete once every rank's `done_rank<R>` is there and COMPLETE is written."""
-        self.wait_saves()
-        group = None
-        if background:
-            if self._checkpoint_group is None:  # collective: every rank saves at the same time
-                self._checkpoint_group = dist.new_group(backend="gloo")
-                self._stager = persistence.background_stager()
-            group = self._checkpoint_group
-        self._writing = persistence.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
-                                         background_group=group, stager=self._stager)
+        self._saves.save(directory, self.model, self.optimizer, self.scheduler, self._step, background=background)
 
     def wait_saves(self) -> None:
         """Wait for a background save's write (its error is raised here)."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            writing.written.result()
-
-    def _wait_staged(self) -> None:
-        if self._writing is not None:
-            futures.wait([self._writing.staged])
+        self._saves.wait()
 
     def load(self, directory: str | Path) -> None:
         self.wait_saves()

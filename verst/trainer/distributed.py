@@ -68,3 +68,13 @@ def data_by(axis: str, size: int, field: str, device_type: str, world_size: int)
     if world_size % size:
         raise ValueError(f"{field} = {size} does not divide the {world_size} trainer ranks")
     return init_device_mesh(device_type, (world_size // size, size), mesh_dim_names=("dp", axis))
+
+
+def join_ranks(device: str, seed: int) -> tuple[torch.device, int, int]:
+    """A backend's device (`resolve_device`), rank and world size in the default process group (made for one rank
+    when there is none), with torch's RNG seeded `seed + rank`."""
+    resolved = resolve_device(device)
+    ensure_single_process_group(resolved)
+    rank = dist.get_rank()
+    torch.manual_seed(seed + rank)
+    return resolved, rank, dist.get_world_size()

@@ -10,7 +10,6 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ from verst.trainer.batching import (
 )
 from verst.trainer.context_parallel import context_shard, native_model, pad_to_chunks, sharded_logprobs
 from verst.trainer.critic import Critic, check_same_vocabulary, critic_optimizer, value_forward
-from verst.trainer.distributed import ensure_single_process_group, gather_objects, resolve_device
+from verst.trainer.distributed import gather_objects, join_ranks
 from verst.trainer.expert_parallel import expert_mesh
 from verst.trainer.items import TrainItem, as_items
 from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
@@ -105,14 +104,9 @@ class FSDP2Backend:
         self.adapters = adapter_lora_configs(self.lora) if self.lora else {}
         self.active_adapter = next(iter(self.adapters), lora_mod.ADAPTER)
         self.adapter_step = dict.fromkeys(self.adapters, 0)
-        self.device = resolve_device(device)
-        ensure_single_process_group(self.device)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(trainer.seed + self.rank)
+        self.device, self.rank, self.world_size = join_ranks(device, trainer.seed)
         self._step = 0
-        self._writing: persistence.BackgroundSave | None = None  # a background save in progress
-        self._checkpoint_group = None  # its own process group: the write's collectives run in a thread
-        self._stager = None  # its copy of the shards, in a thread: the model waits for it before it changes
+        self._saves = persistence.Saves()  # a background save's copy and write run in threads
         # ranks [dp, tp]: a tensor-parallel group holds consecutive ranks and sees the same micro-batches
         self.tp = trainer.tensor_parallel_size
         self.mesh = trainer_mesh(self.device.type, self.world_size, self.tp)
@@ -294,7 +288,7 @@ class FSDP2Backend:
         """One optimizer step of `model` over the global batch: the policy's (multi-LoRA: the active
         adapter's lr group and step count) or the critic's."""
         start = time.perf_counter()
-        self._wait_staged()  # a background save's copy of the weights and optimizer state is made first
+        self._saves.wait_staged()  # a background save's copy of the weights and optimizer state is made first
         total = float(normalizer(pad_right([it.loss_mask for it in items])))
         if not total > 0:
             raise ValueError(f"the global batch's normaliser is {total}: no policy tokens (loss_mask all 0)")
@@ -392,28 +386,13 @@ class FSDP2Backend:
     def save(self, directory: str | Path, *, background: bool = False) -> None:
         """With `background`, the shards are copied now and written by a thread; the directory is complete
         once every rank's `done_rank<R>` is there and COMPLETE is written (`persistence.save`)."""
-        self.wait_saves()
-        group = None
-        if background:
-            if self._checkpoint_group is None:  # collective: every rank saves at the same time
-                self._checkpoint_group = dist.new_group(backend="gloo")
-                self._stager = persistence.background_stager()
-            group = self._checkpoint_group
-        self._writing = persistence.save(Path(directory), self.model, self.optimizer, self.scheduler, self._step,
-                                        background_group=group, stager=self._stager, critic=self.critic,
-                                        extra={"adapter_step": dict(self.adapter_step)},
-                                        tensor_parallel_size=self.tp, context_parallel_size=self.cp)
+        self._saves.save(directory, self.model, self.optimizer, self.scheduler, self._step, background=background,
+                         critic=self.critic, extra={"adapter_step": dict(self.adapter_step)},
+                         tensor_parallel_size=self.tp, context_parallel_size=self.cp)
 
     def wait_saves(self) -> None:
         """Wait for a background save's write (its error is raised here)."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            writing.written.result()
-
-    def _wait_staged(self) -> None:
-        """Wait until a background save has copied what it writes (a failed copy shows in its write)."""
-        if self._writing is not None:
-            futures.wait([self._writing.staged])
+        self._saves.wait()
 
     def load(self, directory: str | Path) -> None:
         self.wait_saves()

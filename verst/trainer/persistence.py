@@ -11,6 +11,7 @@ import random
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,6 +107,37 @@ def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if rank == 0:
         mark_complete(directory, step)
     return None
+
+
+class Saves:
+    """A backend's saves, one at a time: `save` in the foreground, or with `background` copied now and written by
+    a thread (its own gloo group and stager, made at the first such save: collective, every rank saves at once).
+    `wait` waits for the write (its error is raised there); `wait_staged` for the copy, before the model changes."""
+
+    def __init__(self) -> None:
+        self.writing: BackgroundSave | None = None  # a background save in progress
+        self._group: dist.ProcessGroup | None = None  # the write's collectives run in a thread, on a group of their own
+        self._stager: DefaultStager | None = None
+
+    def save(self, directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: torch.optim.lr_scheduler.LRScheduler, step: int, *, background: bool = False,
+             **options) -> None:
+        """`persistence.save` (its `options`: critic, extra, the parallel sizes) after the previous save's write."""
+        self.wait()
+        if background and self._group is None:
+            self._group, self._stager = dist.new_group(backend="gloo"), background_stager()
+        self.writing = save(Path(directory), model, optimizer, scheduler, step,
+                            background_group=self._group if background else None, stager=self._stager, **options)
+
+    def wait(self) -> None:
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            writing.written.result()
+
+    def wait_staged(self) -> None:
+        """A failed copy shows in its write."""
+        if self.writing is not None:
+            wait_futures([self.writing.staged])
 
 
 def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
