@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.e2e.test_rl_schedules import ray_session  # noqa: F401  (a module-scoped Ray session)
+from tests.metrics_doc import undocumented
 from verst.config import ConfigError, load_config
 from verst.data import shapes
 from verst.models import diffusion
@@ -82,6 +83,7 @@ def test_a_denoiser_trains_through_the_run_and_its_weights_reach_the_engines(
     # the trainer's recomputed step log-probabilities are the engines' where they sampled with the trainer's weights
     fresh = [r for r in train if r["train/token_staleness_mean"] == 0]
     assert fresh and all(r["train/rollout_logprob_abs_diff"] < 1e-5 for r in fresh)
+    assert undocumented(read_metrics(run_dir)) == []  # every key it logs is in docs/metrics.md
     evals = [r for r in read_metrics(run_dir) if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 1, 2]
     for r in evals:  # 3 held-out prompts x 2 images, scored by the classifier
