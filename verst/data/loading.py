@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verst.config import DataConfig
+from verst.config import DataConfig, VerstConfig
 from verst.types import Sample
 
 # The data source stamps every prompt it serves with its row number under this metadata key, so a
@@ -72,6 +72,15 @@ def load_prompts_from_config(cfg: DataConfig, split: str = "train") -> list[Samp
     if path is None:
         raise DataError(f"data.{split}_path is not set")
     return load_prompts(path, PromptKeys.from_config(cfg), cfg.format)
+
+
+def held_out_prompts(cfg: VerstConfig, dataset: str | None = None) -> list[Sample]:
+    """The run's held-out prompts (`dataset`, else eval.path, else data.test_path), `eval.max_prompts` of them."""
+    path = dataset or cfg.eval.path or cfg.data.test_path
+    if path is None:
+        raise ValueError("evaluation needs eval.path or data.test_path (or a dataset)")
+    data = cfg.data.model_copy(update={"test_path": str(path)})
+    return load_prompts_from_config(data, "test")[: cfg.eval.max_prompts]
 
 
 def row_to_sample(row: Any, keys: PromptKeys, where: str) -> Sample:

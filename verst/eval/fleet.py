@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import VerstConfig
+from verst.data import held_out_prompts
 from verst.eval.backend import in_daemon_thread
-from verst.eval.local import held_out_prompts, run_tokenizer, score_url
+from verst.eval.local import run_tokenizer, score_url
 from verst.eval.skip import EvalSkip, skip_reason
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, FleetError

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import VerstConfig
-from verst.data import load_prompts_from_config
+from verst.data import held_out_prompts
 from verst.eval.agentic import evaluate_agentic
 from verst.eval.engine import engine_greedy_generate
 from verst.eval.greedy import evaluate_greedy
@@ -44,15 +44,6 @@ def run_tokenizer(path: str) -> Any:
     from verst.models import load_tokenizer
 
     return load_tokenizer(path)
-
-
-def held_out_prompts(cfg: VerstConfig, dataset: str | None = None) -> list:
-    """The run's held-out prompts (`dataset`, else eval.path, else data.test_path), `eval.max_prompts` of them."""
-    path = dataset or cfg.eval.path or cfg.data.test_path
-    if path is None:
-        raise ValueError("evaluation needs eval.path or data.test_path (or a dataset)")
-    data = cfg.data.model_copy(update={"test_path": str(path)})
-    return load_prompts_from_config(data, "test")[: cfg.eval.max_prompts]
 
 
 async def score_engines(cfg: VerstConfig, url: str, tokenizer: Any, prompts: list, version: int, *,

@@ -11,7 +11,7 @@ import functools
 
 from verst.config import VerstConfig, batch_plan, load_object
 from verst.config.imports import import_plugins
-from verst.data import PromptSource, load_prompts_from_config
+from verst.data import PromptSource, held_out_prompts
 from verst.inference_client.client import EngineClient
 from verst.models import load_tokenizer
 from verst.monitor.samples import append_samples
@@ -74,9 +74,9 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
 
     parts = RolloutParts(generate_batch=generate_batch, source=source, close=close, metrics=metrics,
                          batch_metrics=functools.partial(batch_metrics, key=cfg.reward.key))
-    if images:  # the held-out images are scored here, where the reward (a classifier) lives
-        prompts = held_out_images(cfg)
-        parts.evaluate = lambda version: evaluate_images(ctx, prompts, version, cfg.run_dir)
+    if images:  # scored here, where the image reward lives; the held-out prompts are read at the first evaluation
+        held_out = functools.cache(functools.partial(held_out_prompts, cfg))
+        parts.evaluate = lambda version: evaluate_images(ctx, held_out(), version, cfg.run_dir)
     if cfg.logging.sample_groups_per_step and cfg.run_dir:
         # one step off: a batch is generated a step ahead of its first train step; else the next step takes it
         ahead = batch_plan(cfg).train_steps_per_rollout if cfg.schedule == "one_step_off" else None
@@ -150,14 +150,6 @@ def prepare_rollout_parts(cfg: VerstConfig) -> None:
     transformers — seconds the actor otherwise spends after the engines are ready."""
     if cfg.model.kind != "diffusion":
         load_tokenizer(cfg.model.path)
-
-
-def held_out_images(cfg: VerstConfig) -> list:
-    """An image run's held-out prompts (eval.path, else data.test_path), `eval.max_prompts` of them; none without."""
-    path = cfg.eval.path or cfg.data.test_path
-    if path is None:
-        return []
-    return load_prompts_from_config(cfg.data.model_copy(update={"test_path": path}), "test")[: cfg.eval.max_prompts]
 
 
 def request_batch(cfg: VerstConfig, router_url: str | None) -> int:

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from verst.config import VerstConfig
+from verst.data import held_out_prompts
 from verst.eval.agentic import score_key
 from verst.eval.backend import call_backend, in_daemon_thread, load_backend, retire_snapshots, snapshot_dir
 from verst.eval.fleet import EvalFleet
-from verst.eval.local import held_out_prompts, run_tokenizer, score_engines
+from verst.eval.local import run_tokenizer, score_engines
 from verst.eval.skip import EvalSkip, accept, skip_reason, skipped
 from verst.rollout.from_config import request_batch
 from verst.run.lanes import Lane
