@@ -5,6 +5,7 @@ structure is refused by name, with what the run can use instead.
 
 from __future__ import annotations
 
+from verst.config.engine_rules import engines_with
 from verst.config.inputs import ModelConfig, RewardConfig
 from verst.config.registries import ADVANTAGE_ESTIMATORS, ENGINE_KINDS, REWARDS
 from verst.config.runtime import ClusterConfig
@@ -15,8 +16,8 @@ def image_engines_serve_diffusion_models(model: ModelConfig, cluster: ClusterCon
     """A denoiser needs an engine that draws images, and such an engine serves nothing else."""
     images = ENGINE_KINDS.entry(cluster.engine).images
     if model.kind == "diffusion" and not images:
-        kinds = " or ".join(repr(name) for name in ENGINE_KINDS if ENGINE_KINDS.entry(name).images)
-        raise ValueError(f"model.kind = 'diffusion' needs an engine that samples images: cluster.engine = {kinds}, "
+        raise ValueError(f"model.kind = 'diffusion' needs an engine that samples images: cluster.engine = "
+                         f"{engines_with('images')}, "
                          f"not {cluster.engine!r}")
     if images and model.kind != "diffusion":
         raise ValueError(f"cluster.engine = {cluster.engine!r} samples images from a denoiser; model.kind = "

@@ -24,7 +24,7 @@ from verst.trainer.backend import Batch
 from verst.trainer.batching import ForwardOutputs, MicroBatch, balance_across_ranks, collate, pad_right, split_to_count
 from verst.trainer.distributed import gather_objects, join_ranks
 from verst.trainer.items import TrainItem, as_items
-from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
+from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens, train_namespaced
 from verst.trainer.optim import build_optimizer
 from verst.trainer.sharding import full_buckets
 from verst.types import WeightBucket
@@ -158,7 +158,7 @@ class DiffusionBackend:
         self.scheduler.step()
         self._step += 1
         # The summed micro-batch losses are the global loss, whatever a loss fn reports as its own.
-        local = {**_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
+        local = {**train_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
         parts = gather_objects(self._object_group, (local, time.perf_counter() - start))
         out: dict[str, float] = {}
         for part, _ in parts:
@@ -237,8 +237,4 @@ def _refuse_entropy(with_entropy: bool) -> None:
     if with_entropy:
         raise ValueError("with_entropy: an image policy has no entropy term (its steps are Gaussians of fixed "
                          "spread); set algorithm.entropy_coef = 0 for model.kind = 'diffusion'")
-
-
-def _namespaced(metrics: dict[str, float]) -> dict[str, float]:
-    return {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
 

@@ -38,7 +38,7 @@ from verst.trainer.critic import Critic, check_same_vocabulary, critic_optimizer
 from verst.trainer.distributed import gather_objects, join_ranks
 from verst.trainer.expert_parallel import expert_mesh
 from verst.trainer.items import TrainItem, as_items
-from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens
+from verst.trainer.losses import LossFn, Normalizer, combine_metric, count_policy_tokens, train_namespaced
 from verst.trainer.optim import build_optimizer
 from verst.trainer.routing import ROUTING_MODES, RoutingReplay, mismatch_rate
 from verst.trainer.sharding import build_sharded, clip_grad_norm_across_meshes, full_buckets
@@ -320,7 +320,7 @@ class FSDP2Backend:
             self.adapter_step[self.active_adapter] += 1  # the schedules' lambdas read it
         scheduler.step()
         # The summed micro-batch losses are the global loss, whatever a loss fn reports as its own.
-        local = {**_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
+        local = {**train_namespaced(metric_sums), "train/loss": float(loss_sum.item())}
         parts = gather_objects(self._object_group, (local, time.perf_counter() - start))
         metrics: dict[str, float] = {}
         for part, _ in parts[::self.tp * self.cp]:  # one rank per tensor- or context-parallel group: the others' are the same
@@ -422,7 +422,3 @@ def _same_path(a: str, b: str) -> bool:
 def _any_output(outputs: ForwardOutputs) -> torch.Tensor:
     """A tensor of the forward's graph (a dummy micro-batch's zero loss reaches every parameter through it)."""
     return outputs.logprobs if outputs.logprobs is not None else outputs.values
-
-
-def _namespaced(metrics: dict[str, float]) -> dict[str, float]:
-    return {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}

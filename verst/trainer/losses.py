@@ -49,6 +49,11 @@ def combine_metric(totals: dict[str, float], key: str, value: float, weight: flo
         totals[key] = totals.get(key, 0.0) + value * weight
 
 
+def train_namespaced(metrics: dict[str, float]) -> dict[str, float]:
+    """A loss fn's metrics under `train/` (a key that names its namespace keeps it)."""
+    return {key if "/" in key else f"train/{key}": value for key, value in metrics.items()}
+
+
 # The two global counts, as `Normalizer`s (picklable partials of the algo package's definition).
 count_policy_tokens = functools.partial(aggregation_normalizer, "token_mean")  # policy tokens
 count_policy_sequences = functools.partial(aggregation_normalizer, "seq_mean_token_mean")  # sequences with a policy token

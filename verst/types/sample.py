@@ -50,7 +50,7 @@ class Sample:
     part. `tokens` are the class id, then the step numbers 0..steps − 1 (`response_length` = steps);
     `rollout_logprobs` are the engine's step log-probabilities and `latents` the recorded latents
     (steps + 1, C, H, W), from the start noise to the image, as {"data": base64 of float32 C-order bytes,
-    "shape", "dtype"} (`verst.inference_client.images.encode_array`). None for text.
+    "shape", "dtype"} (`verst.types.arrays.encode_array`). None for text.
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
