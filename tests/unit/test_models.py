@@ -320,6 +320,16 @@ def test_cli_model_init_writes_a_loadable_checkpoint(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
 
 
+def test_cli_model_init_sets_the_context_length(tmp_path, capsys):
+    out = tmp_path / "long"
+    assert verst_main(["model", "init", "--arch", "qwen3", "--size", "tiny", "--out", str(out),
+                       "--context-length", "2048"]) == 0
+    assert load_model(out).config.max_position_embeddings == 2048
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 2048
+    with pytest.raises(ValueError, match="context_length 0"):
+        init_model("qwen3", "tiny", tmp_path / "none", context_length=0)
+
+
 def test_cli_rejects_unknown_arch(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         verst_main(["model", "init", "--arch", "gpt2", "--size", "tiny", "--out", str(tmp_path / "x")])

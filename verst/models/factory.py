@@ -27,8 +27,11 @@ N_EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 
 
-def model_config(arch: str, size: str) -> Any:
-    """The transformers config (Qwen3Config, Qwen3MoeConfig or LlamaConfig) of one arch and size."""
+def model_config(arch: str, size: str, context_length: int = MODEL_MAX_LENGTH) -> Any:
+    """The transformers config (Qwen3Config, Qwen3MoeConfig or LlamaConfig) of one arch and size, with room for
+    `context_length` tokens."""
+    if context_length < 1:
+        raise ValueError(f"context_length {context_length}: must be a positive number of tokens")
     if arch not in ARCHS:
         raise ValueError(f"unknown model arch {arch!r}; choices: {', '.join(ARCHS)}")
     if size not in SIZES:
@@ -41,7 +44,7 @@ def model_config(arch: str, size: str) -> Any:
         **dims,
         "head_dim": dims["hidden_size"] // dims["num_attention_heads"],
         "vocab_size": VOCAB_SIZE,
-        "max_position_embeddings": MODEL_MAX_LENGTH,
+        "max_position_embeddings": context_length,
         "tie_word_embeddings": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "bos_token_id": None,
@@ -62,15 +65,16 @@ def model_config(arch: str, size: str) -> Any:
     )
 
 
-def init_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
-    """Write a complete HF checkpoint (config, safetensors, generation config, tokenizer) to `out`.
+def init_model(arch: str, size: str, out: str | Path, seed: int = 0, context_length: int = MODEL_MAX_LENGTH) -> Path:
+    """Write a complete HF checkpoint (config, safetensors, generation config, tokenizer) to `out`, for contexts
+    of up to `context_length` tokens.
 
     The same (arch, size, seed) gives bit-identical weights; the global torch RNG is left untouched.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    config = model_config(arch, size)
+    config = model_config(arch, size, context_length)
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"model output directory {out_dir} is not empty; choose a new --out")
@@ -82,7 +86,7 @@ def init_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    save_tokenizer(out_dir, TINY_CHAT_TEMPLATE)
+    save_tokenizer(out_dir, TINY_CHAT_TEMPLATE, context_length)
     return out_dir
 
 

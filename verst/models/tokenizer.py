@@ -60,7 +60,7 @@ def special_token_ids() -> dict[str, int]:
     return {token: N_BYTES + i for i, token in enumerate(SPECIAL_TOKENS)}
 
 
-def save_tokenizer(out_dir: str | Path, chat_template: str) -> Path:
+def save_tokenizer(out_dir: str | Path, chat_template: str, model_max_length: int = MODEL_MAX_LENGTH) -> Path:
     """Write tokenizer.json, tokenizer_config.json (with the chat template) and special_tokens_map.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +88,7 @@ def save_tokenizer(out_dir: str | Path, chat_template: str) -> Path:
         "pad_token": PAD_TOKEN,
         "unk_token": None,
         "additional_special_tokens": [IM_START, IM_END],
-        "model_max_length": MODEL_MAX_LENGTH,
+        "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
         "chat_template": chat_template,
     }
