@@ -16,6 +16,7 @@ from typing import Any
 import openai
 
 from examples.coding.tools import OUTPUT_CHARS, run_tool
+from verst.monitor.samples import OUTCOME_KEY
 from verst.sandbox import Sandbox
 from verst.sandbox.coding_tasks import Check, TestReport, run_checks, run_tests
 
@@ -26,9 +27,9 @@ TIMEOUT = openai.Timeout(600.0, connect=60.0)  # the session server shares a bus
 async def run(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any], *,
               sandbox: Sandbox | None = None) -> dict[str, Any]:
     """One episode; returns {"pass_fraction" (the grade: the hidden checks passing, or without checks the
-    visible tests), "checks_passed", "checks_total", "tests_passed", "tests_total", "test_output", "commands" (each
-    shell call's command, exit code and output), "agent_turns", "tool_calls", "tool_errors", "agent_end":
-    "answer" | "length" | "max_turns"}."""
+    visible tests), "checks_passed", "checks_total", "tests_passed", "tests_total", "outcome" (the grade and
+    the tests' output, shown in the run report), "commands" (each shell call's command, exit code and output),
+    "agent_turns", "tool_calls", "tool_errors", "agent_end": "answer" | "length" | "max_turns"}."""
     if sandbox is None:
         raise ValueError("the coding agent runs in a sandbox: set sandbox.provider (e.g. 'local') in the recipe")
     missing = [key for key in ("files", "test_files", "tools") if key not in metadata]
@@ -40,9 +41,11 @@ async def run(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metada
     checks = [Check(**check) for check in metadata.get("checks", [])]
     tests, hidden = await asyncio.to_thread(grade_workspace, sandbox, metadata["files"], metadata["test_files"],
                                             checks)
+    grade = (f"tests {tests.passed}/{tests.total}" + (f", hidden checks {hidden.passed}/{hidden.total}" if hidden else "")
+             + f"; {result['tool_calls']} tool calls, ended by {result['agent_end']}")
     return {**result, "pass_fraction": (hidden or tests).fraction, "checks_passed": hidden.passed if hidden else 0,
             "checks_total": len(checks), "tests_passed": tests.passed, "tests_total": tests.total,
-            "test_output": tests.output[-OUTPUT_CHARS:]}
+            OUTCOME_KEY: f"{grade}\n{tests.output.strip()[-OUTPUT_CHARS:]}"}
 
 
 async def episode(sandbox: Sandbox, base_url: str, prompt: Any, request_kwargs: dict[str, Any],

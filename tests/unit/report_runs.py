@@ -48,6 +48,7 @@ def rl_run(path: Path, steps: int = 30, model: str = "artifacts/models/tiny", sc
     if samples:
         lines = [{"step": s, "prompt": f"What is {g} + {s}?", "response": str(g + s + (i % 2)), "reward": 1.0 - i % 2,
                   "label": str(g + s), "group": g, "status": "completed"}
+                 | ({"outcome": f"tests {1 - i % 2}/1"} if g == 0 else {})  # an agent episode's end
                  for s in (1, steps // 2, steps) for g in range(5) for i in range(8)]
         (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path

@@ -142,6 +142,8 @@ def test_samples_writer_and_rollout_dumps_read_back(tmp_path):
     assert sample_record(samples[1], 3) == {"step": 3, "prompt": "p0", "response": "r1", "reward": 1.0, "label": "7",
                                             "group": 0, "status": "completed", "weight_version": 4,
                                             "response_tokens": 1}
+    samples[0].metadata["outcome"] = "tests 0/1; 2 tool calls, ended by answer\nPASSED 0/1"  # an agent's episode
+    assert sample_record(samples[0], 3)["outcome"] == samples[0].metadata["outcome"]
     dumps = tmp_path / "dumps"
     for step in (0, 1, 2, 5):
         dump_batch(RolloutBatch([samples[:2], samples[2:]], {}), dumps / f"rollout_{step:06d}.samples")
@@ -163,6 +165,7 @@ def test_rl_report_sections_in_order_once_each_with_units_and_samples(tmp_path):
     assert "<td>sync/tensors</td><td class=\"num\">24</td>" in page  # folded into the constants table
     assert "50.0% → 80.0%" in page and "+30.0 points" in page
     assert page.count("<h3>Step ") == 3 and "What is 0 + 30?" in page
+    assert "<small>outcome</small><pre>tests 0/1</pre>" in page and page.count("<small>outcome</small>") == 3 * 4
 
 
 def test_sft_report_has_no_rollout_sections_and_links_to_the_rl_run(tmp_path, capsys):

@@ -229,7 +229,8 @@ def _samples(run: Run) -> str:
         rows = []
         for ex in examples(by_step[step]):
             responses = "".join(
-                f"<tr><td><pre>{html.escape(r['response'])}</pre></td><td class=num>{html.escape(_reward(r))}</td>"
+                f"<tr><td><pre>{html.escape(r['response'])}</pre>{_outcome(r)}</td>"
+                f"<td class=num>{html.escape(_reward(r))}</td>"
                 f"<td>{html.escape(str(r.get('status') or ''))}</td></tr>" for r in ex["responses"])
             label = "" if ex["label"] is None else f"<br><small>label: {html.escape(str(ex['label']))}</small>"
             rows.append(f'<tr class="sample"><td rowspan="{len(ex["responses"]) + 1}"><pre>'
@@ -255,6 +256,11 @@ def _images(run: Run) -> str:
         + "</figcaption></figure>" for step in steps)
     return ('<p class="caption">The same held-out prompts and seeds at each evaluation: a row per prompt '
             f'(diffusion.eval_images_per_prompt images each).</p><div class="grid small">{figures}</div>')
+
+
+def _outcome(response: dict[str, Any]) -> str:
+    """What an agent episode ended with (its `outcome`), under the response."""
+    return f"<small>outcome</small><pre>{html.escape(response['outcome'])}</pre>" if response.get("outcome") else ""
 
 
 def _reward(record: dict[str, Any]) -> str:

@@ -11,7 +11,8 @@ of rollout dumps (`rollout.dump_dir`); the report shows a few of them at the fir
 - `reward` (number, or an object of named numbers);
 - optional: `label` (the reference answer), `group` (the sample's group: the samples of one prompt share it),
   `status` ("completed", "truncated", ...), `weight_version` (oldest version behind its tokens),
-  `response_tokens` (int). Other keys are kept and ignored by the report.
+  `response_tokens` (int), `outcome` (str: what the episode ended with, which an agent fn reports as
+  `metadata["outcome"]`, e.g. the coding agent's test results). Other keys are kept and ignored by the report.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 SAMPLES_FILE = "samples.jsonl"
 DUMP_GLOB = "rollout_*.samples"  # written by verst.rollout.rollout_fn.dump_batch
 MAX_TEXT = 2000  # characters of a prompt or response shown
+OUTCOME_KEY = "outcome"  # the sample metadata's text an agent fn reports its episode's end in
 
 
 def sample_record(sample: Any, step: int) -> dict[str, Any]:
@@ -33,7 +35,7 @@ def sample_record(sample: Any, step: int) -> dict[str, Any]:
         "group": sample.group_index, "status": sample.status.value,
         "weight_version": min((int(v) for v in sample.weight_versions), default=None),
         "response_tokens": sample.response_length,
-    }
+    } | ({"outcome": str(sample.metadata[OUTCOME_KEY])} if OUTCOME_KEY in sample.metadata else {})
 
 
 def append_samples(run_dir: str | Path, step: int, samples: list[Any]) -> Path:
@@ -85,7 +87,7 @@ def pick_steps(steps: list) -> list:
 
 def examples(records: list[dict[str, Any]], prompts: int = 3, responses: int = 4) -> list[dict[str, Any]]:
     """Up to `prompts` distinct prompts of one step, each with up to `responses` of its responses:
-    [{"prompt", "label", "responses": [{"response", "reward", "status"}]}]."""
+    [{"prompt", "label", "responses": [{"response", "reward", "status", "outcome"}]}]."""
     out: dict[str, dict[str, Any]] = {}
     for rec in records:
         prompt = prompt_text(rec.get("prompt", ""))
@@ -95,7 +97,8 @@ def examples(records: list[dict[str, Any]], prompts: int = 3, responses: int = 4
             out[prompt] = {"prompt": prompt, "label": rec.get("label"), "responses": []}
         if len(out[prompt]["responses"]) < responses:
             out[prompt]["responses"].append({"response": clip(str(rec.get("response", ""))),
-                                             "reward": rec.get("reward"), "status": rec.get("status")})
+                                             "reward": rec.get("reward"), "status": rec.get("status"),
+                                             "outcome": clip(str(rec.get("outcome") or ""))})
     return list(out.values())
 
 
