@@ -11,8 +11,9 @@ import pytest
 
 from examples.coding.make_data import make_data, split_problems, task_problem
 from examples.coding.reward import pass_fraction
-from examples.coding.teacher import FINAL_ANSWER
+from examples.coding.teacher import FINAL_ANSWER, teacher_steps
 from examples.coding.tool_template import with_tool_template
+from examples.coding.tools import TOOL_NAMES
 from tests.agent_accounting import assert_engine_tokens
 from tests.component.test_calculator_agent import gold_script
 from verst.config import ConfigError, VerstConfig
@@ -99,7 +100,8 @@ def test_writing_the_solution_and_running_the_tests_earns_one(tok, provider):
     meta = done.metadata
     assert (meta["pass_fraction"], meta["tests_passed"], meta["tests_total"]) == (1.0, 4, 4)
     assert (meta["checks_passed"], meta["checks_total"]) == (4, 4)
-    assert meta["test_output"].strip().endswith("PASSED 4/4")
+    assert meta["outcome"].startswith("tests 4/4, hidden checks 4/4; 2 tool calls, ended by answer\n")
+    assert meta["outcome"].endswith("PASSED 4/4")
     assert meta["commands"] == [{"command": "python3 run_tests.py", "exit_code": 0, "output": "PASSED 4/4\n"}]
     assert (meta["agent_turns"], meta["tool_calls"], meta["tool_errors"], meta["agent_end"]) == (3, 2, 0, "answer")
     # each tool result reached the model as a tool message in the next call's prompt, out of the loss
@@ -167,10 +169,13 @@ def test_the_sandbox_is_closed_when_the_episode_fails(tok, provider):
     assert len(provider.started) == 1 and provider.started[0].closed and not provider.started[0].workspace.exists()
 
 
-@pytest.mark.parametrize("split", ["train", "heldout"])
-def test_the_teachers_transcripts_replayed_solve_every_task(tok, provider, split):
-    problems = split_problems(split, 4, seed=1)
+@pytest.mark.parametrize("split, family, tools", [("train", "operations", TOOL_NAMES),
+                                                  ("heldout", "operations", TOOL_NAMES),
+                                                  ("heldout", "operators", ("shell", "edit_file"))])
+def test_the_teachers_transcripts_replayed_solve_every_task(tok, provider, split, family, tools):
+    problems = split_problems(split, 4, seed=1, family=family, tools=tools)
     for i, problem in enumerate(problems):
+        assert [tool["function"]["name"] for tool in problem.metadata["tools"]] == list(tools)
         sample = problem_sample(problem, i)
         script, ids, mask = gold_script(tok, sample)
         assert script[-1] == FINAL_ANSWER
@@ -237,6 +242,22 @@ def test_the_data_rows_load_as_prompts_with_the_task_in_their_metadata(tmp_path)
                                                                                           "test_project.py"]
         assert sample.metadata["conversation"][-1] == {"role": "assistant", "content": FINAL_ANSWER}
     assert {s.metadata["name"].split("-")[1] for s in test} == {"maximum"}  # the held-out operation
+
+
+def test_a_teacher_taking_the_shortcut_writes_the_fix_without_reading_the_tests():
+    task = generate("train", 1, family="operators")[0]
+    steps = teacher_steps(task, ("shell", "edit_file"))
+    assert [name for name, _ in steps] == ["shell", "edit_file", "shell"]
+    assert steps[0] == ("shell", {"command": "cat test_project.py"})
+    assert steps[1][1] == {"path": "project.py", "content": task.solution["project.py"]}
+    assert teacher_steps(task, TOOL_NAMES)[0] == ("read_file", {"path": "test_project.py"})
+    assert teacher_steps(task, ("shell", "edit_file"), shortcut=True) == steps[1:]
+    problems = split_problems("train", 40, family="operators", tools=("shell", "edit_file"), shortcut=0.5)
+    first_calls = [p.metadata["conversation"][0]["tool_calls"][0]["function"]["name"] for p in problems]
+    assert 12 <= first_calls.count("edit_file") <= 28  # seeded: one in two on average
+    for tools, shortcut in [(("shell",), 0.0), (("shell", "edit_file", "browse"), 0.0), (TOOL_NAMES, 1.5)]:
+        with pytest.raises(ValueError, match=r"tools|shortcut 1.5"):
+            split_problems("train", 1, tools=tools, shortcut=shortcut, with_teacher=False)
 
 
 def test_the_reward_needs_the_agents_grade():

@@ -49,3 +49,28 @@ def test_hidden_checks_grade_and_cannot_be_passed_by_printing_a_verdict():
         assert grade(box, task.checks) == 0.0
     finally:
         box.close()
+
+
+def test_operator_tasks_say_the_right_operator_only_in_their_tests():
+    assert generate("train", 5, seed=1, family="operators") == generate("train", 5, seed=1, family="operators")
+    bug = lambda task: (task.files["project.py"], task.solution["project.py"])  # noqa: E731
+    train = {bug(t) for t in generate("train", 300, family="operators")}
+    heldout = {bug(t) for t in generate("heldout", 60, family="operators")}
+    assert len(heldout) > 5 and not train & heldout  # no held-out bug is trained on
+    provider = BubblewrapProvider()
+    for task in generate("heldout", 3, seed=3, family="operators"):
+        right = task.solution["project.py"].split("return a ")[1].split(" b")[0]
+        assert task.clues == ("test_project.py",) and f" {right} " in task.files["test_project.py"].split("==")[1]
+        assert f" {right} " not in task.files["project.py"] + task.prompt
+        box = provider.start(task.files)
+        try:
+            assert grade(box, task.checks) == 0.0 and run_tests(box).fraction == 0.0
+            box.write_file("project.py", task.solution["project.py"])
+            assert grade(box, task.checks) == 1.0 and run_tests(box).fraction == 1.0
+        finally:
+            box.close()
+
+
+def test_an_unknown_family_is_refused_by_name():
+    with pytest.raises(ValueError, match="'recipes'.*operations, operators"):
+        generate("train", 1, family="recipes")

@@ -1,14 +1,18 @@
 """Terminal-use coding tasks from templates, seeded, with held-out splits, graded in a sandbox.
 
 A task is a few files of a small Python project plus a test file; `solution` holds the files that solve it
-(what a scripted teacher writes). The visible tests run in the sandbox by a small runner with the system
-interpreter (no pytest needed inside), which prints `PASSED k/n`. The grade is the fraction of the task's hidden
-checks that pass: each a command whose output's last line must equal an expected value, which never enters the
-workspace and is compared outside the sandbox. Code the model wrote runs in the same process as the runner and
-could print any verdict line; to pass a hidden check it has to compute the answer.
+(what a scripted teacher writes) and `clues` the files a solver must read to write it. Two families:
+"operations" (fix or write `add`, `multiply`, `subtract`, held out: `maximum`: the name says what to write)
+and "operators" (a function such as `blend(a, b)` applies the wrong operator; only the test says the right one,
+so a solver reads it; held out: bugs the train split never has). The visible tests run in the sandbox by a
+small runner with the system interpreter (no pytest needed inside), which prints `PASSED k/n`. The grade is the
+fraction of the task's hidden checks that pass: each a command whose output's last line must equal an expected
+value, which never enters the workspace and is compared outside the sandbox. Code the model wrote runs in the same
+process as the runner and could print any verdict line; to pass a hidden check it has to compute the answer.
 """
 
 import hashlib
+import operator
 import random
 import shlex
 from collections.abc import Sequence
@@ -56,6 +60,11 @@ class CodingTask:
     files: dict[str, str]
     solution: dict[str, str]
     checks: tuple[Check, ...] = field(default=())  # the grade; none: the visible tests' fraction
+    clues: tuple[str, ...] = ()  # the files that say what the solution is; none: the solution's own files
+
+    @property
+    def files_to_read(self) -> tuple[str, ...]:
+        return self.clues or tuple(self.solution)
 
 
 def reference(op: str, a: int, b: int) -> int:
@@ -84,11 +93,53 @@ def hidden_checks(op: str, rng: random.Random, count: int = 4) -> tuple[Check, .
                  for a, b in cases)
 
 
-def generate(split: str, count: int, seed: int = 0) -> list[CodingTask]:
-    """`count` tasks of a split: "train" uses add, multiply and subtract; "heldout" holds maximum out."""
-    ops = {"train": ["add", "multiply", "subtract"], "heldout": ["maximum"]}.get(split)
-    if ops is None:
+OPERATOR_FUNCTIONS = ("blend", "combine", "merge", "mix", "fold", "join", "pair", "fuse", "apply", "step", "link",
+                      "fit")
+OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "%": operator.mod}
+
+
+def make_operator_task(name: str, wrong: str, right: str, rng: random.Random) -> CodingTask:
+    """`name(a, b)` in project.py applies `wrong`; the test's expected value is written as the expression with
+    `right`, which only the test file says (the name does not)."""
+    a, b = rng.randint(11, 99), rng.randint(2, 9)
+    tests = f"from project import {name}\n\n\ndef test_{name}():\n    assert {name}({a}, {b}) == {a} {right} {b}\n"
+    code = "import sys; sys.path.insert(0, '.'); from project import {name}; print(repr({name}({a}, {b})))"
+    cases = [(rng.randint(10, 99), rng.randint(2, 9)) for _ in range(2)]
+    checks = tuple(Check(f"{PYTHON} -c {shlex.quote(code.format(name=name, a=x, b=y))}",
+                         repr(OPERATORS[right](x, y)))
+                   for x, y in cases)
+    return CodingTask(f"fix-{name}-{hashlib.sha1(tests.encode()).hexdigest()[:8]}", "fix", f"Fix the bug in `{name}(a, b)` in project.py so that "
+                      "the tests pass.", {"project.py": f"def {name}(a, b):\n    return a {wrong} b\n",
+                                          "test_project.py": tests, "run_tests.py": RUNNER},
+                      {"project.py": f"def {name}(a, b):\n    return a {right} b\n"}, checks,
+                      clues=("test_project.py",))
+
+
+def operator_tasks(split: str, count: int, seed: int) -> list[CodingTask]:
+    """A (name, wrong, right) triple is in the held-out split when its hash is, so no held-out bug is trained on."""
+    rng = random.Random(f"operators:{split}:{seed}")
+    tasks: list[CodingTask] = []
+    while len(tasks) < count:
+        name, wrong, right = rng.choice(OPERATOR_FUNCTIONS), rng.choice(list(OPERATORS)), rng.choice(list(OPERATORS))
+        heldout = int(hashlib.sha1(f"{name}:{wrong}:{right}".encode()).hexdigest(), 16) % 5 == 0
+        if wrong != right and heldout == (split == "heldout"):
+            tasks.append(make_operator_task(name, wrong, right, rng))
+    return tasks
+
+
+FAMILIES = ("operations", "operators")
+
+
+def generate(split: str, count: int, seed: int = 0, family: str = "operations") -> list[CodingTask]:
+    """`count` tasks of a split of a family. operations: "train" uses add, multiply and subtract; "heldout" holds
+    maximum out. operators: "heldout" holds a fifth of the (name, wrong, right) triples out."""
+    if split not in ("train", "heldout"):
         raise ValueError(f"unknown split {split!r}: expected 'train' or 'heldout'")
+    if family == "operators":
+        return operator_tasks(split, count, seed)
+    if family != "operations":
+        raise ValueError(f"unknown task family {family!r}: expected one of {', '.join(FAMILIES)}")
+    ops = {"train": ["add", "multiply", "subtract"], "heldout": ["maximum"]}[split]
     rng = random.Random(f"{split}:{seed}")
     return [make_task(rng.choice(ops), rng.choice(["fix", "write"]), rng) for _ in range(count)]
 
