@@ -22,7 +22,7 @@ step = @echo "make: $(1)"; mkdir -p $(dir $(STEP_LOG)); { $(2); } >$(STEP_LOG) 2
 	exit $$status; }
 endif
 
-.PHONY: install vllm agents demo demo-moe demo-real demo-agentic demo-diffusion test test-slow test-floor test-gpu gpu-bundle bench clean
+.PHONY: install vllm agents demo demo-moe demo-real demo-agentic demo-coding demo-diffusion test test-slow test-floor test-gpu gpu-bundle bench clean
 
 install: $(STAMP)
 
@@ -88,6 +88,11 @@ demo-real: $(STAMP)
 # accuracy and mean reward before and after, the image grids, the report and the time (docs/benchmarks.md).
 demo-diffusion: $(STAMP)
 	$(Q)$(PY) -m examples.demo_diffusion $(ARGS)
+
+# The coding demo (docs/agentic.md): coding tasks in bubblewrap sandboxes, SFT on a teacher's transcripts, then fully
+# async GRPO with partial rollouts; prints the held-out pass rate before SFT, after SFT and after GRPO.
+demo-coding: $(STAMP)
+	$(Q)$(PY) -m examples.demo_coding $(ARGS)
 
 # The agentic demo (about half an hour on 2 CPU cores; docs/recipes.md): calculator tool-use data, SFT on a teacher's tool calls, then
 # GRPO on whole agent episodes through the session server; prints held-out success before and after.

@@ -63,15 +63,15 @@ def rl_config(sft_run_dir: Path, overrides: Sequence[str] = ()) -> VerstConfig:
     return load_config(RL_RECIPE, overrides=["--model.path", str(hf), *FRESH, *overrides])
 
 
-def check_rl_summary(summary: dict[str, Any]) -> tuple[float, float]:
-    """Accuracy before and after RL; fails loudly when RL took no step or measured nothing."""
+def check_rl_summary(summary: dict[str, Any], score: str = "eval/accuracy") -> tuple[float, float]:
+    """The held-out `score` before and after RL; fails loudly when RL took no step or measured nothing."""
     steps = summary.get("train/steps", 0)
     if not steps:
         raise RuntimeError(f"RL did not run: summary train/steps = {steps!r}")
-    missing = [k for k in ("eval/accuracy_before", "eval/accuracy_after") if k not in summary]
+    missing = [k for k in (f"{score}_before", f"{score}_after") if k not in summary]
     if missing:
         raise RuntimeError(f"RL summary lacks {missing}: {sorted(summary)}")
-    return summary["eval/accuracy_before"], summary["eval/accuracy_after"]
+    return summary[f"{score}_before"], summary[f"{score}_after"]
 
 
 def main() -> int:
@@ -91,18 +91,22 @@ def main() -> int:
 
 
 def run_rl_and_report(cfg: VerstConfig, start: float, tag: str = "demo") -> int:
-    """Runs the fully async RL job of a demo and prints accuracy before and after, the summary's and the
-    report's paths and the time since `start`; 1 when RL took no step or measured nothing."""
+    """Runs the fully async RL job of a demo and prints its held-out score (greedy accuracy, or agent success
+    for a tool-using task) before and after, the summary's and the report's paths and the time since `start`;
+    1 when RL took no step or measured nothing."""
+    from verst.eval.agentic import score_key
     from verst.schedules import SCHEDULES
 
     summary = asyncio.run(SCHEDULES[cfg.schedule](cfg))
+    score = score_key(cfg)
     try:
-        before, after = check_rl_summary(summary)
+        before, after = check_rl_summary(summary, score)
     except RuntimeError as err:
         print(f"[{tag}] {err}", file=sys.stderr, flush=True)
         return 1
     run_dir = Path(cfg.run_dir or Path("runs") / cfg.name)
-    print(f"[{tag}] GRPO (fully async, {summary['train/steps']} steps): held-out greedy accuracy "
+    scored = "agent success" if score == "eval/success" else "accuracy"
+    print(f"[{tag}] GRPO (fully async, {summary['train/steps']} steps): held-out greedy {scored} "
           f"{before:.1%} before RL -> {after:.1%} after RL ({after - before:+.1%})")
     print(f"[{tag}] summary: {run_dir / 'summary.json'}")
     print(f"[{tag}] report: {run_dir / 'report.html'}")

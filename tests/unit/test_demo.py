@@ -31,6 +31,10 @@ def test_rl_config_refuses_a_run_without_an_export(tmp_path):
 def test_summary_check_returns_before_and_after():
     summary = {"train/steps": 3, "eval/accuracy_before": 0.2, "eval/accuracy_after": 0.5}
     assert demo.check_rl_summary(summary) == (0.2, 0.5)
+    agent = {"train/steps": 3, "eval/success_before": 0.1, "eval/success_after": 0.3}  # a tool-using task's score
+    assert demo.check_rl_summary(agent, "eval/success") == (0.1, 0.3)
+    with pytest.raises(RuntimeError, match="eval/success_before"):
+        demo.check_rl_summary(summary, "eval/success")
 
 
 @pytest.mark.parametrize("summary", [{"train/steps": 0, "eval/accuracy_before": 0.2, "eval/accuracy_after": 0.2},
