@@ -7,8 +7,9 @@ operator and only test_project.py says the right one (`assert blend(47, 3) == 47
 tool and a file-edit tool (examples/coding/agent.py) through the session server; the reward is the fraction of
 the task's hidden checks passing on the workspace at the episode's end. The teacher reads the tests, writes the
 fix, runs the tests and answers; in half the tasks (`SHORTCUT`) it writes the fix without reading the tests, as
-an expert who knows the code would. A student that imitates the shortcut can only guess the operator; GRPO
-teaches it to read the tests first.
+an expert who knows the code would. A student that imitates the shortcut can only guess the operator, so
+reading the tests first is what GRPO can reward. Measured (docs/benchmarks.md): the tiny student does not learn to
+take the operator from the tests it reads, so GRPO finds no signal and the pass rate does not rise.
 
 The model and data steps are skipped when their outputs exist. Extra arguments are config overrides for the
 RL run (`--rollout.num-rollouts 10`).
