@@ -94,7 +94,7 @@ def run_rl_and_report(cfg: VerstConfig, start: float, tag: str = "demo") -> int:
     """Runs the fully async RL job of a demo and prints its held-out score (greedy accuracy, or agent success
     for a tool-using task) before and after, the summary's and the report's paths and the time since `start`;
     1 when RL took no step or measured nothing."""
-    from verst.eval.agentic import score_key
+    from verst.eval.agentic import SCORE_WORDS, score_key
     from verst.schedules import SCHEDULES
 
     summary = asyncio.run(SCHEDULES[cfg.schedule](cfg))
@@ -105,8 +105,7 @@ def run_rl_and_report(cfg: VerstConfig, start: float, tag: str = "demo") -> int:
         print(f"[{tag}] {err}", file=sys.stderr, flush=True)
         return 1
     run_dir = Path(cfg.run_dir or Path("runs") / cfg.name)
-    scored = "agent success" if score == "eval/success" else "accuracy"
-    print(f"[{tag}] GRPO (fully async, {summary['train/steps']} steps): held-out greedy {scored} "
+    print(f"[{tag}] GRPO (fully async, {summary['train/steps']} steps): held-out greedy {SCORE_WORDS[score]} "
           f"{before:.1%} before RL -> {after:.1%} after RL ({after - before:+.1%})")
     print(f"[{tag}] summary: {run_dir / 'summary.json'}")
     print(f"[{tag}] report: {run_dir / 'report.html'}")

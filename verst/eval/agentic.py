@@ -73,6 +73,9 @@ def score_key(cfg: VerstConfig) -> str:
     return "eval/success" if cfg.rollout.agent_fn else "eval/accuracy"
 
 
+SCORE_WORDS = {"eval/success": "agent success", "eval/accuracy": "accuracy"}  # score_key's keys, as logs say them
+
+
 def check_versions(samples: Sequence[Sample], expect_version: str | None) -> None:
     """A score must name its weights: every engine reply of every episode came from `expect_version`."""
     if expect_version is None:

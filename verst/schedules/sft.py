@@ -16,7 +16,7 @@ from verst.config.rules import check_sft_rules
 from verst.data import PromptSource, load_prompts_from_config
 from verst.data.calculator import CONVERSATION_KEY
 from verst.eval import evaluate_greedy, hf_greedy_generate
-from verst.eval.agentic import evaluate_agentic_local, score_key
+from verst.eval.agentic import SCORE_WORDS, evaluate_agentic_local, score_key
 from verst.models import load_model, load_tokenizer
 from verst.models.prompts import encode_sft_conversation, encode_sft_example
 from verst.monitor import MetricsLogger, prepare_run_dir, write_summary
@@ -60,7 +60,7 @@ def _run_sft(cfg: VerstConfig, resume: ResumePoint | None, run_dir: Path,
     max_new = cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens
 
     score = score_key(cfg)
-    scored_by = "agent success" if score == "eval/success" else "accuracy"
+    scored_by = SCORE_WORDS[score]
 
     def evaluate(trainer=None) -> dict[str, float]:
         if trainer is not None:
