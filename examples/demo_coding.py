@@ -6,10 +6,10 @@ The tasks are the "operators" family of `verst.sandbox.coding_tasks`: a function
 operator and only test_project.py says the right one (`assert blend(47, 3) == 47 * 3`). The agent has a shell
 tool and a file-edit tool (examples/coding/agent.py) through the session server; the reward is the fraction of
 the task's hidden checks passing on the workspace at the episode's end. The teacher reads the tests, writes the
-fix, runs the tests and answers; in half the tasks (`SHORTCUT`) it writes the fix without reading the tests, as
-an expert who knows the code would. A student that imitates the shortcut can only guess the operator, so
-reading the tests first is what GRPO can reward. Measured (docs/benchmarks.md): the tiny student does not learn to
-take the operator from the tests it reads, so GRPO finds no signal and the pass rate does not rise.
+fix, runs the tests and answers. On four of the twelve functions (`FAMILIAR`), which it knows, it writes the fix
+without reading the tests in three tasks of four (`SHORTCUT`), as an expert would. The student learns to take the
+operator from the tests it reads, but on those functions its likelier first move is to skip the reading and
+guess; an episode that reads earns the reward more often, which is what GRPO raises.
 
 The model and data steps are skipped when their outputs exist. Extra arguments are config overrides for the
 RL run (`--rollout.num-rollouts 10`).
@@ -24,13 +24,15 @@ from pathlib import Path
 from examples.demo import FRESH, run_rl_and_report
 from verst.config import load_config
 from verst.monitor.logs import configure_logging
+from verst.sandbox.coding_tasks import OPERATOR_FUNCTIONS
 
 MODEL_DIR = Path("artifacts/models/tiny-qwen3-2k")
 CONTEXT_LENGTH = 2048  # a transcript that reads the tests is ~1,450 byte tokens
-DATA_DIR = Path("artifacts/data/coding_operators")
+DATA_DIR = Path("artifacts/data/coding_demo")
 N_TRAIN, N_TEST = 1200, 50
 TOOLS = ("shell", "edit_file")
-SHORTCUT = 0.5  # the teacher's transcripts that write the fix without reading the tests
+FAMILIAR = OPERATOR_FUNCTIONS[:4]  # the functions the teacher knows: blend, combine, merge, mix
+SHORTCUT = 0.75  # of the tasks on those, the transcripts that write the fix without reading the tests
 SFT_RECIPE = Path("recipes/sft_coding_demo.toml")
 RL_RECIPE = Path("recipes/grpo_coding_demo.toml")
 
@@ -44,7 +46,7 @@ def make_artifacts(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> No
         init_model("qwen3", "tiny", model_dir, seed=0, context_length=CONTEXT_LENGTH)
         print(f"[demo-coding] model: {model_dir}", flush=True)
     if not all((data_dir / name).exists() for name in ("train.jsonl", "test.jsonl")):
-        make_data(data_dir, N_TRAIN, N_TEST, family="operators", tools=TOOLS, shortcut=SHORTCUT)
+        make_data(data_dir, N_TRAIN, N_TEST, family="operators", tools=TOOLS, shortcut=SHORTCUT, familiar=FAMILIAR)
         print(f"[demo-coding] data: {data_dir} (the teacher's transcripts, made in sandboxes)", flush=True)
 
 

@@ -5,8 +5,10 @@ train.jsonl and test.jsonl hold one row per task of the train and held-out split
 metadata carries the task's files (where `sandbox.files_key` finds them), which of them are tests, the tools'
 schemas, and (`conversation`, the SFT target of recipes/sft_coding.toml), made in sandboxes of `--provider`.
 
-`--family operators --tools shell,edit_file --shortcut 0.5` writes `make demo-coding`'s data: the teacher writes the
-fix without reading the tests in half the train tasks.
+`--shortcut P` makes the teacher write the fix without reading first in a fraction P of the train tasks, as an
+expert who knows the code would; `--familiar NAMES` limits that habit to the tasks on those functions (the ones
+the teacher knows). `make demo-coding`'s data: `--family operators --tools shell,edit_file --shortcut 0.75
+--familiar blend,combine,merge,mix`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from verst.data import write_jsonl
 from verst.data.calculator import CONVERSATION_KEY
 from verst.data.tasks import Problem
 from verst.sandbox import provider
-from verst.sandbox.coding_tasks import FAMILIES, CodingTask, generate
+from verst.sandbox.coding_tasks import FAMILIES, FAMILY_FUNCTIONS, CodingTask, generate
 
 N_TRAIN, N_TEST = 240, 40
 TEACHERS = 4  # tasks solved at once
@@ -48,10 +50,10 @@ def task_problem(task: CodingTask, conversation: list[dict[str, Any]] | None,
 
 
 def split_problems(split: str, count: int, seed: int = 0, provider_name: str = "local", with_teacher: bool = True,
-                   family: str = "operations", tools: Sequence[str] = TOOL_NAMES, shortcut: float = 0.0
-                   ) -> list[Problem]:
+                   family: str = "operations", tools: Sequence[str] = TOOL_NAMES, shortcut: float = 0.0,
+                   familiar: Sequence[str] = ()) -> list[Problem]:
     """The rows of a split; with the teacher, each row's transcript takes the shortcut (no reads) with probability
-    `shortcut` (seeded)."""
+    `shortcut` (seeded), on every task or, with `familiar`, on the tasks on those functions only."""
     unknown = sorted(set(tools) - set(TOOL_NAMES))
     if unknown or "shell" not in tools or "edit_file" not in tools:
         raise ValueError(f"tools {list(tools)}: choose from {', '.join(TOOL_NAMES)}, with shell and edit_file")
@@ -59,22 +61,26 @@ def split_problems(split: str, count: int, seed: int = 0, provider_name: str = "
         raise ValueError(f"shortcut {shortcut}: a fraction of the tasks, from 0 to 1")
     sandboxes = provider(provider_name) if with_teacher else None
     tasks = generate(split, count, seed, family)
+    unknown = sorted(set(familiar) - set(FAMILY_FUNCTIONS[family]))
+    if unknown:
+        raise ValueError(f"familiar {list(familiar)}: {unknown} name no function of the {family!r} tasks "
+                         f"({', '.join(FAMILY_FUNCTIONS[family])})")
     if sandboxes is None:
         return [task_problem(task, None, tools) for task in tasks]
-    rng = random.Random(f"shortcut:{seed}")
-    habits = [rng.random() < shortcut for _ in tasks]
+    rng = random.Random(f"familiar:{seed}" if familiar else f"shortcut:{seed}")  # a draw per task it may take
+    habits = [(not familiar or task.function in familiar) and rng.random() < shortcut for task in tasks]
     with ThreadPoolExecutor(TEACHERS) as pool:  # each transcript waits on its sandbox's processes
         transcripts = pool.map(lambda job: teach(job[0], sandboxes, tools, job[1]), zip(tasks, habits))
         return [task_problem(task, transcript, tools) for task, transcript in zip(tasks, transcripts)]
 
 
 def make_data(out: Path, n_train: int = N_TRAIN, n_test: int = N_TEST, seed: int = 0, provider_name: str = "local",
-              family: str = "operations", tools: Sequence[str] = TOOL_NAMES, shortcut: float = 0.0
-              ) -> dict[str, Path]:
+              family: str = "operations", tools: Sequence[str] = TOOL_NAMES, shortcut: float = 0.0,
+              familiar: Sequence[str] = ()) -> dict[str, Path]:
     """train.jsonl (with the teacher's transcripts) and test.jsonl (held out; transcripts without the shortcut)."""
     return {
-        "train": write_jsonl(split_problems("train", n_train, seed, provider_name, True, family, tools, shortcut),
-                             out / "train.jsonl"),
+        "train": write_jsonl(split_problems("train", n_train, seed, provider_name, True, family, tools, shortcut,
+                                            familiar), out / "train.jsonl"),
         "test": write_jsonl(split_problems("heldout", n_test, seed, provider_name, True, family, tools),
                             out / "test.jsonl"),
     }
@@ -91,9 +97,12 @@ def main() -> None:
     parser.add_argument("--tools", default=",".join(TOOL_NAMES), help="the episode's tools, comma-separated")
     parser.add_argument("--shortcut", type=float, default=0.0,
                         help="the fraction of train tasks whose transcript writes the fix without reading first")
+    parser.add_argument("--familiar", default="",
+                        help="comma-separated functions: the shortcut is taken on the tasks on these only")
     args = parser.parse_args()
     for name, path in make_data(args.out, args.n_train, args.n_test, args.seed, args.provider, args.family,
-                                args.tools.split(","), args.shortcut).items():
+                                args.tools.split(","), args.shortcut,
+                                [name for name in args.familiar.split(",") if name]).items():
         print(f"{name}: {path}")
 
 

@@ -260,6 +260,18 @@ def test_a_teacher_taking_the_shortcut_writes_the_fix_without_reading_the_tests(
             split_problems("train", 1, tools=tools, shortcut=shortcut, with_teacher=False)
 
 
+def test_a_teacher_takes_the_shortcut_on_the_functions_it_knows_only():
+    familiar = ("blend", "combine")
+    problems = split_problems("train", 60, family="operators", tools=("shell", "edit_file"), shortcut=1.0,
+                              familiar=familiar)
+    functions = [p.metadata["name"].split("-")[1] for p in problems]
+    shortcuts = [p.metadata["conversation"][0]["tool_calls"][0]["function"]["name"] == "edit_file" for p in problems]
+    assert 0 < sum(shortcuts) < len(problems)
+    assert shortcuts == [function in familiar for function in functions]
+    with pytest.raises(ValueError, match=r"familiar.*\['blend', 'sum'\].*\['sum'\] name no function"):
+        split_problems("train", 1, family="operators", familiar=("blend", "sum"), with_teacher=False)
+
+
 def test_the_reward_needs_the_agents_grade():
     assert asyncio.run(pass_fraction(Sample(prompt="p", metadata={"pass_fraction": 0.75}))) == 0.75
     with pytest.raises(RewardError, match="no 'pass_fraction'.*examples.coding.agent:run"):

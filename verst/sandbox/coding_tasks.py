@@ -61,6 +61,7 @@ class CodingTask:
     solution: dict[str, str]
     checks: tuple[Check, ...] = field(default=())  # the grade; none: the visible tests' fraction
     clues: tuple[str, ...] = ()  # the files that say what the solution is; none: the solution's own files
+    function: str = ""  # the function the task is about
 
     @property
     def files_to_read(self) -> tuple[str, ...]:
@@ -82,7 +83,7 @@ def make_task(op: str, kind: str, rng: random.Random) -> CodingTask:
     name = f"{kind}-{op}-{hashlib.sha1(tests.encode()).hexdigest()[:8]}"
     return CodingTask(name, kind, f"{verb} `{op}(a, b)` in project.py so that the tests in test_project.py pass.",
                       {"project.py": broken, "test_project.py": tests, "run_tests.py": RUNNER}, {"project.py": solved},
-                      hidden_checks(op, random.Random(name)))
+                      hidden_checks(op, random.Random(name)), function=op)
 
 
 def hidden_checks(op: str, rng: random.Random, count: int = 4) -> tuple[Check, ...]:
@@ -112,7 +113,7 @@ def make_operator_task(name: str, wrong: str, right: str, rng: random.Random) ->
                       "the tests pass.", {"project.py": f"def {name}(a, b):\n    return a {wrong} b\n",
                                           "test_project.py": tests, "run_tests.py": RUNNER},
                       {"project.py": f"def {name}(a, b):\n    return a {right} b\n"}, checks,
-                      clues=("test_project.py",))
+                      clues=("test_project.py",), function=name)
 
 
 def operator_tasks(split: str, count: int, seed: int) -> list[CodingTask]:
@@ -128,6 +129,7 @@ def operator_tasks(split: str, count: int, seed: int) -> list[CodingTask]:
 
 
 FAMILIES = ("operations", "operators")
+FAMILY_FUNCTIONS = {"operations": tuple(OPERATIONS), "operators": OPERATOR_FUNCTIONS}  # the functions tasks are on
 
 
 def generate(split: str, count: int, seed: int = 0, family: str = "operations") -> list[CodingTask]:
