@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EDIT = re.compile(r"return a (\S+) b")
 READ_CALLS = ('"cat test_project.py"', '"path": "test_project.py"')  # shell's read, read_file's
@@ -65,12 +68,13 @@ def measure(model_dir: Path, rows: list[dict[str, Any]], familiar: set[str], sam
 
 
 def main() -> int:
-    from verst.sandbox.coding_tasks import OPERATOR_FUNCTIONS, OPERATORS
+    from examples.demo_coding import DATA_DIR, FAMILIAR
+    from verst.sandbox.coding_tasks import OPERATORS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", type=Path, nargs="*", default=[Path("runs/sft-coding-demo/hf")])
-    parser.add_argument("--data", type=Path, default=Path("artifacts/data/coding_demo/test.jsonl"))
-    parser.add_argument("--familiar", default=",".join(OPERATOR_FUNCTIONS[:4]),
+    parser.add_argument("--data", type=Path, default=DATA_DIR / "test.jsonl")
+    parser.add_argument("--familiar", default=",".join(FAMILIAR),
                         help="the functions the teacher knew, comma-separated (make demo-coding's by default)")
     parser.add_argument("--samples", type=int, default=8, help="first moves sampled per task")
     args = parser.parse_args()
