@@ -29,7 +29,7 @@ from verst.sandbox.coding_tasks import OPERATOR_FUNCTIONS
 MODEL_DIR = Path("artifacts/models/tiny-qwen3-2k")
 CONTEXT_LENGTH = 2048  # a transcript that reads the tests is ~1,450 byte tokens
 DATA_DIR = Path("artifacts/data/coding_demo")
-N_TRAIN, N_TEST = 1200, 50
+N_TRAIN, N_TEST = 2400, 50
 TOOLS = ("shell", "edit_file")
 FAMILIAR = OPERATOR_FUNCTIONS[:4]  # the functions the teacher knows: blend, combine, merge, mix
 SHORTCUT = 0.75  # of the tasks on those, the transcripts that write the fix without reading the tests

@@ -7,8 +7,8 @@ schemas, and (`conversation`, the SFT target of recipes/sft_coding.toml), made i
 
 `--shortcut P` makes the teacher write the fix without reading first in a fraction P of the train tasks, as an
 expert who knows the code would; `--familiar NAMES` limits that habit to the tasks on those functions (the ones
-the teacher knows). `make demo-coding`'s data: `--family operators --tools shell,edit_file --shortcut 0.75
---familiar blend,combine,merge,mix`.
+the teacher knows). `make demo-coding`'s data: `--family operators --tools shell,edit_file --n-train 2400
+--shortcut 0.75 --familiar blend,combine,merge,mix`.
 """
 
 from __future__ import annotations
