@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from tests import virtual_time
 from tests.fake_source import NumberedSource
 from verst.config import RolloutConfig
 from verst.rollout import GENERATE_ERROR_KEY, AsyncRolloutWorker, FifoBuffer
@@ -57,8 +58,8 @@ async def drain(worker, seconds):
 
 
 def occupancies(*granularities):
-    """One worker per granularity, all in one event loop over the same 0.8 s, so that a stall of the machine
-    falls on every one of them alike; each worker's metrics."""
+    """One worker per granularity, all in one event loop over the same 0.8 s of virtual time (a stalled
+    machine changes nothing); each worker's metrics."""
     async def go():
         workers = [AsyncRolloutWorker(NumberedSource(), FifoBuffer(1000), n_samples_per_prompt=4, max_in_flight=16,
                                       granularity=granularity, generate_sample=fake_generate(long_tail()))
@@ -71,7 +72,7 @@ def occupancies(*granularities):
             await worker.stop()
         return metrics
 
-    return asyncio.run(go())
+    return virtual_time.run(go())
 
 
 def test_sample_granularity_keeps_occupancy_higher_than_group_granularity():

@@ -98,7 +98,8 @@ class AsyncRolloutWorker:
         self._groups_produced = self._samples_produced = self._generate_errors = 0
         self._tokens_in_window = 0  # response tokens of the groups finished since the window start
         self._busy_area = 0.0  # ∫ generating dt since the window start
-        self._window_start = self._last_change = time.monotonic()
+        self._clock = time.monotonic  # the event loop's clock once started
+        self._window_start = self._last_change = self._clock()
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, source: GroupSource, buffer: DataBuffer, **kw) -> AsyncRolloutWorker:
@@ -113,7 +114,8 @@ class AsyncRolloutWorker:
     def start(self) -> asyncio.Task:
         if self._task is not None:
             raise RuntimeError("AsyncRolloutWorker.start: already started")
-        self._window_start = self._last_change = time.monotonic()
+        self._clock = asyncio.get_running_loop().time
+        self._window_start = self._last_change = self._clock()
         self._task = asyncio.create_task(self._run(), name="rollout-worker")
         self._task.add_done_callback(self._record_failure)
         return self._task
@@ -210,7 +212,7 @@ class AsyncRolloutWorker:
         buffer, kept or discarded); slot_occupancy is the time-weighted mean of generating samples / limit
         since the previous `metrics()` call (or `start()`). With `generate_group` a group counts as n until it returns.
         `perf/rollout_tokens_per_s`: response tokens of the groups finished in that window, per second."""
-        now = time.monotonic()
+        now = self._clock()
         self._set_generating(self._generating, now)
         span = now - self._window_start
         occupancy = self._busy_area / (span * self.max_in_flight) if span > 0 else 0.0
@@ -326,7 +328,7 @@ class AsyncRolloutWorker:
             self._wake.set()  # the loop (if alive) raises it through check()
 
     def _set_generating(self, value: int, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         self._busy_area += self._generating * (now - self._last_change)
         self._generating, self._last_change = value, now
 
