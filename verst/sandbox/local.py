@@ -8,19 +8,24 @@ command's small image, not bwrap or a forked copy of the driver; output is read 
 total size is checked after every exec and a sandbox over it is refused further use.
 """
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from verst.sandbox.base import ExecResult, SandboxError, capped, workspace_relative
 
 # RLIMIT_NPROC does not bind root, so a driver running as root runs its sandboxes as this unprivileged user.
 UNPRIVILEGED = 65534
 WORKSPACE = "/tmp/workspace"  # on the sandbox's own /tmp: the host root stays read-only
+CLOSE_WAIT_S = 5.0  # how long close() waits for its killed processes to be gone
 
 
 @dataclass(frozen=True)
@@ -163,8 +168,33 @@ class BubblewrapSandbox:
             raise SandboxError(f"sandbox {self.workspace} is closed")
 
     def close(self) -> None:
-        """Kills every process group this sandbox started and removes its workspace."""
+        """Kills every process this sandbox started (each exec's group and what runs in its pid namespace), waits
+        until they are gone (at most `CLOSE_WAIT_S`; a kill takes effect asynchronously) and removes its workspace."""
+        processes = [p for pid in self.pids for p in _process_tree(pid)]
         for pid in self.pids:
             self.kill(pid)
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while any(map(_running, processes)) and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.closed = True
         shutil.rmtree(self.workspace, ignore_errors=True)
+
+
+def _process_tree(pid: int) -> list[psutil.Process]:
+    """`pid` and its descendants now (none if it has ended)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _running(process: psutil.Process) -> bool:
+    """Whether `process` still runs (a zombie has ended; it only waits to be reaped)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
