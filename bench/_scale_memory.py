@@ -21,6 +21,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from bench._scale_run import request_per_args, requests_at_once
 from verst.models import load_tokenizer
 from verst.rollout.from_config import build_rollout_parts
 from verst.run.setup import router_spec
@@ -34,14 +35,15 @@ HOLD_SPEEDUP = 1e-6  # simulated seconds per wall second: a decode step lasts ho
 
 
 def measure_in_flight(model: Path, work: Path, engines: int, in_flight: int, prompt_chars: int, group_size: int,
-                      timeout_s: float = 300.0) -> dict[str, Any]:
+                      request_per: str = "sample", timeout_s: float = 300.0) -> dict[str, Any]:
     """One measurement: `in_flight` trajectories held on `engines` simulated engines, prompts of `prompt_chars`
     characters. Returns the traced bytes per trajectory, the prompt's token count and the settle time."""
     cfg, sim = load_sim(None, [
         "--run-dir", str(work / f"memory-{engines}-{in_flight}-{prompt_chars}"), "--overwrite", "true",
         "--model.path", str(model), "--schedule", "fully_async", "--cluster.num-engines", str(engines),
         "--rollout.batch-size", str(max(1, in_flight // group_size)), "--rollout.n-samples-per-prompt", str(group_size),
-        "--rollout.max-in-flight", str(in_flight), "--rollout.concurrency", str(in_flight),
+        "--rollout.max-in-flight", str(in_flight),
+        "--rollout.concurrency", str(requests_at_once(in_flight, group_size, request_per)), *request_per_args(request_per),
         "--rollout.max-response-tokens", "1024",
         "--rollout.max-prompt-tokens", str(2 * prompt_chars + 256), "--rollout.admission", "fill", "--logging.progress", "false",
         "--sim.speedup", str(HOLD_SPEEDUP), "--sim.prompt-tokens", str(prompt_chars),
@@ -72,7 +74,8 @@ def measure_in_flight(model: Path, work: Path, engines: int, in_flight: int, pro
         finally:
             manager.call("stop_async")
             manager.shutdown()
-    return {"engines": engines, "in_flight": in_flight, "prompt_chars": prompt_chars, "prompt_ids": prompt_ids,
+    return {"engines": engines, "in_flight": in_flight, "request_per": request_per, "prompt_chars": prompt_chars,
+            "prompt_ids": prompt_ids,
             "traced_bytes": traced, "bytes_per_trajectory": traced / in_flight,
             "rss_bytes_per_trajectory": rss_growth / in_flight, "settle_s": settle_s}
 

@@ -41,7 +41,8 @@ def run_args(args: Any, work: Path, repeat: int) -> list[str]:
         "--model.path", str(model_dir(work)), "--schedule", args.schedule, "--cluster.num-engines", str(args.engines),
         "--rollout.batch-size", str(groups), "--rollout.n-samples-per-prompt", str(args.group_size),
         "--rollout.num-rollouts", str(args.steps), "--rollout.max-in-flight", str(in_flight),
-        "--rollout.concurrency", str(in_flight), "--rollout.max-response-tokens", str(args.max_tokens),
+        "--rollout.concurrency", str(requests_at_once(in_flight, args.group_size, args.request_per)),
+        "--rollout.max-response-tokens", str(args.max_tokens), *request_per_args(args.request_per),
         "--rollout.dynamic-filter", "zero_std", "--buffer.max-staleness", str(args.max_staleness),
         "--buffer.capacity-factor", "4", "--eval.interval", "0", "--eval.max-prompts", "16",
         "--logging.progress", "false", "--logging.tensorboard", "false", "--logging.sample-groups-per-step", "0",
@@ -57,6 +58,16 @@ def run_args(args: Any, work: Path, repeat: int) -> list[str]:
         out += ["--sim.agent-turns", str(args.turns), "--sim.env-seconds", str(args.env_seconds),
                 "--rollout.max-context-tokens", str(args.turns * (args.max_tokens + 200) + 512)]
     return out
+
+
+def request_per_args(request_per: str) -> list[str]:
+    """`rollout.request_per`; one request per group also frees a fully async worker's places by the group."""
+    return ["--rollout.request-per", request_per, "--rollout.submission-granularity", request_per]
+
+
+def requests_at_once(in_flight: int, group_size: int, request_per: str) -> int:
+    """`rollout.concurrency` for `in_flight` trajectories: a request each, or one per group of `group_size`."""
+    return in_flight if request_per == "sample" else -(-in_flight // group_size)
 
 
 def run_once(args: Any, repeat: int) -> dict[str, Any]:

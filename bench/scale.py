@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> dict:
     keys = ("control_ms_per_trajectory", "control_ms_per_request", "engine_busy_fraction", "engine_paused_fraction",
             "engine_mean_batch",
             "stale_share", "wall_s")
-    print(f"{args.engines} engines x {args.in_flight} in flight, {args.turns} agentic turns, speed-up {args.speedup} "
-          f"(median [min-max] of {args.repeats})")
+    print(f"{args.engines} engines x {args.in_flight} in flight, {args.turns} agentic turns, one request per "
+          f"{args.request_per}, speed-up {args.speedup} (median [min-max] of {args.repeats})")
     for key in keys:
         print(f"  {key:28} {spread([r[key] for r in results])}")
     for part in ("driver", "rollout_manager", "router", "weight_sync", "fleet"):
@@ -93,11 +93,11 @@ def sync(args: argparse.Namespace) -> dict:
 def memory(args: argparse.Namespace) -> dict:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="verst-scale-memory-")).resolve()
     in_flight = args.engines * args.in_flight
-    points = [measure_in_flight(model_dir(work), work, args.engines, in_flight, chars, args.group_size)
+    points = [measure_in_flight(model_dir(work), work, args.engines, in_flight, chars, args.group_size, args.request_per)
               for chars in args.prompt_chars]
     line = per_trajectory(points)
-    print(f"{args.engines} engines x {args.in_flight} in flight ({in_flight} trajectories), rollout manager's traced "
-          f"Python memory (load average {os.getloadavg()[0]:.1f})")
+    print(f"{args.engines} engines x {args.in_flight} in flight ({in_flight} trajectories, one request per "
+          f"{args.request_per}), rollout manager's traced Python memory (load average {os.getloadavg()[0]:.1f})")
     for p in points:
         print(f"  prompt of {p['prompt_ids']:5d} ids: {p['bytes_per_trajectory']:9.0f} bytes per trajectory "
               f"(resident {p['rss_bytes_per_trajectory']:.0f}; all in flight after {p['settle_s']:.1f} s)")
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainer-gpus", type=int, default=64)
     p.add_argument("--fleet-processes", type=int, default=1)
     p.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES, help="sync.bucket_bytes")
+    p.add_argument("--request-per", choices=["sample", "group"], default="sample", help="rollout.request_per")
     p.add_argument("--kill", type=float, default=0.0)
     p.add_argument("--stall", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1)
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=64)
     p.add_argument("--in-flight", type=int, default=64, help="trajectories in flight per engine")
     p.add_argument("--prompt-chars", type=int, nargs=2, default=[64, 1024], help="the two prompt lengths")
+    p.add_argument("--request-per", choices=["sample", "group"], default="sample", help="rollout.request_per")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--work-dir")
     p.add_argument("--out")

@@ -263,3 +263,27 @@ def test_batched_generate_matches_single_requests_and_isolates_a_bad_prompt(engi
     assert [r.rid for r in together] == [f"bat{i}" for i in range(4)]
     assert len(good.output_ids) == 6 and bad.status == 400 and "input_ids" in str(bad)
     assert requests == 1 + 1 + 2  # one batch of four; then a batch of two refused and retried one by one
+
+
+def test_one_request_of_n_samples_matches_n_seeded_requests_and_aborts_as_one(engine):
+    params = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 40}
+
+    async def main():
+        async with EngineClient(engine.url) as client:
+            alone = [await client.generate(PROMPT, {**params, "sampling_seed": 40 + i}) for i in range(3)]
+            group = await client.generate_samples(PROMPT, params, 3, rid="grp")
+            start = await generated(client)
+            long = asyncio.ensure_future(client.generate_samples(
+                PROMPT, {"max_new_tokens": 5000, "ignore_eos": True}, 3, rid="long"))
+            await wait_until(lambda: _progressed(client, start, 9))
+            await client.abort("long")
+            return alone, group, await long, await client.get_load()
+
+    alone, group, aborted, load = run(main())
+    assert [r.output_ids for r in group] == [r.output_ids for r in alone]
+    for a, b in zip(group, alone):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert [r.rid for r in group] == ["grp_0", "grp_1", "grp_2"]
+    assert len({tuple(r.output_ids) for r in group}) > 1  # three samples, not one thrice
+    assert [r.finish_reason for r in aborted] == ["abort"] * 3 and all(0 < len(r.output_ids) < 5000 for r in aborted)
+    assert load[0]["num_reqs"] == 0

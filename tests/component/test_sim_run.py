@@ -17,7 +17,9 @@ def sim_args(tmp_path, model, *extra):
             "--sync.bucket-bytes", str(2**32), *extra]
 
 
-def test_64_engines_fully_async_with_engines_killed_and_stalled(tmp_path, tiny_model_dir, registries_restored):
+@pytest.mark.parametrize("request_per", ["sample", "group"])
+def test_64_engines_fully_async_with_engines_killed_and_stalled(tmp_path, tiny_model_dir, registries_restored,
+                                                                request_per):
     steps, per_step = 120, 4
     cfg, sim = load_sim(None, sim_args(
         tmp_path, tiny_model_dir, "--schedule", "fully_async", "--cluster.num-engines", "64",
@@ -27,7 +29,8 @@ def test_64_engines_fully_async_with_engines_killed_and_stalled(tmp_path, tiny_m
         "--eval.max-prompts", "16", "--fault.health-interval-s", "0.5", "--fault.health-failures", "2",
         "--sim.speedup", "50", "--sim.response-tokens-mean", "32", "--sim.zero-variance-fraction", "0.2",
         "--sim.kill-fraction", "0.05", "--sim.stall-fraction", "0.01", "--sim.fault-after-steps", "20",
-        "--sim.engine-restart-s", "20", "--sim.prompts", "1024"))
+        "--sim.engine-restart-s", "20", "--sim.prompts", "1024", "--rollout.request-per", request_per,
+        "--rollout.submission-granularity", request_per))
     summary, scale = run_sim(cfg, sim)
 
     assert summary["train/steps"] == steps
@@ -96,8 +99,9 @@ def test_the_runs_config_file_holds_the_sim_settings_and_reloads_to_the_same_run
     assert again_sim == sim and again_cfg == cfg
 
 
+@pytest.mark.parametrize("request_per", ["sample", "group"])
 def test_fully_async_partial_rollouts_continue_the_trajectories_a_weight_push_aborted(tmp_path, tiny_model_dir,
-                                                                                     registries_restored):
+                                                                                     registries_restored, request_per):
     """Every push aborts the requests in flight (sync.pause_mode = 'abort'); with partial rollouts they go on with
     the new weights, so no group is lost to the pushes and the trained samples span versions."""
     steps, per_step = 12, 2
@@ -106,7 +110,8 @@ def test_fully_async_partial_rollouts_continue_the_trajectories_a_weight_push_ab
         "--rollout.batch-size", str(per_step), "--rollout.n-samples-per-prompt", "4",
         "--rollout.num-rollouts", str(steps), "--rollout.max-response-tokens", "1024", "--rollout.max-in-flight", "32",
         "--sync.pause-mode", "abort", "--rollout.partial-rollout", "true", "--sim.speedup", "50",
-        "--sim.response-tokens-mean", "512", "--sim.prompts", "256"))
+        "--sim.response-tokens-mean", "512", "--sim.prompts", "256", "--rollout.request-per", request_per,
+        "--rollout.submission-granularity", request_per))
     summary, scale = run_sim(cfg, sim)
 
     assert summary["train/steps"] == steps and scale["accounting"]["problems"] == []

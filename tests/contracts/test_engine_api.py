@@ -168,7 +168,9 @@ BAD_INPUTS = [
     ("/generate", {"input_ids": list(range(CONTEXT))}, 400, "input_ids"),
     ("/generate", {"input_ids": [1], "unknown_field": 1}, 422, "unknown_field"),
     ("/generate", {"input_ids": [1], "sampling_params": {"unknown": 1}}, 422, "sampling_params.unknown"),
-    ("/generate", {"input_ids": [1], "sampling_params": {"n": 2}}, 422, "sampling_params"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"n": 0}}, 422, "sampling_params.n"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"n": 2}, "stream": True}, 422, "body"),  # n: one prompt,
+    ("/generate", {"input_ids": [[1], [2]], "sampling_params": {"n": 2}}, 422, "body"),  # not streamed, not a batch
     ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, 422, "sampling_params"),
     ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [999]}}, 400,
      "sampling_params.stop_token_ids"),

@@ -69,6 +69,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "staleness_admission_is_fully_async": (["--rollout.admission", "staleness", "--buffer.max-staleness", "2"],
                                            r"rollout.admission = 'staleness' paces the fully async worker, and "
                                            r"schedule = 'sync' runs none"),
+    "group_requests_fit": (["--rollout.request-per", "group", *VLLM],
+                           r"rollout.request_per = 'group' with cluster.engine = 'vllm' is refused: it takes one sample"),
     "partial_rollouts_abort_on_a_weight_update": (["--rollout.partial-rollout", "true"],
                                                   r"rollout.partial_rollout = true with sync.pause_mode = 'retract' "
                                                   r"is refused: .*set sync.pause_mode = 'abort'"),
@@ -314,3 +316,23 @@ print(loaded, refused)
     assert done.returncode == 0, done.stderr[-3000:]
     loaded, refused = map(int, done.stdout.split()[-2:])
     assert loaded >= len(recipes) and loaded + refused == len(cases)
+
+
+def test_one_request_per_group_needs_the_default_fns_whole_groups_and_an_engine_that_takes_and_seeds_n():
+    group = ["--rollout.request-per", "group"]
+    assert load_config(None, group).rollout.request_per == "group"
+    seeded = ["--rollout.sampling.seed", "3"]
+    assert load_config(None, [*group, *seeded, "--rollout.generate-fn", "verst.rollout.generate:generate"])
+    fully_async = ["--schedule", "fully_async"]
+    assert load_config(None, [*group, *fully_async, "--rollout.submission-granularity", "group"])
+    for overrides, message in [
+        (["--rollout.generate-fn", "m:f"], r"rollout.generate_fn = 'm:f' is refused: .* owns one sample's generation"),
+        (["--rollout.rollout-fn", "m:f"], r"rollout.rollout_fn = 'm:f' is refused"),
+        (fully_async, r"rollout.submission_granularity = 'sample' is refused: .* set rollout.submission_granularity "
+                      "= 'group'"),
+        (["--cluster.engine", "sglang", *seeded], r"rollout.sampling.seed = 3 and cluster.engine = 'sglang' is "
+                                                  r"refused: .* use cluster.engine = 'embedded'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [*group, *overrides])
+    assert load_config(None, [*group, "--cluster.engine", "sglang"]).cluster.engine == "sglang"  # unseeded: fine

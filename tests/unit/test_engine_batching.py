@@ -167,7 +167,7 @@ def test_the_wire_model_splits_a_batch_and_checks_per_prompt_lists_by_name():
         ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid is a list of 1 for a batch of 2 prompts"),
         ({"input_ids": [[1], [2]], "stream": True}, "stream = true is for a single prompt, not a batch of 2"),
         ({"text": []}, "at least one prompt"),
-        ({"input_ids": [[1], [2]], "sampling_params": [{}, {"n": 2}]}, "sampling_params.n = 2 is not supported"),
+        ({"input_ids": [[1], [2]], "sampling_params": [{}, {"n": 2}]}, "sampling_params.n = 2 is for a single prompt"),
         ({"input_ids": [[1], [2]], "priority": [1, 2]}, "priority"),
         ({"input_ids": [[1], [2]], "priority": 2**31}, "priority"),
     ]:

@@ -14,7 +14,7 @@ from verst.models.chat_template import TINY_CHAT_TEMPLATE
 from verst.models.loader import load_tokenizer
 from verst.models.prompts import encode_prompt
 from verst.models.tokenizer import save_tokenizer
-from verst.rollout.generate import CONTINUED_KEY, generate
+from verst.rollout.generate import CONTINUED_KEY, generate, generate_samples
 from verst.rollout.plugins import RolloutContext
 from verst.rollout.worker import GENERATE_ERROR_KEY
 from verst.types import Sample, Status
@@ -33,10 +33,18 @@ class UpdatedEngine:
         self.replies, self.during, self.requests = list(replies), during, []
 
     async def generate(self, input_ids, sampling_params, *, rid=None, return_logprob=True):
-        self.requests.append({"input_ids": list(input_ids), "params": dict(sampling_params), "rid": rid})
+        return (await self.generate_samples(input_ids, sampling_params, 1, rid=rid, record_n=False))[0]
+
+    async def generate_samples(self, input_ids, sampling_params, n, *, rid=None, return_logprob=True, record_n=True):
+        """One request of n samples (`rollout.request_per = "group"`): the next n replies, sample i as `{rid}_{i}`."""
+        self.requests.append({"input_ids": list(input_ids), "params": dict(sampling_params), "rid": rid}
+                             | ({"n": n} if record_n else {}))
         if self.during is not None and len(self.requests) == 1:
             self.during()
         await asyncio.sleep(0)
+        return [self._reply(input_ids, rid if not record_n else f"{rid}_{i}") for i in range(n)]
+
+    def _reply(self, input_ids, rid):
         output, logprobs, finish, version, message, oldest = self.replies.pop(0)
         meta = {"id": rid, "finish_reason": {"type": finish} | ({"message": message} if message else {}),
                 "prompt_tokens": len(input_ids), "completion_tokens": len(output), "cached_tokens": 0,
@@ -107,3 +115,21 @@ def test_a_call_an_update_fell_inside_leaves_the_token_versions_unknown(tokenize
     engine = UpdatedEngine([(*FIRST, "stop", "4", None, "3")])
     out = asyncio.run(generate(context(tokenizer, engine, partial_rollout=True), Sample(prompt="x")))
     assert out.token_versions is None and out.weight_versions == ["3", "4"] and out.validate()
+
+
+def test_one_request_for_the_group_and_an_interrupted_sample_goes_on_alone(tokenizer):
+    engine = UpdatedEngine([(*FIRST, "abort", "3", WEIGHT_UPDATE_ABORT, None),  # sample 4: cut by the update
+                            ([70, 258], [-0.5, -0.25], "stop", "3", None, None),  # sample 5: done before it
+                            (*REST, "stop", "4", None, None)])  # sample 4 goes on with version 4
+    ctx = context(tokenizer, engine, partial_rollout=True, request_per="group")
+    group = [Sample(prompt="What is 2+3?", index=4, group_index=2), Sample(prompt="What is 2+3?", index=5, group_index=2)]
+    cut, done = asyncio.run(generate_samples(ctx, group))
+    prompt = encode_prompt(tokenizer, "What is 2+3?")
+    first, second = engine.requests
+    assert first["n"] == 2 and first["input_ids"] == prompt and first["params"]["sampling_seed"] == 104  # + i: 105
+    assert "n" not in second and second["input_ids"] == prompt + [72, 105, 33]
+    assert second["params"]["sampling_seed"] == 104 and second["params"]["max_new_tokens"] == 7  # sample 4's own
+    assert cut.tokens == prompt + [72, 105, 33, 44, 258] and cut.token_versions == [3, 3, 3, 4, 4]
+    assert cut.metadata[CONTINUED_KEY] == 1 and cut.status is Status.COMPLETED
+    assert done.tokens == prompt + [70, 258] and done.token_versions == [3, 3] and CONTINUED_KEY not in done.metadata
+    assert ctx.state.in_flight == {}

@@ -41,7 +41,7 @@ class ScriptedEngine:
 
     def __init__(self, hang=lambda i: False, delay=0.002, deaf=False, fail=()):
         self.hang, self.delay, self.deaf, self.fail = hang, delay, deaf, set(fail)
-        self.replies, self.aborts, self.cancelled = [], [], []
+        self.replies, self.aborts, self.cancelled, self.group_requests = [], [], [], []
         self.running = self.max_running = 0
         self._aborted: dict[str, asyncio.Event] = {}
 
@@ -69,10 +69,22 @@ class ScriptedEngine:
         self.replies.append((index, meta))
         return GenerateResult.from_reply({"text": "", "output_ids": output, "meta_info": meta})
 
+    async def generate_samples(self, input_ids, sampling_params, n, *, rid=None, return_logprob=True):
+        """`rollout.request_per = "group"`: one request of n samples, sample i as `{rid}_{i}`, seed + i."""
+        self.group_requests.append(rid)
+        seed = sampling_params["sampling_seed"]
+        return list(await asyncio.gather(*(self.generate(input_ids, {**sampling_params, "sampling_seed": seed + i},
+                                                         rid=f"{rid}_{i}") for i in range(n))))
+
     async def abort(self, rid):
         self.aborts.append(rid)
         if not self.deaf:
-            self._aborted.setdefault(rid, asyncio.Event()).set()
+            for key in [rid, *(key for key in self._aborted if key.startswith(rid + "_"))]:
+                self._aborted.setdefault(key, asyncio.Event()).set()
+
+    def was_aborted(self, rid):
+        """Whether `rid`, or the request of n samples it is one of, was aborted."""
+        return rid in self.aborts or rid.rsplit("_", 1)[0] in self.aborts
 
 
 async def parity_reward(sample):
@@ -91,15 +103,17 @@ def rows(groups):
     return [g[0].metadata["data_index"] for g in groups]
 
 
-def test_over_sampling_filter_abort_and_return_to_source(tokenizer):
+@pytest.mark.parametrize("request_per", ["sample", "group"])
+def test_over_sampling_filter_abort_and_return_to_source(tokenizer, request_per):
     # round 1: groups 0, 1, 2 (1 passes); round 2: 3 passes and fills the batch while 4 and 5 hang
     engine = ScriptedEngine(hang=lambda i: i >= 4 * N)
     ctx = make_ctx(tokenizer, engine, batch_size=2, over_sampling_batch_size=3, dynamic_filter="zero_std",
-                   return_partial_to_source=True)
+                   return_partial_to_source=True, request_per=request_per)
     batch = asyncio.run(rollout(ctx, 2))
     assert [g[0].group_index for g in batch.groups] == [1, 3]
     hung = {rid for rid, index in ((m["id"], i) for i, m in engine.replies) if index >= 4 * N}
-    assert len(hung) == 2 * N and hung <= set(engine.aborts)  # every leftover request aborted by rid
+    assert len(hung) == 2 * N and all(engine.was_aborted(rid) for rid in hung)  # every leftover aborted by rid
+    assert len(engine.group_requests) == (6 if request_per == "group" else 0)  # one request a group
     assert ctx.source.state_dict()["returned"] == [4, 5] and ctx.state.in_flight == {} and not ctx.state.stopped
     m = batch.metrics
     assert (m["rollout/launched_groups"], m["rollout/kept_groups"], m["rollout/over_sampling_rounds"]) == (6, 2, 2)
@@ -109,9 +123,11 @@ def test_over_sampling_filter_abort_and_return_to_source(tokenizer):
     assert rows(ctx.source.next_groups(2, N)) == [4, 5]
 
 
-def test_metrics_match_the_samples(tokenizer):
+@pytest.mark.parametrize("request_per", ["sample", "group"])
+def test_metrics_match_the_samples(tokenizer, request_per):
     engine = ScriptedEngine()
-    ctx = make_ctx(tokenizer, engine, batch_size=3, over_sampling_batch_size=5, dynamic_filter="zero_std")
+    ctx = make_ctx(tokenizer, engine, batch_size=3, over_sampling_batch_size=5, dynamic_filter="zero_std",
+                   request_per=request_per)
     batch = asyncio.run(rollout(ctx, 3))
     samples, m = batch.samples, batch.metrics
     rewards = [s.reward for s in samples]
@@ -182,9 +198,10 @@ def test_deaf_engine_requests_are_cancelled_after_the_abort_timeout(tokenizer):
     assert ctx.state.in_flight == {}
 
 
-def test_cancelling_a_step_aborts_its_requests(tokenizer):
+@pytest.mark.parametrize("request_per", ["sample", "group"])
+def test_cancelling_a_step_aborts_its_requests(tokenizer, request_per):
     engine = ScriptedEngine(hang=lambda i: True)
-    ctx = make_ctx(tokenizer, engine, batch_size=2)
+    ctx = make_ctx(tokenizer, engine, batch_size=2, request_per=request_per)
 
     async def main():
         task = asyncio.create_task(rollout(ctx, 2))
@@ -195,7 +212,8 @@ def test_cancelling_a_step_aborts_its_requests(tokenizer):
             await task
 
     asyncio.run(main())
-    assert len(set(engine.aborts)) == 2 * N and engine.running == 0 and ctx.state.in_flight == {}
+    requests = 2 * N if request_per == "sample" else 2
+    assert len(set(engine.aborts)) == requests and engine.running == 0 and ctx.state.in_flight == {}
 
 
 def test_group_reward_and_concurrency_limit(tokenizer):
@@ -214,16 +232,19 @@ def test_group_reward_and_concurrency_limit(tokenizer):
     assert engine.max_running == 5
 
 
-def test_worker_hooks_drive_the_fully_async_worker(tokenizer):
+@pytest.mark.parametrize("request_per", ["sample", "group"])
+def test_worker_hooks_drive_the_fully_async_worker(tokenizer, request_per):
     engine = ScriptedEngine(fail={2 * N})
-    ctx = make_ctx(tokenizer, engine, batch_size=2, dynamic_filter="zero_std")
+    ctx = make_ctx(tokenizer, engine, batch_size=2, dynamic_filter="zero_std", request_per=request_per)
     hooks = worker_hooks(ctx)
     assert hooks.finish_group is None  # per-sample rewards
+    assert (hooks.generate_group is None) == (request_per == "sample") != (hooks.generate_sample is None)
 
     async def main():
         buffer = FifoBuffer(4, group_filter=ctx.group_filter)
         worker = AsyncRolloutWorker(ctx.source, buffer, n_samples_per_prompt=N, max_in_flight=2 * N,
-                                    generate_sample=hooks.generate_sample)
+                                    granularity=request_per, generate_sample=hooks.generate_sample,
+                                    generate_group=hooks.generate_group)
         worker.start()
         groups = await worker.take(2, current_version=7)
         await worker.stop()
@@ -233,7 +254,8 @@ def test_worker_hooks_drive_the_fully_async_worker(tokenizer):
     assert all(g[0].group_index % 2 == 1 and g[0].group_index != 2 for g in groups)
     assert all(s.reward == s.index % 2 for g in groups for s in g)
     assert buffer_metrics["buffer/dropped_filtered_total"] >= 1 and buffer_metrics["buffer/dropped_aborted_total"] == 1
-    assert worker_metrics["rollout/generate_errors_total"] == 1  # the engine error reached the worker's counter
+    # the engine error reached the worker's counter: one sample, or the group of the one request
+    assert worker_metrics["rollout/generate_errors_total"] == (1 if request_per == "sample" else N)
 
 
 def test_abort_in_flight_ends_the_worker_requests_by_rid(tokenizer):

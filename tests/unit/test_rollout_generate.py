@@ -18,6 +18,7 @@ from verst.rollout.generate import (
     PROMPT_TOO_LONG_KEY,
     finish_status,
     generate,
+    generate_samples,
 )
 from verst.rollout.plugins import RolloutContext
 from verst.rollout.worker import GENERATE_ERROR_KEY
@@ -178,3 +179,19 @@ def test_bad_engine_replies_and_resumed_samples_fail_loudly(tokenizer):
         finish_status("eos")
     assert [finish_status(r) for r in ("stop", "length", "abort")] == [Status.COMPLETED, Status.TRUNCATED,
                                                                          Status.ABORTED]
+
+
+def test_a_group_in_one_request_is_refused_before_sending_what_one_sample_would_be(tokenizer):
+    engine = ScriptedEngine()  # no generate_samples: nothing below may reach it
+    n_prompt = len(encode_prompt(tokenizer, "a long prompt"))
+    ctx = context(tokenizer, engine, max_prompt_tokens=n_prompt - 1, request_per="group")
+    group = [Sample(prompt="a long prompt", index=i, group_index=1) for i in (4, 5)]
+    out = run(generate_samples(ctx, group))
+    assert all(s.status is Status.ABORTED and s.metadata[PROMPT_TOO_LONG_KEY] == n_prompt for s in out)
+    ctx = context(tokenizer, engine, request_per="group")
+    ctx.state.stopped.add(4)
+    assert all(s.status is Status.ABORTED for s in run(generate_samples(ctx, [Sample(prompt="x", index=4)])))
+    ctx = context(tokenizer, engine, request_per="group", sampling=SamplingConfig(seed=1))
+    with pytest.raises(ValueError, match=r"sample indices \[4, 6\] are not consecutive"):
+        run(generate_samples(ctx, [Sample(prompt="x", index=4), Sample(prompt="x", index=6)]))
+    assert engine.requests == []

@@ -143,3 +143,29 @@ def test_a_client_that_goes_away_ends_its_request_on_the_engine():
         assert not engine.running and not engine.by_rid
 
     asyncio.run(main())
+
+
+def test_one_request_of_n_samples_seeds_each_as_its_own_request_would_and_aborts_as_one():
+    async def main():
+        fleet, urls = await started(spec(count=1))
+        async with EngineClient(urls[0]) as client:
+            prompt, params = [97, 98, 99], {"max_new_tokens": 100, "sampling_seed": 7}
+            group = await client.generate_samples(prompt, params, 3, rid="g")
+            alone = [await client.generate(prompt, {**params, "sampling_seed": 7 + i}) for i in range(3)]
+            unseeded = await client.generate_samples(prompt, {"max_new_tokens": 100}, 3)
+            with pytest.raises(EngineError, match="sampling_params.n = 2 is for a single prompt"):
+                await client._post("/generate", {"input_ids": [prompt, prompt], "sampling_params": {"n": 2}}, 5.0)
+        assert [r.output_ids for r in group] == [r.output_ids for r in alone]
+        assert [r.rid for r in group] == ["g_0", "g_1", "g_2"]
+        assert len({tuple(r.output_ids) for r in unseeded}) == 3  # distinct samples without a seed too
+        slow, urls = await started(spec(count=1, speedup=0.1))  # the samples would take seconds
+        engine = slow.slots[0].engine
+        async with EngineClient(urls[0]) as client:
+            call = asyncio.ensure_future(client.generate_samples([97] * 8, {"max_new_tokens": 100}, 4, rid="h"))
+            while len(engine.running) < 4:
+                await asyncio.sleep(0.005)
+            await client.abort("h")
+            aborted = await call
+        assert [r.finish_reason for r in aborted] == ["abort"] * 4 and not engine.by_rid
+
+    asyncio.run(main())

@@ -83,6 +83,12 @@ class RolloutConfig(Section):
     submission_granularity: Literal["sample", "group"] = Field(
         "sample", description="Fully async: a finished sample (or only a whole group) frees its place."
     )
+    request_per: Literal["sample", "group"] = Field(
+        "sample", description="One /generate request per sample, or per group: the n_samples_per_prompt samples of a "
+        "prompt in one request (SGLang's sampling_params.n), its prompt sent, routed and prefilled once and one "
+        "connection and coroutine held for them all. 'group' needs the default generate fn, an engine that takes n, "
+        "and in fully async submission_granularity = 'group'."
+    )
     max_in_flight: int | None = Field(
         None, ge=1, description="Fully async: trajectories generating at once; default batch_size × n_samples_per_prompt."
     )

@@ -52,6 +52,8 @@ class EngineEntry(Entry):
     flags_table: str | None = None  # its pass-through table of server flags ([vllm], [sglang])
     owned_flags: tuple[str, ...] = ()  # server flags verst sets from its own config, refused in the table
     images: bool = False  # serves a diffusion model (model.kind = "diffusion"): images, not tokens
+    samples_per_request: bool = False  # takes sampling_params.n > 1 on /generate (rollout.request_per = "group")
+    seeds_each_sample: bool = False  # with n > 1 and sampling_seed s, seeds sample i with s + i (not all alike)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +132,8 @@ _KINDS = "verst.engine_kinds.kinds"
 ENGINE_KINDS.add("embedded", EngineEntry(
     f"{_KINDS}:EMBEDDED", "verst's own engine (PyTorch, continuous batching, prefix cache)",
     transports=("distributed", "tensor", "disk"), lora=True, adapter_tensors=True, releases_memory=True,
-    cuda_ipc=True, routed_experts=True, true_on_policy=True, model_impl=True, cpu_share=True))
+    cuda_ipc=True, routed_experts=True, true_on_policy=True, model_impl=True, cpu_share=True, samples_per_request=True,
+    seeds_each_sample=True))
 ENGINE_KINDS.add("vllm", EngineEntry(
     f"{_KINDS}:VLLM", "vLLM behind verst's gateway (its own environment, `make vllm`)",
     transports=("disk",), transport_note="vLLM takes new weights from disk here (collective_rpc reload_weights); its "
@@ -140,7 +143,7 @@ ENGINE_KINDS.add("sglang", EngineEntry(
     f"{_KINDS}:SGLANG", "an SGLang server, launched as it is (CUDA)",
     transports=("distributed", "tensor", "disk"), lora=True, lora_flag="enable-lora", releases_memory=True,
     memory_flag="enable-memory-saver", cuda_ipc=True, routed_experts=True, flags_table="sglang",
-    owned_flags=("model-path", "host", "port", "dtype", "weight-version")))
+    owned_flags=("model-path", "host", "port", "dtype", "weight-version"), samples_per_request=True))
 
 ENGINE_KINDS.add("diffusion", EngineEntry(
     f"{_KINDS}:DIFFUSION", "verst's diffusion engine: a denoiser's images with each denoising step's log-probability",

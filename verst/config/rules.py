@@ -35,7 +35,9 @@ MAX_ADAPTERS = 8  # the embedded engine's default --max-loaded-loras: every adap
 MULTI_LORA_SCHEDULES = ("sync", "fully_async")
 # The generate fns that continue a request a weight update aborted (`rollout.partial_rollout`); None: the default.
 AGENTIC_GENERATE_FN = "verst.rollout.agentic:generate"
-PARTIAL_ROLLOUT_GENERATE_FNS = (None, "verst.rollout.generate:generate", AGENTIC_GENERATE_FN,
+SINGLE_TURN_GENERATE_FN = "verst.rollout.generate:generate"
+DEFAULT_ROLLOUT_FN = "verst.rollout.rollout_fn:rollout"
+PARTIAL_ROLLOUT_GENERATE_FNS = (None, SINGLE_TURN_GENERATE_FN, AGENTIC_GENERATE_FN,
                                 "verst.rollout.multiturn:generate")
 
 
@@ -130,6 +132,32 @@ def partial_rollouts_abort_on_a_weight_update(rollout: RolloutConfig, sync: Sync
             f"rollout.partial_rollout = true with rollout.generate_fn = {rollout.generate_fn!r} is refused: a generate "
             f"fn owns its engine calls, and only {', '.join(g for g in PARTIAL_ROLLOUT_GENERATE_FNS if g)} (or the "
             "default, None) continue the ones a weight update aborted")
+
+
+def group_requests_fit(schedule: str, rollout: RolloutConfig, cluster: ClusterConfig) -> None:
+    if rollout.request_per != "group":
+        return
+    owners = {"rollout.generate_fn": (rollout.generate_fn, SINGLE_TURN_GENERATE_FN, "one sample's generation"),
+              "rollout.rollout_fn": (rollout.rollout_fn, DEFAULT_ROLLOUT_FN, "its engine calls")}
+    for field, (value, default, owns) in owners.items():
+        if value not in (None, default):
+            raise ValueError(f"rollout.request_per = 'group' with {field} = {value!r} is refused: a group's samples go "
+                             f"in one request of the default rollout and generate fns, and {field} owns {owns}; unset "
+                             f"{field} or use rollout.request_per = 'sample'")
+    if schedule == "fully_async" and rollout.submission_granularity != "group":
+        raise ValueError(f"rollout.request_per = 'group' with schedule = 'fully_async' and rollout.submission_granularity "
+                         f"= {rollout.submission_granularity!r} is refused: a group's one request ends when its last "
+                         "sample does, so no sample frees its place before; set rollout.submission_granularity = 'group'")
+    entry = ENGINE_KINDS.entry(cluster.engine)
+    if not entry.samples_per_request:
+        raise ValueError(f"rollout.request_per = 'group' with cluster.engine = {cluster.engine!r} is refused: it takes "
+                         f"one sample per request (sampling_params.n = 1); use cluster.engine = "
+                         f"{engines_with('samples_per_request')} or rollout.request_per = 'sample'")
+    if rollout.sampling.seed is not None and not entry.seeds_each_sample:
+        raise ValueError(f"rollout.request_per = 'group' with rollout.sampling.seed = {rollout.sampling.seed} and "
+                         f"cluster.engine = {cluster.engine!r} is refused: that engine gives every sample of one request "
+                         "the same sampling_seed, so a group's samples would all be alike; unset rollout.sampling.seed, "
+                         f"use cluster.engine = {engines_with('seeds_each_sample')} or rollout.request_per = 'sample'")
 
 
 def restarts_need_checkpoints(fault: FaultConfig, checkpoint: CheckpointConfig) -> None:
@@ -348,7 +376,8 @@ RULES: tuple[Callable[..., None], ...] = (
     *PARALLEL_RULES, *DIFFUSION_RULES,
     over_sampling_covers_the_batch, in_flight_holds_a_group, context_leaves_room_for_a_prompt,
     fully_async_needs_disaggregated, fully_async_calls_no_rollout_fn, staleness_admission_needs_a_limit,
-    staleness_admission_is_fully_async, partial_rollouts_abort_on_a_weight_update, restarts_need_checkpoints,
+    staleness_admission_is_fully_async, partial_rollouts_abort_on_a_weight_update, group_requests_fit,
+    restarts_need_checkpoints,
     mismatch_correction_needs_trainer_logprobs, mismatch_fn_replaces_the_correction,
     importance_weighted_kl_needs_a_kl_loss, kl_penalty_needs_a_token_level_estimator, something_to_train_on,
     mismatch_band_is_ordered, critic_settings_need_a_critic, distillation_needs_a_teacher,

@@ -134,12 +134,14 @@ class EngineCore:
         self.counters["generated_tokens"] += produced
         return produced
 
-    def abort(self, rid: str, message: str = "aborted by request") -> bool:
+    def abort(self, rid: str, message: str = "aborted by request") -> int:
+        """End request `rid`, or every sample of a request that asked for `sampling_params.n` > 1 (`{rid}_{i}`);
+        the number ended."""
         req = self.requests.get(rid)
-        if req is None:
-            return False
-        self._abort([req], message)
-        return True
+        samples = [req] if req is not None else [r for key, r in self.requests.items() if key.startswith(rid + "_")]
+        if samples:
+            self._abort(samples, message)
+        return len(samples)
 
     def abort_all(self, message: str = "aborted by request") -> int:
         reqs = list(self.waiting) + list(self.running)

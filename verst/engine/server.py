@@ -81,8 +81,10 @@ def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
         raw = await json_body(request)
         batch = is_batch(raw)
         body = validated(BatchGenerateRequest if batch else GenerateRequest, raw)
-        # Every prompt of a batch is validated before any is scheduled: a bad one fails the request whole.
-        reqs = [_engine_request(state, one) for one in (body.prompts() if batch else [body])]
+        # Every prompt of a batch (every sample of n) is validated before any is scheduled: a bad one fails the
+        # request whole.
+        many = batch or body.sampling_params.n > 1
+        reqs = [_engine_request(state, one) for one in (body.prompts() if batch else body.samples())]
         text_fn = state.token_text if body.return_text_in_logprobs else None
         if body.stream:
             return StreamingResponse(_stream(state, reqs[0], text_fn), media_type="text/event-stream")
@@ -90,7 +92,7 @@ def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
         if done is None:
             return Response(status_code=499)
         replies = [generate_reply(req, req.text or "", return_text=text_fn) for req in done]
-        return JSONResponse(replies if batch else replies[0])
+        return JSONResponse(replies if many else replies[0])
 
 
 

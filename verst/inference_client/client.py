@@ -114,6 +114,26 @@ class EngineClient:
             return GenerateResult.from_reply(await self._batcher.submit(body, headers))
         return GenerateResult.from_reply(await self._send_generate(body, headers))
 
+    async def generate_samples(
+        self, input_ids: list[int], sampling_params: dict[str, Any], n: int, *, rid: str | None = None,
+        return_logprob: bool = True, routing_key: str | None = None, needs_affinity: bool | None = None,
+        return_routed_experts: bool = False,
+    ) -> list[GenerateResult]:
+        """`n` generations of one prompt in one request (SGLang's parallel sampling, `sampling_params.n`): sample
+        i runs as `{rid}_{i}` and, with `sampling_seed` s, is seeded s + i on verst's engines (SGLang seeds every
+        sample alike); `abort(rid)` ends them all. Never batched with other calls; retried as `generate` is."""
+        if n < 1:
+            raise ValueError(f"generate_samples: n = {n} must be >= 1")
+        body, headers = self._generate_body(
+            input_ids, {**sampling_params, "n": n}, rid=rid, return_logprob=return_logprob, routing_key=routing_key,
+            needs_affinity=needs_affinity, return_routed_experts=return_routed_experts)
+        replies = await self._send_generate(body, headers)
+        replies = replies if n > 1 or isinstance(replies, list) else [replies]
+        if not isinstance(replies, list) or len(replies) != n:
+            got = f"a list of {len(replies)}" if isinstance(replies, list) else type(replies).__name__
+            raise ValueError(f"{self.base_url}/generate: asked for sampling_params.n = {n} samples, got {got}")
+        return [GenerateResult.from_reply(reply) for reply in replies]
+
     async def score(
         self, input_ids: list[int], start: int, sampling_params: dict[str, Any] | None = None, *,
         rid: str | None = None,

@@ -45,10 +45,10 @@ GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "return_prompt_token_ids": (False, None),
 }
 # Accepted and deliberately without effect: bookkeeping hints that change no output.
+MAX_SAMPLES_PER_REQUEST = 1024  # sampling_params.n at most
 GENERATE_IGNORED = ("model", "log_metrics", "no_logs", "routing_key", "conversation_id", "session_id")
 
 _SAMPLING_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (1, None),
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
     "repetition_penalty": (1, 1.0, None),
@@ -205,10 +205,15 @@ class SamplingParams(SamplingOptions):
     min_new_tokens: int = Field(0, ge=0)
     no_stop_trim: bool = False
     sampling_seed: int | None = Field(None, ge=0, description="Per-request seed; same seed, same tokens.")
+    n: int | None = Field(1, ge=1, le=MAX_SAMPLES_PER_REQUEST, description=(
+        "Samples of the one prompt (SGLang's parallel sampling): the reply is a list of n replies, sample i under "
+        "rid `{rid}_{i}` and, with sampling_seed s, seeded s + i; aborting rid aborts all of them. null: 1."))
 
     @model_validator(mode="before")
     @classmethod
     def _default_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "n" in data and data["n"] is None:  # sglang-router sends null for 1
+            data = {**data, "n": 1}
         return check_default_only(data, _SAMPLING_DEFAULT_ONLY, "sampling_params.")
 
     @model_validator(mode="after")
@@ -263,7 +268,21 @@ class GenerateRequest(_GenerateOptions):
         if (self.text is None) == (self.input_ids is None):
             given = "both" if self.text is not None else "neither"
             raise ValueError(f"give exactly one of text or input_ids ({given} given)")
+        if self.stream and self.sampling_params.n != 1:
+            raise ValueError(f"stream = true is for one sample, not sampling_params.n = {self.sampling_params.n}")
         return self
+
+    def samples(self) -> list[GenerateRequest]:
+        """Each of the `sampling_params.n` samples as a request of one (`{rid}_{i}`, seed + i): SGLang's parallel
+        sampling, as verst's engines serve it."""
+        params = self.sampling_params
+        if params.n == 1:
+            return [self]
+        seeds = [None] * params.n if params.sampling_seed is None else [params.sampling_seed + i for i in range(params.n)]
+        return [self.model_copy(update={
+            "rid": sample_rid(self.rid, i) if self.rid is not None else None,
+            "sampling_params": params.model_copy(update={"n": 1, "sampling_seed": seeds[i]}),
+        }) for i in range(params.n)]
 
 
 class BatchGenerateRequest(_GenerateOptions):
@@ -311,6 +330,9 @@ class BatchGenerateRequest(_GenerateOptions):
                 raise ValueError(f"{name} is a list of {len(value)} for a batch of {n} prompts; give one per prompt")
         if self.stream:
             raise ValueError(f"stream = true is for a single prompt, not a batch of {n}")
+        for params in self.sampling_params or []:
+            if params.n != 1:
+                raise ValueError(f"sampling_params.n = {params.n} is for a single prompt, not a batch of {n}")
         return self
 
     def prompts(self) -> list[GenerateRequest]:
@@ -323,6 +345,11 @@ class BatchGenerateRequest(_GenerateOptions):
             **options, key: inputs[i], "rid": self.rid[i] if self.rid else None, "lora_path": loras[i],
             **({"sampling_params": self.sampling_params[i]} if self.sampling_params else {}),
         }) for i in range(len(inputs))]
+
+
+def sample_rid(rid: str, i: int) -> str:
+    """The rid of sample i of a request with `sampling_params.n` > 1 (SGLang's form)."""
+    return f"{rid}_{i}"
 
 
 def is_batch(body: Any) -> bool:

@@ -89,7 +89,8 @@ async def build_rollout_parts(cfg: VerstConfig, endpoints: RolloutEndpoints) -> 
         parts.buffer = build_buffer(cfg.buffer, plan.buffer_capacity_groups, on_discard, group_filter=ctx.group_filter)
         hooks = worker_hooks(ctx)
         parts.worker = AsyncRolloutWorker.from_config(
-            cfg.rollout, source, parts.buffer, generate_sample=hooks.generate_sample, finish_group=hooks.finish_group,
+            cfg.rollout, source, parts.buffer, generate_sample=hooks.generate_sample,
+            generate_group=hooks.generate_group, finish_group=hooks.finish_group,
             on_leftover=source.return_prompts if cfg.buffer.unused == "return" else None, admission=gate,
         )
         parts.progress = functools.partial(worker_progress, cfg, parts.worker, discarded)

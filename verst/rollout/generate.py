@@ -1,5 +1,7 @@
 """The default single-turn generate fn: prompt ids through the chat template (the text edge), one engine
-call, and the engine's own output ids and logprobs recorded on the sample (token-in-token-out).
+call, and the engine's own output ids and logprobs recorded on the sample (token-in-token-out). With
+`rollout.request_per = "group"`, `generate_samples` makes that one call for every sample of a prompt
+(`sampling_params.n`), each recorded as its own call would be.
 
 A prompt longer than `rollout.max_prompt_tokens` (or leaving no room under `max_context_tokens`) is
 not sent: the sample comes back ABORTED with the reason in `metadata['generate_error']` and the
@@ -13,6 +15,7 @@ new weights, each token's version in `token_versions`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -54,11 +57,56 @@ async def generate(ctx: RolloutContext, sample: Sample) -> Sample:
     sample.token_versions = [] if ctx.rollout.partial_rollout else None  # one version a call otherwise
     result = await engine_call(ctx, sample, prompt_ids, params)
     record_result(ctx, sample, prompt_ids, result)
+    return await go_on(ctx, sample, result, params, max_new_tokens)
+
+
+async def generate_samples(ctx: RolloutContext, group: list[Sample]) -> list[Sample]:
+    """`generate` for every sample of one prompt in one engine call (`rollout.request_per = "group"`): the
+    engine's `sampling_params.n`, sample i seeded as the per-sample call would seed it (base seed + its index).
+    A sample a weight update interrupted goes on alone (`rollout.partial_rollout`)."""
+    first = group[0]
+    if any(s.response_length for s in group):
+        raise ValueError(f"single-turn generate: group {first.group_index} has samples with a response already; "
+                         "continuing a partial response needs a multi-turn generate fn")
+    indices = [s.index for s in group]
+    if ctx.rollout.sampling.seed is not None and indices != list(range(first.index, first.index + len(group))):
+        raise ValueError(f"group {first.group_index}: sample indices {indices} are not consecutive, so one request "
+                         "cannot seed each sample with rollout.sampling.seed + its index")
+    if first.index in ctx.state.stopped:
+        return [mark_aborted(s, "the rollout step ended before generation started") for s in group]
+    prompt_ids = prompt_ids_of(ctx, first)
+    max_new_tokens, too_long = response_budget(ctx, len(prompt_ids))
+    if too_long:
+        logger.warning("group %d: %s", first.group_index, too_long)
+        for s in group:
+            s.tokens = list(prompt_ids)
+            s.metadata[PROMPT_TOO_LONG_KEY] = len(prompt_ids)
+            mark_aborted(s, too_long)
+        return group
+    params = request_params(ctx, first, max_new_tokens)
+    rid = ctx.state.new_rid(first)
+    ctx.state.in_flight[rid] = first.index  # aborting the rid aborts every sample
+    try:
+        experts = {"return_routed_experts": True} if ctx.routed_experts_top_k is not None else {}
+        results = await ctx.engine.generate_samples(prompt_ids, params, len(group), rid=rid, **experts)
+    finally:
+        ctx.state.in_flight.pop(rid, None)
+    for sample, result in zip(group, results, strict=True):
+        sample.token_versions = [] if ctx.rollout.partial_rollout else None
+        record_result(ctx, sample, prompt_ids, result)
+    return list(await asyncio.gather(*(go_on(ctx, s, r, params, max_new_tokens) for s, r in zip(group, results))))
+
+
+async def go_on(ctx: RolloutContext, sample: Sample, result: GenerateResult, params: dict[str, Any],
+                max_new_tokens: int) -> Sample:
+    """A call a weight update aborted goes on with the new weights from its last token (`rollout.partial_rollout`):
+    the ids so far are the prompt, the budget is what is left; the sample, validated."""
     while continues(ctx, sample, result) and sample.response_length < max_new_tokens:
-        # The new weights go on from the last token: the ids so far are the prompt, the budget is what is left.
         sample.metadata[CONTINUED_KEY] = sample.metadata.get(CONTINUED_KEY, 0) + 1
         sample.metadata.pop(GENERATE_ERROR_KEY, None)  # the abort is not the sample's end
         left = dict(params, max_new_tokens=max_new_tokens - sample.response_length)
+        if "sampling_seed" in left:
+            left["sampling_seed"] = ctx.rollout.sampling.seed + sample.index
         result = await engine_call(ctx, sample, sample.tokens, left)
         record_result(ctx, sample, sample.tokens, result)
     return sample.validate()

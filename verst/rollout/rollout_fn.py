@@ -23,11 +23,12 @@ from verst.rollout.generate import (
     CONTINUED_KEY,
     ENGINE_PROMPT_TOKENS_KEY,
     PROMPT_TOO_LONG_KEY,
+    generate_samples,
     mark_aborted,
 )
 from verst.rollout.plugins import RolloutBatch, RolloutContext
 from verst.rollout.teacher import teacher_metrics
-from verst.rollout.worker import GENERATE_ERROR_KEY, FinishGroup, GenerateSample
+from verst.rollout.worker import GENERATE_ERROR_KEY, FinishGroup, GenerateGroup, GenerateSample
 from verst.types import Group, Sample, Status, decode_samples, encode_samples, group_is_aborted
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,28 @@ async def generate_and_reward(ctx: RolloutContext, sample: Sample, *, catch_erro
     return result
 
 
+async def generate_group_and_reward(ctx: RolloutContext, group: Group, *, catch_errors: bool = True) -> Group:
+    """`rollout.request_per = "group"`: the group's samples in one engine request (one place of
+    `rollout.concurrency`), then each finished sample's reward (unless `reward.group`). Errors as
+    `generate_and_reward`'s, for the whole group."""
+    async with ctx.state.limiter(ctx.rollout.concurrency):
+        if group[0].index in ctx.state.stopped:
+            return [mark_aborted(s, "the rollout step ended before generation started") for s in group]
+        try:
+            group = await generate_samples(ctx, group)
+        except Exception as e:
+            if not catch_errors:
+                raise
+            if ctx.state.closing:
+                return [mark_aborted(s, f"the rollout shut down during generation: {e!r}") for s in group]
+            logger.warning("generate failed for group %d: %r", group[0].group_index, e)
+            return [mark_aborted(s, f"generate raised {e!r}") for s in group]
+    finished = [s for s in group if s.status in FINISHED]
+    if not ctx.reward.group and finished:
+        await compute_rewards(finished, ctx.reward_fn, group=False, key=ctx.reward.key)
+    return group
+
+
 async def score_group(ctx: RolloutContext, group: Group) -> None:
     """The per-group reward (`reward.group`), then the teacher's logprobs (on-policy distillation), on a
     group whose every sample finished."""
@@ -79,7 +102,12 @@ async def score_group(ctx: RolloutContext, group: Group) -> None:
 
 
 async def generate_group(ctx: RolloutContext, group: Group) -> Group:
-    """Every sample of one prompt concurrently, then the group reward if configured."""
+    """Every sample of one prompt concurrently (or in one request: `rollout.request_per = "group"`), then the
+    group reward if configured."""
+    if ctx.rollout.request_per == "group":
+        results = await generate_group_and_reward(ctx, group)
+        await score_group(ctx, results)
+        return results
     tasks = [asyncio.ensure_future(generate_and_reward(ctx, s)) for s in group]
     try:
         results = list(await asyncio.gather(*tasks))
@@ -94,23 +122,31 @@ async def generate_group(ctx: RolloutContext, group: Group) -> Group:
 
 @dataclasses.dataclass
 class WorkerHooks:
-    """What `AsyncRolloutWorker(generate_sample=..., finish_group=...)` takes; pass `ctx.group_filter`
-    to the buffer (`build_buffer(..., group_filter=)`), which filters on put."""
+    """What `AsyncRolloutWorker(generate_sample=... or generate_group=..., finish_group=...)` takes; pass
+    `ctx.group_filter` to the buffer (`build_buffer(..., group_filter=)`), which filters on put."""
 
-    generate_sample: GenerateSample
+    generate_sample: GenerateSample | None
     finish_group: FinishGroup | None
+    generate_group: GenerateGroup | None = None
 
 
 def worker_hooks(ctx: RolloutContext) -> WorkerHooks:
-    """The fully async schedule's per-sample generation + reward and group-reward hook, from the same parts."""
+    """The fully async schedule's generation + reward (per sample, or per group with `rollout.request_per =
+    "group"`) and group-reward hook, from the same parts."""
 
     async def generate_sample(sample: Sample) -> Sample:
         return await generate_and_reward(ctx, sample, catch_errors=False)
 
+    async def generate_whole_group(group: Group) -> Group:
+        return await generate_group_and_reward(ctx, group, catch_errors=False)
+
     async def finish_group(group: Group) -> None:
         await score_group(ctx, group)
 
-    return WorkerHooks(generate_sample, finish_group if ctx.reward.group or ctx.teacher is not None else None)
+    finish = finish_group if ctx.reward.group or ctx.teacher is not None else None
+    if ctx.rollout.request_per == "group":
+        return WorkerHooks(None, finish, generate_whole_group)
+    return WorkerHooks(generate_sample, finish)
 
 
 async def abort_in_flight(ctx: RolloutContext, indices: set[int] | None = None) -> int:

@@ -105,7 +105,12 @@ class SimEngine:
     def abort(self, rid: str | None = None, message: str = "aborted by request") -> int:
         """End one request (or every one: `rid` None) now; each answers with finish_reason "abort", its
         output so far and `message` (a weight update's is `WEIGHT_UPDATE_ABORT`, as the embedded engine's)."""
-        reqs = list(self.by_rid.values()) if rid is None else [r for r in [self.by_rid.get(rid)] if r is not None]
+        if rid is None:
+            reqs = list(self.by_rid.values())
+        elif rid in self.by_rid:
+            reqs = [self.by_rid[rid]]
+        else:  # every sample of a request with sampling_params.n > 1
+            reqs = [r for key, r in self.by_rid.items() if key.startswith(rid + "_")]
         for req in reqs:
             self._drop(req)
             self._reply(req, aborted=message)

@@ -12,7 +12,7 @@ def register() -> None:
         ENGINE_KINDS.add("sim", EngineEntry(
             "verst.sim.serve:SIM", "a simulated engine (continuous batching in simulated time; docs/scale.md)",
             transports=("sim",), transport_note="a simulated engine receives declared weights only "
-            "(sync.transport = 'sim')"))
+            "(sync.transport = 'sim')", samples_per_request=True, seeds_each_sample=True))
     if "sim" not in WEIGHT_TRANSPORTS:
         WEIGHT_TRANSPORTS.add("sim", TransportEntry(
             "verst.sim.transport:SimTransport", "the distributed transport's requests, each engine charging the "

@@ -6,12 +6,13 @@ engine's state refuses is a 400. `SimFaults` are what the fleet's control turns 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import math
 from typing import Any
 
-from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT
+from verst.inference_client.protocol import MAX_SAMPLES_PER_REQUEST, WEIGHT_UPDATE_ABORT, sample_rid
 from verst.sim.engine import EngineRefused, SimEngine
 from verst.sim.http import Handler, error
 
@@ -65,10 +66,22 @@ def engine_routes(engine_of: Any, model_path: str, vocab_size: int, faults: SimF
         logprob = _field(body, "return_logprob", bool, False)
         rid = _field(body, "rid", (str, list), None)
         key = headers.get(ROUTING_KEY_HEADER)
+        n = _field(params, "n", int, 1)
         if ids and isinstance(ids[0], list):  # SGLang's batch form: one reply per prompt
+            if n != 1:
+                raise _Invalid(f"sampling_params.n = {n} is for a single prompt, not a batch of {len(ids)}", "n")
             rids = rid if isinstance(rid, list) else [f"sim-{next(_rids)}" for _ in ids]
             return 200, [await engine.generate(one, params, r, logprob, key) for one, r in zip(ids, rids)]
-        return 200, await engine.generate(ids, params, rid or f"sim-{next(_rids)}", logprob, key)
+        rid = rid or f"sim-{next(_rids)}"
+        if n == 1:
+            return 200, await engine.generate(ids, params, rid, logprob, key)
+        if not 1 <= n <= MAX_SAMPLES_PER_REQUEST:
+            raise _Invalid(f"sampling_params.n = {n} must be in [1, {MAX_SAMPLES_PER_REQUEST}]", "n")
+        # Parallel sampling as verst's engines serve it: sample i is `{rid}_{i}`, seeded seed + i.
+        seed = engine.outputs.seed_of(ids, params)
+        return 200, list(await asyncio.gather(*(
+            engine.generate(ids, {**params, "n": 1, "sampling_seed": seed + i}, sample_rid(rid, i), logprob, key)
+            for i in range(n))))
 
     async def load(engine: SimEngine, nbytes: float, body: Any) -> tuple[int, Any]:
         if faults.refuse_loads:
