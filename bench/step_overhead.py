@@ -16,7 +16,8 @@ From the run's metrics, per step after the warm-up (medians over the steps):
     overhead      what is neither engine nor train compute: period - engine - train on the sync schedule, where
                   they take turns; period - max(engine, train) on the others, where they overlap
 
-    .venv/bin/python bench/step_overhead.py [--schedules sync one_step_off fully_async] [--steps 30] [--warmup 5]
+    .venv/bin/python bench/step_overhead.py [--schedules sync one_step_off fully_async] [--steps 30] [--warmup 5] \
+        [--request-per sample|group]
 """
 
 from __future__ import annotations
@@ -57,19 +58,20 @@ def make_inputs(work_dir: Path) -> tuple[Path, Path, Path]:
     return model, train, test
 
 
-def run_schedule(schedule: str, steps: int, work_dir: Path) -> list[dict[str, Any]]:
-    """One run of `schedule` for `steps` steps; its metrics records."""
+def run_schedule(schedule: str, steps: int, work_dir: Path, request_per: str = "sample") -> list[dict[str, Any]]:
+    """One run of `schedule` for `steps` steps (one engine request per sample, or per group); its metrics records."""
     from verst.config import load_config
     from verst.monitor import read_metrics
     from verst.schedules import SCHEDULES as LOOPS
 
     model, train, test = make_inputs(work_dir)
-    run_dir = work_dir / f"run-{schedule}"
+    run_dir = work_dir / f"run-{schedule}-{request_per}"
     cfg = load_config(RECIPE, [
         "--model.path", str(model), "--data.train-path", str(train), "--data.test-path", str(test),
         "--schedule", schedule, "--rollout.num-rollouts", str(steps), "--rollout.dynamic-filter", "null",
         "--eval.interval", "0", "--eval.max-prompts", "8", "--run-dir", str(run_dir), "--overwrite",
-        "--logging.progress", "false", "--logging.tensorboard", "false"])
+        "--logging.progress", "false", "--logging.tensorboard", "false", "--rollout.request-per", request_per,
+        *(["--rollout.submission-granularity", "group"] if request_per == "group" else [])])
     asyncio.run(LOOPS[schedule](cfg))
     return read_metrics(run_dir)
 
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    parser.add_argument("--request-per", choices=["sample", "group"], default="sample", help="rollout.request_per")
     parser.add_argument("--work-dir", help="default: a new temporary directory")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args(argv)
@@ -113,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for schedule in args.schedules:
         started = time.perf_counter()
-        results[schedule] = breakdown(schedule, run_schedule(schedule, args.steps, work_dir), args.warmup)
+        records = run_schedule(schedule, args.steps, work_dir, args.request_per)
+        results[schedule] = breakdown(schedule, records, args.warmup)
         results[schedule]["wall_s"] = time.perf_counter() - started
     keys = ("step", "period", "engine", "train", "sync", "rollout_glue", "other", "overhead")
-    print(f"ms per step, median over steps {args.warmup + 1}-{args.steps} (load average {load_before:.1f} before, "
+    print(f"ms per step, one engine request per {args.request_per}, median over steps {args.warmup + 1}-{args.steps} "
+          f"(load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after); target: overhead <= {TARGET_S * 1000:.0f} ms")
     print(f"{'schedule':14}" + "".join(f"{k:>14}" for k in keys))
     for schedule, r in results.items():

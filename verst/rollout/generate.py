@@ -94,7 +94,9 @@ async def generate_samples(ctx: RolloutContext, group: list[Sample]) -> list[Sam
     for sample, result in zip(group, results, strict=True):
         sample.token_versions = [] if ctx.rollout.partial_rollout else None
         record_result(ctx, sample, prompt_ids, result)
-    return list(await asyncio.gather(*(go_on(ctx, s, r, params, max_new_tokens) for s, r in zip(group, results))))
+    interrupted = [go_on(ctx, s, r, params, max_new_tokens) for s, r in zip(group, results) if continues(ctx, s, r)]
+    await asyncio.gather(*interrupted)  # each alone, all at once
+    return [s.validate() for s in group]
 
 
 async def go_on(ctx: RolloutContext, sample: Sample, result: GenerateResult, params: dict[str, Any],
