@@ -44,8 +44,8 @@ GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "routed_experts_start_len": (0,),
     "return_prompt_token_ids": (False, None),
 }
-# Accepted and deliberately without effect: bookkeeping hints that change no output.
 MAX_SAMPLES_PER_REQUEST = 1024  # sampling_params.n at most
+# Accepted and deliberately without effect: bookkeeping hints that change no output.
 GENERATE_IGNORED = ("model", "log_metrics", "no_logs", "routing_key", "conversation_id", "session_id")
 
 _SAMPLING_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {

@@ -72,6 +72,8 @@ def engine_routes(engine_of: Any, model_path: str, vocab_size: int, faults: SimF
                 raise _Invalid(f"sampling_params.n = {n} is for a single prompt, not a batch of {len(ids)}", "n")
             rids = rid if isinstance(rid, list) else [f"sim-{next(_rids)}" for _ in ids]
             return 200, [await engine.generate(one, params, r, logprob, key) for one, r in zip(ids, rids)]
+        if isinstance(rid, list):
+            raise _Invalid("rid is a list for a single prompt; give one rid", "rid")
         rid = rid or f"sim-{next(_rids)}"
         if n == 1:
             return 200, await engine.generate(ids, params, rid, logprob, key)
