@@ -35,9 +35,10 @@ MAX_ADAPTERS = 8  # the embedded engine's default --max-loaded-loras: every adap
 MULTI_LORA_SCHEDULES = ("sync", "fully_async")
 # The generate fns that continue a request a weight update aborted (`rollout.partial_rollout`); None: the default.
 AGENTIC_GENERATE_FN = "verst.rollout.agentic:generate"
-SINGLE_TURN_GENERATE_FN = "verst.rollout.generate:generate"
+# The default generate and rollout fns' import paths (the rollout side loads them from here).
+DEFAULT_GENERATE_FN = "verst.rollout.generate:generate"
 DEFAULT_ROLLOUT_FN = "verst.rollout.rollout_fn:rollout"
-PARTIAL_ROLLOUT_GENERATE_FNS = (None, SINGLE_TURN_GENERATE_FN, AGENTIC_GENERATE_FN,
+PARTIAL_ROLLOUT_GENERATE_FNS = (None, DEFAULT_GENERATE_FN, AGENTIC_GENERATE_FN,
                                 "verst.rollout.multiturn:generate")
 
 
@@ -137,7 +138,7 @@ def partial_rollouts_abort_on_a_weight_update(rollout: RolloutConfig, sync: Sync
 def group_requests_fit(schedule: str, rollout: RolloutConfig, cluster: ClusterConfig) -> None:
     if rollout.request_per != "group":
         return
-    owners = {"rollout.generate_fn": (rollout.generate_fn, SINGLE_TURN_GENERATE_FN, "one sample's generation"),
+    owners = {"rollout.generate_fn": (rollout.generate_fn, DEFAULT_GENERATE_FN, "one sample's generation"),
               "rollout.rollout_fn": (rollout.rollout_fn, DEFAULT_ROLLOUT_FN, "its engine calls")}
     for field, (value, default, owns) in owners.items():
         if value not in (None, default):

@@ -33,7 +33,7 @@ from verst.engine.prefix_cache import PrefixCache
 from verst.engine.request import FinishReason, Phase, Request, check_request
 from verst.engine.sampling import sample
 from verst.engine.weights import check_weight_names, copy_weights
-from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, InvalidRequest
+from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, InvalidRequest, is_sample_of
 from verst.models.scoring import sequence_logprobs
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class EngineCore:
         """End request `rid`, or every sample of a request that asked for `sampling_params.n` > 1 (`{rid}_{i}`);
         the number ended."""
         req = self.requests.get(rid)
-        samples = [req] if req is not None else [r for key, r in self.requests.items() if key.startswith(rid + "_")]
+        samples = [req] if req is not None else [r for key, r in self.requests.items() if is_sample_of(key, rid)]
         if samples:
             self._abort(samples, message)
         return len(samples)

@@ -352,6 +352,11 @@ def sample_rid(rid: str, i: int) -> str:
     return f"{rid}_{i}"
 
 
+def is_sample_of(key: str, rid: str) -> bool:
+    """Whether `key` is the rid of a sample of request `rid` (`sample_rid(rid, i)`): aborting `rid` ends it."""
+    return key.startswith(f"{rid}_")
+
+
 def is_batch(body: Any) -> bool:
     """Whether a raw /generate body is SGLang's batch form (a list of texts or of token-id lists)."""
     if not isinstance(body, dict):

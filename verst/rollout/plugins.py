@@ -41,6 +41,7 @@ from verst.config import (
     SandboxConfig,
     load_object,
 )
+from verst.config.rules import DEFAULT_GENERATE_FN, DEFAULT_ROLLOUT_FN
 from verst.rewards import build_reward_fn
 from verst.rollout.filters import GroupFilter, build_filter
 from verst.types import Group, Sample
@@ -82,8 +83,6 @@ class AgentFn(Protocol):
 
 
 # The built-in layers, loaded by import path as a plug-in is (they import this module for its contract).
-DEFAULT_GENERATE_FN = "verst.rollout.generate:generate"
-DEFAULT_ROLLOUT_FN = "verst.rollout.rollout_fn:rollout"
 # name -> (config field, positional arguments it is called with, the documented signature)
 _LAYERS: dict[str, tuple[str, int, str]] = {
     "generate": ("rollout.generate_fn", 2, "async def generate(ctx, sample) -> Sample"),

@@ -55,10 +55,8 @@ async def generate_and_reward(ctx: RolloutContext, sample: Sample, *, catch_erro
         except Exception as e:
             if not catch_errors:
                 raise
-            if ctx.state.closing:  # the engine clients were closed under it: one line for the run, not each
-                return mark_aborted(sample, f"the rollout shut down during generation: {e!r}")
-            logger.warning("generate fn failed for sample %d (group %d): %r", sample.index, sample.group_index, e)
-            return mark_aborted(sample, f"generate fn raised {e!r}")
+            where = f"sample {sample.index} (group {sample.group_index})"
+            return mark_aborted(sample, failure_reason(ctx, e, "generate fn", where))
     if not isinstance(result, Sample):
         raise TypeError(f"generate fn {ctx.generate_fn!r} returned {type(result).__name__} for sample "
                         f"{sample.index}; expected Sample")
@@ -80,14 +78,21 @@ async def generate_group_and_reward(ctx: RolloutContext, group: Group, *, catch_
         except Exception as e:
             if not catch_errors:
                 raise
-            if ctx.state.closing:
-                return [mark_aborted(s, f"the rollout shut down during generation: {e!r}") for s in group]
-            logger.warning("generate failed for group %d: %r", group[0].group_index, e)
-            return [mark_aborted(s, f"generate raised {e!r}") for s in group]
+            reason = failure_reason(ctx, e, "generate", f"group {group[0].group_index}")
+            return [mark_aborted(s, reason) for s in group]
     finished = [s for s in group if s.status in FINISHED]
     if not ctx.reward.group and finished:
         await compute_rewards(finished, ctx.reward_fn, group=False, key=ctx.reward.key)
     return group
+
+
+def failure_reason(ctx: RolloutContext, error: Exception, what: str, where: str) -> str:
+    """Why a generation that raised `error` ended, logged unless the rollout is shutting down (the engine
+    clients were closed under it: one line for the run, not each)."""
+    if ctx.state.closing:
+        return f"the rollout shut down during generation: {error!r}"
+    logger.warning("%s failed for %s: %r", what, where, error)
+    return f"{what} raised {error!r}"
 
 
 async def score_group(ctx: RolloutContext, group: Group) -> None:

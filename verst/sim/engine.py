@@ -15,7 +15,7 @@ import collections
 import zlib
 from typing import Any
 
-from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT
+from verst.inference_client.protocol import WEIGHT_UPDATE_ABORT, is_sample_of
 from verst.sim.clock import SimClock
 from verst.sim.latency import EngineCosts
 from verst.sim.outputs import OutputModel
@@ -110,7 +110,7 @@ class SimEngine:
         elif rid in self.by_rid:
             reqs = [self.by_rid[rid]]
         else:  # every sample of a request with sampling_params.n > 1
-            reqs = [r for key, r in self.by_rid.items() if key.startswith(rid + "_")]
+            reqs = [r for key, r in self.by_rid.items() if is_sample_of(key, rid)]
         for req in reqs:
             self._drop(req)
             self._reply(req, aborted=message)
