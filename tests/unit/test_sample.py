@@ -124,10 +124,11 @@ def test_groups_and_staleness():
         expand_group(prompt, 0, 0, 0)
 
 
-@pytest.mark.parametrize("extra", [{"row": [1, 2]}, {"row": [1, 2], "score": lambda x: x}], ids=["plain", "unpicklable"])
+@pytest.mark.parametrize("extra", [{"row": [1, 2]}, {"row": [1, 2], "score": lambda x: x, "seen": {3}}],
+                         ids=["json", "other types"])
 def test_a_group_holds_deep_copies_of_its_prompt(extra):
-    """Each sample's prompt messages and metadata are its own, nested ones too, whether stdlib pickle can
-    encode the metadata (a lambda it cannot) or not."""
+    """Each sample's prompt messages and metadata are its own, nested ones too, whatever else the metadata
+    holds (a function, a set); strings are shared, as copy.deepcopy shares them."""
     prompt = Sample(prompt=[{"role": "user", "content": "1+1="}], label="2", tokens=[1, 2], metadata=dict(extra))
     group = expand_group(prompt, 3, group_index=0, first_index=0)
     group[0].metadata["row"].append(3)
@@ -137,3 +138,8 @@ def test_a_group_holds_deep_copies_of_its_prompt(extra):
     assert prompt.metadata["row"] == [1, 2] and prompt.tokens == [1, 2]
     assert [s.prompt[0]["content"] for s in group] == ["changed", "1+1=", "1+1="]
     assert all(s.label == "2" and s.status is Status.PENDING for s in group)
+    assert group[1].prompt[0]["content"] is group[2].prompt[0]["content"] is prompt.prompt[0]["content"]
+    if "seen" in extra:
+        group[0].metadata["seen"].add(4)
+        assert [s.metadata["seen"] for s in group] == [{3, 4}, {3}, {3}] and prompt.metadata["seen"] == {3}
+        assert group[1].metadata["score"](5) == 5

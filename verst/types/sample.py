@@ -168,7 +168,7 @@ class Sample:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
-        unknown = set(d) - _FIELD_NAMES
+        unknown = set(d).difference(FIELD_NAMES)
         if unknown:
             raise SampleError(f"Sample.from_dict: unknown keys {sorted(unknown)}")
         kwargs = dict(d)
@@ -182,7 +182,7 @@ class Sample:
         return cls(**kwargs)
 
 
-_FIELD_NAMES = {f.name for f in dataclasses.fields(Sample)}
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Sample))
 
 
 def _version_number(version: str, index: int) -> int:
