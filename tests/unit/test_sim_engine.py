@@ -126,6 +126,25 @@ def test_faults_die_restart_and_refuse_loads_and_the_syncer_names_the_engine():
     asyncio.run(main())
 
 
+def test_the_busy_time_read_during_a_decode_counts_it_so_far():
+    """A window read while an engine decodes counts what it has decoded so far, not the whole step later."""
+    async def main():
+        fleet, urls = await started(spec(count=1, speedup=1.0))  # 40 tokens at a batch of 1: about 0.3 s
+        engine = fleet.slots[0].engine
+        async with EngineClient(urls[0]) as client:
+            call = asyncio.ensure_future(client.generate([97] * 8, {"max_new_tokens": 40, "sampling_seed": 1}))
+            while not engine.running:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.1)
+            during = engine.stats()
+            await call
+        after = engine.stats()
+        assert 0.05 < during["busy_seconds"] < after["busy_seconds"] <= after["uptime_seconds"]
+        assert during["batch_seconds"] == pytest.approx(during["busy_seconds"])  # a batch of one
+
+    asyncio.run(main())
+
+
 def test_a_client_that_goes_away_ends_its_request_on_the_engine():
     async def main():
         fleet, urls = await started(spec(count=1, speedup=0.1))  # the request would take seconds

@@ -83,3 +83,45 @@ def test_the_weight_sync_process_raises_what_opening_it_raised_and_names_its_dea
     with pytest.raises(RuntimeError, match=rf"weight-sync process \(pid {syncer.pid}\) died: exit code -9"):
         syncer.sync([], 1, first=False, reconnect=False)
     syncer.close()
+
+
+def test_the_scale_window_closes_at_the_last_train_step_before_the_engines_run_out_of_work(tmp_path,
+                                                                                          registries_restored):
+    """What the engines do after the last step (the final evaluation, the worker's stop) is not counted: the
+    busy share is read when the trainer takes its last step."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from verst.sim.run import ScaleRecorder
+
+    cfg = simulated_config(load_config(None, ["--run-dir", str(tmp_path / "run"), "--schedule", "fully_async",
+                                              "--rollout.num-rollouts", "4"]), SimConfig(warmup_steps=1))
+    counters = {"index": 0, "busy_seconds": 0.0, "uptime_seconds": 0.0, "paused_seconds": 0.0, "batch_seconds": 0.0,
+                "finished": 0}
+    engines = SimpleNamespace(stats=lambda: [dict(counters)], pids=[])
+    manager = SimpleNamespace(thread_id=threading.get_native_id(), pids={})
+    trainer = SimpleNamespace(weight_sync=None, step_seconds=[])
+    recorder = ScaleRecorder(cfg, SimConfig(warmup_steps=1), engines, manager, trainer)
+    faults, supervisor = SimpleNamespace(summary=dict), SimpleNamespace(restarts=0)
+    version = 0
+
+    def work(seconds: float, busy: float) -> None:
+        counters["uptime_seconds"] += seconds
+        counters["busy_seconds"] += busy
+
+    async def run() -> None:
+        nonlocal version
+        async with recorder.window(lambda: version):
+            work(10.0, 5.0)  # warm-up: outside
+            version = 1
+            await asyncio.sleep(0.2)
+            work(10.0, 9.0)  # steps 2..4
+            version = 4
+            await asyncio.sleep(0.2)
+            work(10.0, 0.0)  # the final evaluation: engines idle
+            recorder.end(faults, supervisor)
+
+    asyncio.run(run())
+    assert recorder.result["engines"]["busy_fraction"] == pytest.approx(0.9)
+    assert recorder.result["engines"]["engine_seconds"] == pytest.approx(10.0)

@@ -71,6 +71,7 @@ class SimEngine:
         self.batch_s = 0.0  # ∫ batch size dt while busy: the mean batch is batch_s / busy_s
         self.paused_s = 0.0  # time paused (a weight push): the engine could not be busy
         self._paused_at: float | None = None
+        self._decoding: tuple[float, int] | None = None  # the decode under way: since when, with what batch
         self.finished = self.aborted = self.loads = 0
         self.loaded_bytes = 0.0
         self._waiter: asyncio.Future | None = None
@@ -150,11 +151,16 @@ class SimEngine:
             self.weight_version = version
 
     def stats(self) -> dict[str, Any]:
+        """The counters now; busy, batch and paused seconds include the decode or pause under way."""
         now = self.clock.now()
         paused = self.paused_s + (now - self._paused_at if self._paused_at is not None else 0.0)
+        busy, batch = self.busy_s, self.batch_s
+        if self._decoding is not None:
+            since, size = self._decoding
+            busy, batch = busy + now - since, batch + size * (now - since)
         return {"running": len(self.running), "waiting": len(self.waiting), "kv_tokens": self.kv_reserved,
                 "kv_capacity": self.capacity, "finished": self.finished, "aborted": self.aborted,
-                "busy_seconds": self.busy_s, "batch_seconds": self.batch_s, "paused_seconds": paused,
+                "busy_seconds": busy, "batch_seconds": batch, "paused_seconds": paused,
                 "uptime_seconds": now - self.started, "weight_version": self.weight_version, "loads": self.loads,
                 "loaded_bytes": self.loaded_bytes}
 
@@ -185,7 +191,11 @@ class SimEngine:
         step_s = self.costs.decode_step_s(batch, context + batch * (steps - 1) // 2) * self.slow_factor
         prefill_s = self.costs.prefill_s(sum(r.prefill_left for r in self.running)) * self.slow_factor
         start = self.clock.now()
-        await self._sleep(prefill_s + steps * step_s)
+        self._decoding = (start, batch)
+        try:
+            await self._sleep(prefill_s + steps * step_s)
+        finally:
+            self._decoding = None
         elapsed = self.clock.now() - start
         self.busy_s += elapsed
         self.batch_s += batch * elapsed

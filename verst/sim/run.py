@@ -46,6 +46,7 @@ from verst.sim.workload import AGENTS, write_data
 log = logging.getLogger(__name__)
 SCALE_FILE = "scale.json"
 RSS_PERIOD_S = 0.5
+VERSION_POLL_S = 0.05  # how soon the window opens and closes after its step
 
 
 @contextlib.asynccontextmanager
@@ -134,14 +135,19 @@ class ScaleRecorder:
 
     @contextlib.asynccontextmanager
     async def window(self, version: Callable[[], int]) -> AsyncIterator[None]:
-        """The measurement opens once the trainer has taken `sim.warmup_steps` steps."""
+        """The measurement opens once the trainer has taken `sim.warmup_steps` steps and closes once it has taken
+        the run's last: the final evaluation and the worker's stop, during which the engines run out of work, are
+        not the steady state it measures."""
         async def open_after_warmup() -> None:
             while version() < self.sim.warmup_steps:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(VERSION_POLL_S)
             await asyncio.to_thread(self.begin)
-            while True:  # the driver's peak memory in the window
-                self.rss_peak = max(self.rss_peak, rss_bytes(os.getpid()))
-                await asyncio.sleep(RSS_PERIOD_S)
+            rss_due, last_step = 0.0, batch_plan(self.cfg).total_train_steps
+            while version() < last_step:  # the driver's peak memory in the window
+                if (now := time.monotonic()) >= rss_due:
+                    self.rss_peak, rss_due = max(self.rss_peak, rss_bytes(os.getpid())), now + RSS_PERIOD_S
+                await asyncio.sleep(VERSION_POLL_S)
+            await asyncio.to_thread(self.close)
 
         opening = asyncio.create_task(open_after_warmup())
         try:
@@ -155,18 +161,23 @@ class ScaleRecorder:
         self.agents_start = AGENTS.finished
         self.rss_start = self.rss_peak = rss_bytes(os.getpid())
 
+    def close(self) -> None:
+        self.cpu_end, self.engines_end = self._meter().mark(), self.engines.stats()
+        self.agents_end, self.rss_end = AGENTS.finished, rss_bytes(os.getpid())
+
     def end(self, faults: FaultInjector, supervisor: EngineSupervisor) -> None:
         if not hasattr(self, "cpu_start"):  # the run ended within its warm-up
             raise RuntimeError(f"sim.warmup_steps = {self.sim.warmup_steps} is not below the run's steps: nothing "
                                "was measured")
-        end = self._meter().mark()
-        self.result = {"cpu_s": CpuMeter.between(self.cpu_start, end),
-                       "load_average": [self.cpu_start.load, end.load],
-                       "engines": engine_window(self.engines_start, self.engines.stats()),
-                       "agent_trajectories": AGENTS.finished - self.agents_start,
+        if not hasattr(self, "cpu_end"):  # the run ended before its last step (a stop, a fault)
+            self.close()
+        self.result = {"cpu_s": CpuMeter.between(self.cpu_start, self.cpu_end),
+                       "load_average": [self.cpu_start.load, self.cpu_end.load],
+                       "engines": engine_window(self.engines_start, self.engines_end),
+                       "agent_trajectories": self.agents_end - self.agents_start,
                        "faults": {**faults.summary(), "engine_restarts": supervisor.restarts},
-                       "driver_rss_bytes": {"start": self.rss_start, "peak": self.rss_peak,
-                                            "end": rss_bytes(os.getpid())},
+                       "driver_rss_bytes": {"start": self.rss_start, "peak": max(self.rss_peak, self.rss_end),
+                                            "end": self.rss_end},
                        "train_step_sim_s": list(self.trainer.step_seconds)}
         self.ended = True
 
