@@ -3,6 +3,7 @@ cache, deterministic outputs, pause and versions as the embedded engine has them
 syncer against it."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -141,6 +142,31 @@ def test_the_busy_time_read_during_a_decode_counts_it_so_far():
         after = engine.stats()
         assert 0.05 < during["busy_seconds"] < after["busy_seconds"] <= after["uptime_seconds"]
         assert during["batch_seconds"] == pytest.approx(during["busy_seconds"])  # a batch of one
+
+    asyncio.run(main())
+
+
+def test_a_pause_ends_the_busy_time_of_the_decode_it_interrupts():
+    """Busy and paused time never overlap: the decode a pause interrupts is busy until the pause began, even when
+    the engine's loop wakes later."""
+    async def main():
+        fleet, urls = await started(spec(count=1, speedup=1.0))  # 40 tokens at a batch of 1: about 0.3 s
+        engine = fleet.slots[0].engine
+        async with EngineClient(urls[0]) as client:
+            call = asyncio.ensure_future(client.generate([97] * 8, {"max_new_tokens": 40, "sampling_seed": 1}))
+            while not engine.running:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)
+            engine.pause("in_place")
+            time.sleep(0.05)  # the loop is busy elsewhere: the decode wakes 50 ms after the pause
+            await asyncio.sleep(0.05)
+            paused = engine.stats()
+            engine.resume()
+            await call
+        after = engine.stats()
+        for counters in (paused, after):
+            assert counters["busy_seconds"] + counters["paused_seconds"] <= counters["uptime_seconds"]
+        assert paused["paused_seconds"] >= 0.09 and paused["busy_seconds"] > 0.03
 
     asyncio.run(main())
 

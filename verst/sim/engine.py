@@ -157,7 +157,8 @@ class SimEngine:
         busy, batch = self.busy_s, self.batch_s
         if self._decoding is not None:
             since, size = self._decoding
-            busy, batch = busy + now - since, batch + size * (now - since)
+            decoded = self._decoded_until(since, now) - since
+            busy, batch = busy + decoded, batch + size * decoded
         return {"running": len(self.running), "waiting": len(self.waiting), "kv_tokens": self.kv_reserved,
                 "kv_capacity": self.capacity, "finished": self.finished, "aborted": self.aborted,
                 "busy_seconds": busy, "batch_seconds": batch, "paused_seconds": paused,
@@ -196,7 +197,7 @@ class SimEngine:
             await self._sleep(prefill_s + steps * step_s)
         finally:
             self._decoding = None
-        elapsed = self.clock.now() - start
+        elapsed = self._decoded_until(start, self.clock.now()) - start
         self.busy_s += elapsed
         self.batch_s += batch * elapsed
         done_steps = min(steps, int(max(elapsed - prefill_s, 0.0) / step_s + 1e-9)) if step_s > 0 else steps
@@ -212,6 +213,11 @@ class SimEngine:
             else:
                 still.append(req)
         self.running = still
+
+    def _decoded_until(self, since: float, now: float) -> float:
+        """When the decode begun at `since` stopped: `now`, or the start of a pause that came in between (the
+        loop wakes a moment after the pause, and a paused engine decodes nothing)."""
+        return now if self._paused_at is None else max(since, min(now, self._paused_at))
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
