@@ -3,6 +3,7 @@ cache, deterministic outputs, pause and versions as the embedded engine has them
 syncer against it."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -127,15 +128,23 @@ def test_faults_die_restart_and_refuse_loads_and_the_syncer_names_the_engine():
     asyncio.run(main())
 
 
+@contextlib.asynccontextmanager
+async def one_request_decoding():
+    """One engine (speed-up 1) decoding one request of 40 tokens at a batch of one, about 0.3 s: the engine and
+    the call."""
+    fleet, urls = await started(spec(count=1, speedup=1.0))
+    engine = fleet.slots[0].engine
+    async with EngineClient(urls[0]) as client:
+        call = asyncio.ensure_future(client.generate([97] * 8, {"max_new_tokens": 40, "sampling_seed": 1}))
+        while not engine.running:
+            await asyncio.sleep(0.005)
+        yield engine, call
+
+
 def test_the_busy_time_read_during_a_decode_counts_it_so_far():
     """A window read while an engine decodes counts what it has decoded so far, not the whole step later."""
     async def main():
-        fleet, urls = await started(spec(count=1, speedup=1.0))  # 40 tokens at a batch of 1: about 0.3 s
-        engine = fleet.slots[0].engine
-        async with EngineClient(urls[0]) as client:
-            call = asyncio.ensure_future(client.generate([97] * 8, {"max_new_tokens": 40, "sampling_seed": 1}))
-            while not engine.running:
-                await asyncio.sleep(0.005)
+        async with one_request_decoding() as (engine, call):
             await asyncio.sleep(0.1)
             during = engine.stats()
             await call
@@ -150,12 +159,7 @@ def test_a_pause_ends_the_busy_time_of_the_decode_it_interrupts():
     """Busy and paused time never overlap: the decode a pause interrupts is busy until the pause began, even when
     the engine's loop wakes later."""
     async def main():
-        fleet, urls = await started(spec(count=1, speedup=1.0))  # 40 tokens at a batch of 1: about 0.3 s
-        engine = fleet.slots[0].engine
-        async with EngineClient(urls[0]) as client:
-            call = asyncio.ensure_future(client.generate([97] * 8, {"max_new_tokens": 40, "sampling_seed": 1}))
-            while not engine.running:
-                await asyncio.sleep(0.005)
+        async with one_request_decoding() as (engine, call):
             await asyncio.sleep(0.05)
             engine.pause("in_place")
             time.sleep(0.05)  # the loop is busy elsewhere: the decode wakes 50 ms after the pause
