@@ -60,6 +60,7 @@ def make_inputs(work_dir: Path) -> tuple[Path, Path, Path]:
 
 def run_schedule(schedule: str, steps: int, work_dir: Path, request_per: str = "sample") -> list[dict[str, Any]]:
     """One run of `schedule` for `steps` steps (one engine request per sample, or per group); its metrics records."""
+    from bench._scale_run import request_per_args
     from verst.config import load_config
     from verst.monitor import read_metrics
     from verst.schedules import SCHEDULES as LOOPS
@@ -70,8 +71,7 @@ def run_schedule(schedule: str, steps: int, work_dir: Path, request_per: str = "
         "--model.path", str(model), "--data.train-path", str(train), "--data.test-path", str(test),
         "--schedule", schedule, "--rollout.num-rollouts", str(steps), "--rollout.dynamic-filter", "null",
         "--eval.interval", "0", "--eval.max-prompts", "8", "--run-dir", str(run_dir), "--overwrite",
-        "--logging.progress", "false", "--logging.tensorboard", "false", "--rollout.request-per", request_per,
-        *(["--rollout.submission-granularity", "group"] if request_per == "group" else [])])
+        "--logging.progress", "false", "--logging.tensorboard", "false", *request_per_args(request_per)])
     asyncio.run(LOOPS[schedule](cfg))
     return read_metrics(run_dir)
 

@@ -1,5 +1,9 @@
 """The simulation's bookkeeping: the ledger that accounts for every served group, the fault plan, the settings a
-simulated run refuses, and the config it makes; the weight-sync process's errors."""
+simulated run refuses, and the config it makes; the weight-sync process's errors; the scale window's bounds."""
+
+import asyncio
+import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -7,6 +11,7 @@ from verst.config import ConfigError, SyncConfig, load_config
 from verst.sim.accounting import Ledger
 from verst.sim.config import SimConfig
 from verst.sim.faults import fault_plan
+from verst.sim.run import ScaleRecorder
 from verst.sim.setup import simulated_config
 from verst.sim.syncer_process import SyncerProcess
 from verst.types import Sample
@@ -89,12 +94,6 @@ def test_the_scale_window_closes_at_the_last_train_step_before_the_engines_run_o
                                                                                           registries_restored):
     """What the engines do after the last step (the final evaluation, the worker's stop) is not counted: the
     busy share is read when the trainer takes its last step."""
-    import asyncio
-    import threading
-    from types import SimpleNamespace
-
-    from verst.sim.run import ScaleRecorder
-
     cfg = simulated_config(load_config(None, ["--run-dir", str(tmp_path / "run"), "--schedule", "fully_async",
                                               "--rollout.num-rollouts", "4"]), SimConfig(warmup_steps=1))
     counters = {"index": 0, "busy_seconds": 0.0, "uptime_seconds": 0.0, "paused_seconds": 0.0, "batch_seconds": 0.0,
