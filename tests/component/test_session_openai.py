@@ -144,6 +144,22 @@ def test_models_list_and_retrieve(served):
     assert unknown.status_code == 404 and "unknown session 'nope'" in unknown.body["message"]
 
 
+def test_a_route_the_server_does_not_serve_is_refused_in_an_openai_error_body(served):
+    async def body(server, new_client):
+        oai = new_client()
+        embeddings = await refused(oai.embeddings.create(model="verst", input="hi"))
+        async with httpx.AsyncClient(base_url=str(oai.base_url)) as http:
+            wrong_method = await http.get("chat/completions")
+        return session_id(oai), embeddings, wrong_method
+
+    sid, embeddings, wrong_method = run(served, body)
+    assert embeddings.status_code == 404 and embeddings.body == {
+        "message": f"POST /sessions/{sid}/v1/embeddings: Not Found", "type": "not_found_error", "param": "path",
+        "code": 404}
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["message"] == f"GET /sessions/{sid}/v1/chat/completions: Method Not Allowed"
+
+
 def test_a_tool_message_must_answer_an_earlier_tool_call(served):
     async def body(server, new_client):
         oai = new_client()

@@ -1,4 +1,4 @@
-"""The session server's HTTP face: a thin FastAPI adapter over `SessionManager`, and `SessionServer`, which
+"""The session server's HTTP face: a thin Starlette adapter over `SessionManager`, and `SessionServer`, which
 serves it with uvicorn as a task of the current event loop on a pre-bound loopback socket.
 
 Routes: POST /sessions, GET|DELETE /sessions/{id}, POST /sessions/{id}/v1/chat/completions and
@@ -16,8 +16,11 @@ from typing import Any
 
 import orjson
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from verst.inference_client.ports import listening_socket
 from verst.session.errors import SessionError
@@ -28,63 +31,77 @@ from verst.session.streaming import ChunkStream
 logger = logging.getLogger(__name__)
 
 
-def build_app(manager: SessionManager) -> FastAPI:
-    app = FastAPI(title="verst session server", docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(manager: SessionManager) -> Starlette:
+    """The routes as a plain Starlette app: every reply is JSON that orjson encodes, and nothing between the
+    socket and the manager parses or validates what the manager checks itself."""
 
-    @app.exception_handler(SessionError)
-    async def session_error(request: Request, exc: SessionError) -> JSONResponse:
-        return JSONResponse(exc.to_openai(), status_code=exc.status)
+    async def health(request: Request) -> Response:
+        return _json_response({"status": "ok", "sessions": len(manager)})
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "sessions": len(manager)}
-
-    @app.post("/sessions")
-    async def create(request: Request) -> dict[str, str]:
+    async def create(request: Request) -> Response:
         body = await _json(request, optional=True) or {}
         metadata = body.get("metadata") if isinstance(body, dict) else None
         if not isinstance(body, dict) or not isinstance(metadata, (dict, type(None))):
             raise SessionError(400, f"body must be {{\"metadata\": {{...}}}} or empty, got {body!r:.80}", "metadata")
-        return {"session_id": manager.create(metadata)}
+        return _json_response({"session_id": manager.create(metadata)})
 
-    @app.get("/sessions/{session_id}")
-    async def get(session_id: str) -> dict[str, Any]:
-        return manager.get(session_id)
+    async def session(request: Request) -> Response:
+        session_id = request.path_params["session_id"]
+        if request.method == "DELETE":
+            manager.delete(session_id)
+            return Response(status_code=204)
+        return _json_response(manager.get(session_id))
 
-    @app.delete("/sessions/{session_id}")
-    async def delete(session_id: str) -> Response:
-        manager.delete(session_id)
-        return Response(status_code=204)
-
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def chat_completions(session_id: str, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        session_id = request.path_params["session_id"]
         body = await _json(request)
         if isinstance(body, dict) and body.get("stream") is True:
             return await _streamed_turn(manager, session_id, body)
         return _json_response(await manager.chat_completion(session_id, body))
 
-    @app.get("/sessions/{session_id}/v1/models")
-    async def models(session_id: str) -> dict[str, Any]:
-        manager.get(session_id)  # 404 for an unknown session, as every route under it
-        return {"object": "list", "data": [model_card(manager.model_name, manager.created)]}
+    async def models(request: Request) -> Response:
+        manager.get(request.path_params["session_id"])  # 404 for an unknown session, as every route under it
+        return _json_response({"object": "list", "data": [model_card(manager.model_name, manager.created)]})
 
-    @app.get("/sessions/{session_id}/v1/models/{model:path}")
-    async def model(session_id: str, model: str) -> dict[str, Any]:
-        manager.get(session_id)
-        if model != manager.model_name:
-            raise SessionError(404, f"model {model!r} is not served here; the session server serves "
+    async def model(request: Request) -> Response:
+        manager.get(request.path_params["session_id"])
+        name = request.path_params["model"]
+        if name != manager.model_name:
+            raise SessionError(404, f"model {name!r} is not served here; the session server serves "
                                     f"{manager.model_name!r}", "model")
-        return model_card(manager.model_name, manager.created)
+        return _json_response(model_card(manager.model_name, manager.created))
 
-    @app.post("/sessions/{session_id}/samples")
-    async def samples(session_id: str, request: Request) -> dict[str, Any]:
+    async def samples(request: Request) -> Response:
         body = await _json(request, optional=True) or {}
         max_tokens = body.get("max_tokens") if isinstance(body, dict) else None
         if not isinstance(body, dict) or not isinstance(max_tokens, (int, type(None))) or isinstance(max_tokens, bool):
             raise SessionError(400, f"body must be {{\"max_tokens\": int}} or empty, got {body!r:.80}", "max_tokens")
-        return {"samples": [s.to_dict() for s in manager.samples(session_id, max_tokens=max_tokens)]}
+        sid = request.path_params["session_id"]
+        return _json_response({"samples": [s.to_dict() for s in manager.samples(sid, max_tokens=max_tokens)]})
 
-    return app
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/sessions", create, methods=["POST"]),
+        Route("/sessions/{session_id}", session, methods=["GET", "DELETE"]),
+        Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/sessions/{session_id}/v1/models", models, methods=["GET"]),
+        Route("/sessions/{session_id}/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/sessions/{session_id}/samples", samples, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={SessionError: _session_error, HTTPException: _http_error})
+
+
+async def _session_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, SessionError)
+    return _json_response(exc.to_openai(), exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """An unknown path (404) or method (405), in OpenAI's error body as every other refusal."""
+    assert isinstance(exc, HTTPException)
+    what = "path" if exc.status_code == 404 else "method"
+    error = SessionError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", what)
+    return _json_response(error.to_openai(), exc.status_code, exc.headers)
 
 
 async def _streamed_turn(manager: SessionManager, session_id: str, body: dict[str, Any]) -> Response:
@@ -129,9 +146,9 @@ async def _json(request: Request, optional: bool = False) -> Any:
         raise SessionError(400, f"body: invalid JSON ({exc})", "body") from None
 
 
-def _json_response(payload: dict[str, Any]) -> Response:
-    """A turn's reply, encoded by orjson (a reply with per-token logprobs runs to tens of kilobytes)."""
-    return Response(orjson.dumps(payload), media_type="application/json")
+def _json_response(payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A reply encoded by orjson (a turn's reply with per-token logprobs runs to tens of kilobytes)."""
+    return Response(orjson.dumps(payload), status, headers, media_type="application/json")
 
 
 class _TaskServer(uvicorn.Server):
