@@ -160,7 +160,8 @@ def test_a_native_model_that_disagrees_with_transformers_is_refused_when_checked
         check_native_model(load_native_model(model_dirs["qwen3"]), models["qwen3"])
 
 
-HEAVY = ("transformers.modeling", "transformers.models.", "transformers.cache_utils", "torch._dynamo")
+HEAVY = ("transformers.modeling", "transformers.models.", "transformers.cache_utils", "torch._dynamo",
+         "torch.distributed.tensor")  # DTensor: a sequence-parallel trainer's, half a second of CPU at an engine's start
 # the modules of HEAVY a process holds after `code`: imported ones (placeholders transformers puts in sys.modules
 # without importing them have no __file__)
 HEAVY_AFTER = ("; import sys; print(sorted(m for m, mod in list(sys.modules.items()) if m.startswith({heavy!r}) "
@@ -177,7 +178,7 @@ def heavy_modules(code: str) -> set[str]:
     return set(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
 
 
-def test_an_engine_serving_the_native_model_never_imports_transformers_modeling(model_dirs):
+def test_an_engine_serving_the_native_model_never_imports_transformers_modeling_or_dtensor(model_dirs):
     # beyond what transformers' own tokenizer class imports (5.17's imports its GGUF loader, modeling_gguf_...)
     tokenizer = heavy_modules("from transformers import PreTrainedTokenizerFast")
     engine = heavy_modules("import uvicorn; uvicorn.Server.run = lambda self, sockets=None: None; "

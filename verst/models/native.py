@@ -18,7 +18,7 @@ import json
 import logging
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,9 @@ from torch import nn
 from verst.config.schema import MODEL_IMPLS
 from verst.models.context_parallel import ContextShard
 from verst.models.native_config import native_config_reason, rope_settings
-from verst.models.sequence_parallel import SequenceShard
+
+if TYPE_CHECKING:  # its module imports torch.distributed.tensor, which only a sequence-parallel trainer needs
+    from verst.models.sequence_parallel import SequenceShard
 
 log = logging.getLogger(__name__)
 # Keys some checkpoints carry that are derived, not weights (old Llama exports saved the rotary buffer).
