@@ -5,6 +5,7 @@ flight; abort one and all; a client that goes away."""
 import asyncio
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -287,3 +288,12 @@ def test_one_request_of_n_samples_matches_n_seeded_requests_and_aborts_as_one(en
     assert len({tuple(r.output_ids) for r in group}) > 1  # three samples, not one thrice
     assert [r.finish_reason for r in aborted] == ["abort"] * 3 and all(0 < len(r.output_ids) < 5000 for r in aborted)
     assert load[0]["num_reqs"] == 0
+
+
+def test_a_body_that_is_not_json_is_refused_naming_the_body(engine):
+    replies = [httpx.post(f"{engine.url}/generate", content=body, headers={"content-type": "application/json"})
+               for body in (b'{"input_ids": [1, 2', b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}')]
+    for reply in replies:
+        assert reply.status_code == 422, reply.text
+        (error,) = reply.json()["detail"]
+        assert error["type"] == "json_invalid" and error["loc"] == ["body", 0]

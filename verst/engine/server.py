@@ -9,19 +9,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import sys
 import time
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from verst.engine.app import add_core_routes, add_health_routes, install_error_handlers, parse_cores, serve
 from verst.engine.config import IMPLS
-from verst.engine.http_errors import json_body, validated
+from verst.engine.http_errors import json_body, json_response, validated
 from verst.engine.memory import release_memory, resume_memory
 from verst.engine.request import generate_reply
 from verst.engine.schema import ERROR_RESPONSES, install_openapi
@@ -92,7 +92,7 @@ def _add_generate_routes(app: FastAPI, state: ServerState) -> None:
         if done is None:
             return Response(status_code=499)
         replies = [generate_reply(req, req.text or "", return_text=text_fn) for req in done]
-        return JSONResponse(replies if many else replies[0])
+        return json_response(replies if many else replies[0])
 
 
 
@@ -111,8 +111,8 @@ async def _stream(state: ServerState, req, text_fn):
     async for n in state.runner.stream(req):
         final = req.finished and n == len(req.output_ids)
         text = req.text if final else state.decode(req.output_ids[:n], req.sampling.skip_special_tokens)
-        yield f"data: {json.dumps(generate_reply(req, text or '', n, return_text=text_fn))}\n\n"
-    yield "data: [DONE]\n\n"
+        yield b"data: " + orjson.dumps(generate_reply(req, text or "", n, return_text=text_fn)) + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
