@@ -35,6 +35,7 @@ from bench._scale_client import run_client_probe  # noqa: E402
 from bench._scale_memory import measure_in_flight, per_trajectory  # noqa: E402
 from bench._scale_run import model_dir, run_once, run_sync_fanout  # noqa: E402
 from verst.config import SyncConfig  # noqa: E402
+from verst.monitor.heap import own_heap  # noqa: E402
 
 BUCKET_BYTES = SyncConfig().bucket_bytes  # sync.bucket_bytes's default
 TARGET_BYTES_BEYOND_PROMPT = 2048  # docs/scale.md: rollout-manager memory per trajectory in flight, beyond token ids
@@ -60,6 +61,7 @@ def client(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    own_heap()  # this process runs what `verst sim` runs, and settles its heap as that command's does
     results = [run_once(args, repeat) for repeat in range(args.repeats)]
     keys = ("control_ms_per_trajectory", "control_ms_per_request", "engine_busy_fraction", "engine_paused_fraction",
             "engine_mean_batch",

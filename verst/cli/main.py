@@ -50,5 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.main(argv[1:]) or 0)
 
 
+def run() -> int:
+    """The `verst` command's entry: `main` in a process of verst's own (`verst.monitor.heap.own_heap`)."""
+    from verst.monitor.heap import own_heap
+
+    own_heap()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

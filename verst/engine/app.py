@@ -20,6 +20,7 @@ from verst.engine.schema import UNHEALTHY
 from verst.engine.service import error_response, invalid_request_response
 from verst.inference_client.protocol import InvalidRequest
 from verst.inference_client.weight_protocol import SetCoresRequest
+from verst.monitor.heap import settle_heap
 from verst.types.cores import CoreShare, take_share
 
 HEALTH_PROBE_TIMEOUT_S = 20.0
@@ -60,9 +61,11 @@ def uvicorn_config(app: FastAPI, log_level: str = "warning") -> Any:
 
 
 def serve(app: FastAPI, sock: socket.socket, port_file: str | None, log_level: str = "warning") -> None:
-    """Serve `app` on the bound socket until stopped; the port goes to `port_file` (atomically) first."""
+    """Serve `app` on the bound socket until stopped (the server's process: its start-up heap settled first,
+    `verst.monitor.heap`); the port goes to `port_file` (atomically) first."""
     import uvicorn
 
+    settle_heap(owned=True)
     server = uvicorn.Server(uvicorn_config(app, log_level))
     if port_file:
         tmp = f"{port_file}.tmp"

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from verst.config.rules import fully_async_needs_disaggregated, transport_reaches_the_engines
 from verst.config.schema import ClusterConfig
+from verst.monitor.heap import settle_heap
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.capacity import check_fits, ray_nodes
 from verst.orchestration.engine_actors import EngineActorGroup, check_engine_type
@@ -209,6 +210,12 @@ class _RolloutManagerActor(RolloutManager):
     def __init__(self, *args: Any, log_path: str | None = None, **kwargs: Any):
         arm_stack_dump(log_path)
         super().__init__(*args, **kwargs)
+
+    async def start(self, engine_urls: list[str] | None = None, teacher_urls: list[str] | None = None) -> str | None:
+        """`RolloutManager.start`, then the process's start-up heap settled (`verst.monitor.heap`)."""
+        url = await super().start(engine_urls, teacher_urls)
+        settle_heap(owned=True)
+        return url
 
 
 _RemoteRolloutManager = ray.remote(max_restarts=0, max_task_retries=0)(_RolloutManagerActor)

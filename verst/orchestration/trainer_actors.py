@@ -25,6 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from verst.config.schema import SyncConfig
 from verst.inference_client.ports import free_port
+from verst.monitor.heap import settle_heap
 from verst.monitor.stacks import arm_stack_dump
 from verst.orchestration.placement import Placement, current_bundle
 from verst.orchestration.rank_sync import DrainOnClose, SyncerLoop
@@ -76,6 +77,7 @@ class TrainerRank:
         # Rank 0 serves the rendezvous store itself (the torchrun arrangement); the others connect.
         init_process_group(self.rank, self.world_size, *rendezvous, device, timeout_s)
         self.backend = factory()
+        settle_heap(owned=True)  # the model, optimizer and imports never walked again by the collector
         self.ready_at = time.time()  # wall clock: when the backend was built (the driver's start-up metric)
         return self.info()
 

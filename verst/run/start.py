@@ -26,6 +26,7 @@ from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.models.loader import check_same_tokenizer
 from verst.monitor import MetricsLogger, prepare_run_dir
+from verst.monitor.heap import settle_heap
 from verst.monitor.progress import RunProgress
 from verst.orchestration import EngineActorGroup, Orchestration, RolloutManagerHandle, TrainerActorGroup
 from verst.orchestration.health import EngineSupervisor
@@ -138,6 +139,7 @@ async def open_rl_run(cfg: VerstConfig, restarts: int = 0) -> AsyncIterator[RLRu
                 clock.lap("syncer")
                 run.startup_metrics = clock.metrics()  # logged with the step-0 evaluation
                 log.info("started in %s", clock.summary())
+                settle_heap()  # in the `verst` command's process (`verst.monitor.heap`)
                 async with supervisor:
                     with run.monitor.progress:
                         yield run

@@ -23,6 +23,7 @@ from verst.config import VerstConfig, batch_plan
 from verst.inference_client.client import Timeouts
 from verst.inference_client.fleet import EngineFleet, IdleMeter
 from verst.monitor import MetricsLogger, prepare_run_dir
+from verst.monitor.heap import settle_heap
 from verst.orchestration.health import EngineSupervisor
 from verst.orchestration.watchdog import RunProcesses, Watchdog
 from verst.orchestration.weight_sync import TrainerWeightSync
@@ -77,6 +78,7 @@ async def open_sim_run(cfg: VerstConfig, restarts: int = 0, *, sim: SimConfig) -
                 try:
                     await run.push_all()
                     await run.monitor.engine_idle()
+                    settle_heap()  # in the `verst` command's process, which holds the rollout manager here
                     async with supervisor, FaultInjector(sim, engines, lambda: run.version) as faults, \
                             recorder.window(lambda: run.version):
                         with run.monitor.progress:
