@@ -4,6 +4,7 @@ scale.json is the measurement), and a weight push fanned out to N simulated engi
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import tempfile
@@ -70,11 +71,39 @@ def requests_at_once(in_flight: int, group_size: int, request_per: str) -> int:
     return in_flight if request_per == "sample" else -(-in_flight // group_size)
 
 
+class GcClock:
+    """Collections of this process (the driver's, which holds the rollout manager in a simulated run) and the seconds
+    they took, by generation, while installed (`gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        self.by_generation: dict[int, list[float]] = {}
+        self._started = 0.0
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.by_generation.setdefault(info["generation"], []).append(time.perf_counter() - self._started)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {f"gen{g}": {"collections": len(times), "seconds": sum(times)}
+                for g, times in sorted(self.by_generation.items())}
+
+
 def run_once(args: Any, repeat: int) -> dict[str, Any]:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="verst-scale-"))
     cfg, sim = load_sim(None, run_args(args, work, repeat))
     started, load = time.perf_counter(), os.getloadavg()[0]
-    summary, scale = run_sim(cfg, sim)
+    with GcClock() as collections:
+        summary, scale = run_sim(cfg, sim)
+    scale["gc"] = collections.summary()
     scale["wall_s"], scale["load_average_before"] = time.perf_counter() - started, load
     scale["stale_share"] = scale["accounting"]["discarded"].get("stale", 0) / max(scale["accounting"]["served"], 1)
     return scale

@@ -4,7 +4,9 @@
             (`before`: the httpx client with sharded pools of commit 874016a, loaded from git; `pooled`,
             `aiohttp`, `httpx`: the wires of the client)
     run     a `verst sim` run at N engines and K trajectories in flight per engine: control-plane CPU per trajectory
-            (per agentic turn with --turns), engine utilisation, weight pushes, driver memory, accounting
+            (per agentic turn with --turns), engine utilisation, weight pushes, driver memory and garbage
+            collections, accounting; `--heap untouched` leaves the process's heap as it was (the baseline of
+            `verst.monitor.heap`, which `verst sim` settles once the run has started)
     sync    one weight push at a time fanned out to N simulated engines by the real syncer: wall seconds beyond
             the modelled transfer
     memory  the rollout manager's memory per trajectory in flight, beyond its prompt's token ids (target <= 2 KB)
@@ -61,13 +63,14 @@ def client(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    own_heap()  # this process runs what `verst sim` runs, and settles its heap as that command's does
+    if args.heap == "settled":
+        own_heap()  # this process runs what `verst sim` runs, and settles its heap as that command's does
     results = [run_once(args, repeat) for repeat in range(args.repeats)]
     keys = ("control_ms_per_trajectory", "control_ms_per_request", "engine_busy_fraction", "engine_paused_fraction",
             "engine_mean_batch",
             "stale_share", "wall_s")
     print(f"{args.engines} engines x {args.in_flight} in flight, {args.turns} agentic turns, one request per "
-          f"{args.request_per}, speed-up {args.speedup} (median [min-max] of {args.repeats})")
+          f"{args.request_per}, speed-up {args.speedup}, heap {args.heap} (median [min-max] of {args.repeats})")
     for key in keys:
         print(f"  {key:28} {spread([r[key] for r in results])}")
     for part in ("driver", "rollout_manager", "router", "weight_sync", "fleet"):
@@ -76,6 +79,9 @@ def run(args: argparse.Namespace) -> dict:
     if sync:
         print(f"  sync overhead s (median)     {spread([s['overhead_median_s'] for s in sync])}")
     print(f"  driver RSS peak MB           {spread([r['driver_rss_bytes']['peak'] / 2**20 for r in results])}")
+    for gen in ("gen0", "gen1", "gen2"):  # the whole run, start-up included
+        print(f"  gc {gen} collections / s      {spread([r['gc'].get(gen, {}).get('collections', 0) for r in results])}"
+              f" / {spread([r['gc'].get(gen, {}).get('seconds', 0.0) for r in results])}")
     print(f"  load average                 {[r['load_average'] for r in results]}")
     print(f"  accounting problems          {[r['accounting']['problems'] for r in results]}")
     return {"args": vars(args), "results": results}
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fleet-processes", type=int, default=1)
     p.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES, help="sync.bucket_bytes")
     p.add_argument("--request-per", choices=["sample", "group"], default="sample", help="rollout.request_per")
+    p.add_argument("--heap", choices=["settled", "untouched"], default="settled",
+                   help="settled: as `verst sim` (verst.monitor.heap); untouched: the collector's defaults, the baseline")
     p.add_argument("--kill", type=float, default=0.0)
     p.add_argument("--stall", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1)

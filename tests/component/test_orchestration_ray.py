@@ -6,6 +6,7 @@ named on the driver, and shutting down leaves none of the started processes behi
 
 import asyncio
 import functools
+import gc
 import sys
 import time
 
@@ -168,6 +169,16 @@ def test_two_rank_actor_group_steps_like_the_in_process_backend(run, model_path)
     for name, tensor in reference.items():
         # Adam's g/sqrt(v) turns reduction-order noise on near-zero gradients into ~1e-5 steps.
         torch.testing.assert_close(weights[name], tensor, atol=1e-4, rtol=0)
+
+
+def test_the_rollout_manager_and_the_ranks_froze_their_start_up_heaps(run):
+    # verst.monitor.heap: each of these processes is verst's own; this test's process is not
+    def frozen(actor: object) -> int:
+        return ray.get(actor.__ray_call__.remote(lambda self: gc.get_freeze_count()))
+
+    counts = [frozen(run["rollout"].actor), *(frozen(a) for a in run["trainer"]._actors)]
+    assert all(n > 10_000 for n in counts), counts
+    assert gc.get_freeze_count() == 0
 
 
 def test_engines_serve_generate_through_the_managers_router(run):

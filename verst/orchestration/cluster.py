@@ -212,9 +212,12 @@ class _RolloutManagerActor(RolloutManager):
         super().__init__(*args, **kwargs)
 
     async def start(self, engine_urls: list[str] | None = None, teacher_urls: list[str] | None = None) -> str | None:
-        """`RolloutManager.start`, then the process's start-up heap settled (`verst.monitor.heap`)."""
+        """`RolloutManager.start`; the call that builds the parts then settles the process's start-up heap
+        (`verst.monitor.heap`)."""
+        building = self._parts is None
         url = await super().start(engine_urls, teacher_urls)
-        settle_heap(owned=True)
+        if building:
+            settle_heap(owned=True)
         return url
 
 
