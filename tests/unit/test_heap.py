@@ -37,3 +37,11 @@ def test_the_verst_command_owns_its_process():
     assert script.value == "verst.cli.main:run"
     frozen, count, _ = settled("import verst.cli.main as m; m.main = lambda: 0; m.run(); frozen = settle_heap()")
     assert frozen == count > 1000
+
+
+def test_an_engine_server_settles_its_heap_before_it_serves(tiny_model_dir):
+    # the server's own `main`, with uvicorn's serving loop replaced by a return
+    code = ("import gc, uvicorn; uvicorn.Server.run = lambda self, sockets=None: None; import verst.engine.server as s; "
+            f"s.main(['--model', {str(tiny_model_dir)!r}, '--port', '0']); frozen = gc.get_freeze_count()")
+    frozen, count, thresholds = settled(code)
+    assert frozen == count > 10_000 and thresholds == list(THRESHOLDS)
