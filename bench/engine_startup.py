@@ -22,18 +22,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._scale_run import model_dir  # noqa: E402
 from verst.engine.process import EngineProcess  # noqa: E402
+from verst.sim.measure import cpu_seconds  # noqa: E402
 
 SHIPPED = ["-m", "verst.engine.server"]
 WITH_DTENSOR = ["-c", "import runpy, torch.distributed.tensor; "
                       "runpy.run_module('verst.engine.server', run_name='__main__', alter_sys=True)"]
 VARIANTS = {"shipped": SHIPPED, "with_dtensor": WITH_DTENSOR}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_once(model: Path, entry: list[str]) -> dict[str, float]:
@@ -43,15 +39,6 @@ def start_once(model: Path, entry: list[str]) -> dict[str, float]:
         assert engine.proc is not None
         cpu = cpu_seconds(engine.proc.pid)
     return {"wall_s": wall, "cpu_s": cpu}
-
-
-def tiny_model(work: Path) -> Path:
-    from verst.models import init_model
-
-    path = work / "tiny-qwen3"
-    if not (path / "config.json").exists():
-        init_model("qwen3", "tiny", path, seed=0)
-    return path
 
 
 def summary(values: list[float]) -> str:
@@ -66,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats = {args.repeats} must be >= 1")
-    model = Path(args.model) if args.model else tiny_model(Path(tempfile.mkdtemp(prefix="verst-engine-startup-")))
+    model = Path(args.model) if args.model else model_dir(Path(tempfile.mkdtemp(prefix="verst-engine-startup-")))
     start_once(model, SHIPPED)  # warms the page cache for both
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     for _ in range(args.repeats):
