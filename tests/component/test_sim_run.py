@@ -81,8 +81,10 @@ def test_agentic_trajectories_that_end_at_their_first_reply_are_counted_as_traje
         "--sim.response-tokens-sigma", "0", "--sim.prompts", "256"))
     _, scale = run_sim(cfg, sim)
 
-    # every reply hits max_response_tokens, so each episode ends after one request of its three allowed turns
-    assert 0.8 < scale["engine_requests"] / scale["trajectories_in_window"] < 1.2
+    # every reply hits max_response_tokens, so each episode ends after one request of its three allowed turns; the
+    # window (from the start to the last step, the final evaluation outside it) holds the step-0 evaluation's 64
+    # and the three steps' 48, each counted once on both sides
+    assert scale["engine_requests"] == scale["trajectories_in_window"] == 64 + 3 * 4 * 4
     assert scale["control_ms_per_trajectory"] == pytest.approx(
         scale["control_ms_per_request"] * scale["engine_requests"] / scale["trajectories_in_window"])
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from verst.config import ConfigError, SyncConfig, load_config
+from verst.run.rl_run import TrainerVersion
 from verst.sim.accounting import Ledger
 from verst.sim.config import SimConfig
 from verst.sim.faults import fault_plan
@@ -93,7 +94,7 @@ def test_the_weight_sync_process_raises_what_opening_it_raised_and_names_its_dea
 def test_the_scale_window_closes_at_the_last_train_step_before_the_engines_run_out_of_work(tmp_path,
                                                                                           registries_restored):
     """What the engines do after the last step (the final evaluation, the worker's stop) is not counted: the
-    busy share is read when the trainer takes its last step."""
+    busy share is read inside the trainer's last step."""
     cfg = simulated_config(load_config(None, ["--run-dir", str(tmp_path / "run"), "--schedule", "fully_async",
                                               "--rollout.num-rollouts", "4"]), SimConfig(warmup_steps=1))
     counters = {"index": 0, "busy_seconds": 0.0, "uptime_seconds": 0.0, "paused_seconds": 0.0, "batch_seconds": 0.0,
@@ -103,21 +104,20 @@ def test_the_scale_window_closes_at_the_last_train_step_before_the_engines_run_o
     trainer = SimpleNamespace(weight_sync=None, step_seconds=[])
     recorder = ScaleRecorder(cfg, SimConfig(warmup_steps=1), engines, manager, trainer)
     faults, supervisor = SimpleNamespace(summary=dict), SimpleNamespace(restarts=0)
-    version = 0
+    version = TrainerVersion()
+    rl_run = SimpleNamespace(version=version.value, watch_version=version.watchers.append)
 
     def work(seconds: float, busy: float) -> None:
         counters["uptime_seconds"] += seconds
         counters["busy_seconds"] += busy
 
     async def run() -> None:
-        nonlocal version
-        async with recorder.window(lambda: version):
+        async with recorder.window(rl_run):
             work(10.0, 5.0)  # warm-up: outside
-            version = 1
-            await asyncio.sleep(0.2)
+            version.advance()  # the window opens inside step 1, with no await between
             work(10.0, 9.0)  # steps 2..4
-            version = 4
-            await asyncio.sleep(0.2)
+            for _ in range(3):
+                version.advance()  # and closes inside step 4, before the final evaluation starts
             work(10.0, 0.0)  # the final evaluation: engines idle
             recorder.end(faults, supervisor)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from verst.config import BatchPlan, VerstConfig
@@ -28,9 +28,16 @@ class TrainerVersion:
     push). Shared by the run and the parts that read it."""
 
     value: int = 0
+    watchers: list[Callable[[int], None]] = dataclasses.field(default_factory=list)
 
     def get(self) -> int:
         return self.value
+
+    def advance(self) -> None:
+        """One optimizer step taken: each watcher sees the new version before the run awaits anything."""
+        self.value += 1
+        for watch in self.watchers:
+            watch(self.value)
 
 
 class RLRun:
@@ -49,6 +56,11 @@ class RLRun:
     @property
     def version(self) -> int:
         return self._version.value
+
+    def watch_version(self, watcher: Callable[[int], None]) -> None:
+        """`watcher(version)` runs at each optimizer step, inside the step, before its push or anything it
+        starts (a measurement window's edges, for instance)."""
+        self._version.watchers.append(watcher)
 
     @property
     def lanes(self) -> list[Lane]:
@@ -111,7 +123,7 @@ class RLRun:
         """The optimizer steps on one rollout batch, yielding each step's metrics (see `TrainerGroup.train`)."""
         lane = lane or self.lanes[0]
         async for metrics in self.trainer.train(batch, lane, self.version):
-            self._version.value += 1
+            self._version.advance()
             lane.steps += 1
             yield metrics
 

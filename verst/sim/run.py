@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,6 @@ from verst.sim.workload import AGENTS, write_data
 log = logging.getLogger(__name__)
 SCALE_FILE = "scale.json"
 RSS_PERIOD_S = 0.5
-VERSION_POLL_S = 0.05  # how soon the window opens and closes after its step
 
 
 @contextlib.asynccontextmanager
@@ -80,7 +79,7 @@ async def open_sim_run(cfg: VerstConfig, restarts: int = 0, *, sim: SimConfig) -
                     await run.monitor.engine_idle()
                     settle_heap()  # in the `verst` command's process, which holds the rollout manager here
                     async with supervisor, FaultInjector(sim, engines, lambda: run.version) as faults, \
-                            recorder.window(lambda: run.version):
+                            recorder.window(run):
                         with run.monitor.progress:
                             yield run
                         recorder.end(faults, supervisor)
@@ -136,27 +135,36 @@ class ScaleRecorder:
                                                                   "fleet": self.engines.pids})
 
     @contextlib.asynccontextmanager
-    async def window(self, version: Callable[[], int]) -> AsyncIterator[None]:
+    async def window(self, run: RLRun) -> AsyncIterator[None]:
         """The measurement opens once the trainer has taken `sim.warmup_steps` steps and closes once it has taken
-        the run's last: the final evaluation and the worker's stop, during which the engines run out of work, are
-        not the steady state it measures."""
-        async def open_after_warmup() -> None:
-            while version() < self.sim.warmup_steps:
-                await asyncio.sleep(VERSION_POLL_S)
-            await asyncio.to_thread(self.begin)
-            rss_due, last_step = 0.0, batch_plan(self.cfg).total_train_steps
-            while version() < last_step:  # the driver's peak memory in the window
-                if (now := time.monotonic()) >= rss_due:
-                    self.rss_peak, rss_due = max(self.rss_peak, rss_bytes(os.getpid())), now + RSS_PERIOD_S
-                await asyncio.sleep(VERSION_POLL_S)
-            await asyncio.to_thread(self.close)
+        the run's last. Each edge is marked inside the step that reaches it, before the run goes on, so that the
+        next rollout's first requests, or the final evaluation's, fall on one side of it only; the final
+        evaluation and the worker's stop, during which the engines run out of work, are not the steady state it
+        measures."""
+        last_step = batch_plan(self.cfg).total_train_steps
 
-        opening = asyncio.create_task(open_after_warmup())
+        def edge(version: int) -> None:
+            if version == self.sim.warmup_steps:
+                self.begin()
+            if version == last_step and hasattr(self, "cpu_start"):
+                self.close()
+
+        if run.version >= self.sim.warmup_steps:
+            self.begin()
+        run.watch_version(edge)
+        sampling = asyncio.create_task(self._sample_rss())
         try:
             yield
         finally:
-            opening.cancel()
-            await asyncio.gather(opening, return_exceptions=True)
+            sampling.cancel()
+            await asyncio.gather(sampling, return_exceptions=True)
+
+    async def _sample_rss(self) -> None:
+        """The driver's peak memory in the window."""
+        while True:
+            if hasattr(self, "cpu_start") and not hasattr(self, "cpu_end"):
+                self.rss_peak = max(self.rss_peak, rss_bytes(os.getpid()))
+            await asyncio.sleep(RSS_PERIOD_S)
 
     def begin(self) -> None:
         self.cpu_start, self.engines_start = self._meter().mark(), self.engines.stats()
