@@ -101,6 +101,7 @@ def test_a_denoiser_trains_through_the_run_and_its_weights_reach_the_engines(
     assert "eval_images/step_00002.png" in report or "data:image/png;base64" in report
 
 
+@pytest.mark.slow  # three runs, about 30 s; the backend's exact resume is test_diffusion_backend's, in `make test`
 def test_a_diffusion_run_resumes_from_its_checkpoint(ray_session, shapes_run, tmp_path):  # noqa: F811
     """Two steps straight, or one step, a stop and a resume from its checkpoint: the same weights, up to the float32
     noise of images sampled in other batches (the engine batches the requests that arrive together), which AdamW
