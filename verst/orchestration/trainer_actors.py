@@ -246,7 +246,7 @@ class TrainerActorGroup(CollectiveCalls):
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `backend.<method>(*args, **kwargs)` on every rank (or read the attribute); results by rank."""
         self._check_open(method)
-        payload = ray.put((args, kwargs))  # one copy in the object store, however many ranks read it
+        payload = self._payload(args, kwargs)
         with self._submit_lock:
             refs = {actor.call.remote(method, payload): rank for rank, actor in enumerate(self._actors)}
         return self._gather(refs, self.timeout_s, method)
@@ -256,10 +256,15 @@ class TrainerActorGroup(CollectiveCalls):
         `fn` must be picklable and collective-safe; each rank resolves an object reference in `args`.
         Results by rank."""
         self._check_open(getattr(fn, "__name__", "apply"))
-        payload = ray.put((args, kwargs))
+        payload = self._payload(args, kwargs)
         with self._submit_lock:
             refs = {actor.apply.remote(fn, payload): rank for rank, actor in enumerate(self._actors)}
         return self._gather(refs, self.timeout_s, getattr(fn, "__name__", "apply"))
+
+    def _payload(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | ray.ObjectRef:
+        """A call's arguments: one copy in the object store when several ranks read them; a single rank's go
+        with the call itself (Ray stores a large one on its own), which spares a put and a fetch a step."""
+        return ray.put((args, kwargs)) if len(self._actors) > 1 else (args, kwargs)
 
     def set_cores(self, shares: list[CoreShare]) -> None:
         """Rank i computes on `shares[i]` from now on (call between steps)."""
