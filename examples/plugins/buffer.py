@@ -1,7 +1,7 @@
 """A data buffer (`buffer.path`): a class built with the keyword arguments `capacity_groups`,
 `max_staleness`, `group_filter` and `on_discard`, offering `async put(group)`,
 `async take(n, current_version, timeout=None) -> groups` and `metrics() -> dict`. This one is the default
-FIFO buffer that also reports the mean reward of the groups it hands to the trainer.
+buffer that also reports the mean reward of the groups it hands to the trainer.
 
     [buffer]
     path = "examples.plugins.buffer:RewardReportingBuffer"

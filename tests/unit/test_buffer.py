@@ -133,19 +133,37 @@ def test_stale_groups_discarded_on_take_never_returned_and_counts_match():
         rec = Recorder()
         buf = FifoBuffer(8, max_staleness=1, on_discard=rec)
         # group 1 has one token from version 1 among version-3 tokens: pessimistic staleness uses 1.
-        for gi, versions in enumerate([("0",), ("3", "1"), ("2",), ("3",), ("1",)]):
+        for gi, versions in enumerate([("0",), ("3", "1"), ("2",), ("3",), ("1",), ("3",)]):
             await buf.put(make_group(gi, versions=versions))
         taken = await buf.take(2, current_version=3)
         return rec.calls, [g[0].group_index for g in taken], buf.metrics()
 
     calls, taken, m = run(go())
-    assert calls == [(0, "stale"), (1, "stale")]
+    # the oldest weights first: versions 0, 1 and 1 are stale at 3, then 2 and the first 3 are taken
+    assert calls == [(0, "stale"), (1, "stale"), (4, "stale")]
     assert taken == [2, 3]
-    assert m["buffer/dropped_stale_total"] == len(calls) == 2
+    assert m["buffer/dropped_stale_total"] == len(calls) == 3
     assert m["buffer/staleness_mean"] == 0.5 and m["buffer/staleness_max"] == 1
-    # group 4 still waits: version 1 against the last seen version 3.
-    assert m["buffer/waiting_staleness_mean"] == 2 and m["buffer/waiting_staleness_max"] == 2
+    # group 5 still waits: version 3 against the last seen version 3.
+    assert m["buffer/waiting_staleness_mean"] == 0 and m["buffer/waiting_staleness_max"] == 0
     assert m["buffer/queue_size"] == 1
+
+
+def test_groups_that_finished_behind_newer_ones_are_taken_first_and_stay_fresh():
+    """A step's groups started on version 9 finish after the next step's, started on 10: taken in arrival order,
+    the version-9 ones would be taken at 12, one version past max_staleness = 2; the oldest weights first, none
+    is dropped."""
+    async def go():
+        rec = Recorder()
+        buf = FifoBuffer(8, max_staleness=2, on_discard=rec)
+        for gi, version in enumerate(["10", "10", "9", "9"]):
+            await buf.put(make_group(gi, versions=(version,)))
+        first = await buf.take(2, current_version=11)
+        second = await buf.take(2, current_version=12, timeout=1.0)  # arrival order would drop 2 and 3 here
+        return rec.calls, [[g[0].group_index for g in taken] for taken in (first, second)]
+
+    calls, taken = run(go())
+    assert calls == [] and taken == [[2, 3], [0, 1]]
 
 
 def test_take_rejects_a_version_that_goes_back_and_counts_unversioned_groups():

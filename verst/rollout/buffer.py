@@ -1,4 +1,5 @@
-"""The data buffer between rollout and trainer: bounded FIFO of finished groups with three operations.
+"""The data buffer between rollout and trainer: a bounded queue of finished groups with three operations, the
+oldest weights first.
 
 Aborted and filtered groups are discarded on `put`, stale ones on `take`; replaceable by import path.
 """
@@ -45,7 +46,9 @@ def is_unusable(group: Group) -> bool:
 
 
 class FifoBuffer:
-    """The default buffer: groups leave in the order they arrived.
+    """The default buffer: groups leave oldest weights first (by the oldest weight version in the group), in the
+    order they arrived among groups of the same weights. A group that finished late, behind groups started on
+    newer weights, is taken before them and so before it goes stale; groups with no version recorded go first.
 
     Counters of discarded groups are cumulative; `put_wait_s` and `take_wait_s` sum the seconds
     spent blocked since the previous `metrics()` call; `staleness_*` describe the groups returned by
@@ -70,7 +73,9 @@ class FifoBuffer:
         self.max_staleness = max_staleness
         self._filter = group_filter
         self._on_discard = on_discard
-        self._queue: collections.deque[Group] = collections.deque()
+        # by oldest weight version (UNVERSIONED: none recorded), each in arrival order
+        self._queues: dict[int, collections.deque[Group]] = {}
+        self._size = 0
         self._changed = asyncio.Condition()
         self._last_version: int | None = None
         self._dropped = {"aborted": 0, "filtered": 0, "stale": 0}
@@ -82,7 +87,7 @@ class FifoBuffer:
         self._take_wait_s = 0.0
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return self._size
 
     async def put(self, group: Group) -> None:
         if not group:
@@ -96,8 +101,9 @@ class FifoBuffer:
         start = time.monotonic()
         async with self._changed:
             # Cancellation while waiting leaves the queue untouched: the group is either in or not.
-            await self._changed.wait_for(lambda: len(self._queue) < self.capacity)
-            self._queue.append(group)
+            await self._changed.wait_for(lambda: self._size < self.capacity)
+            self._queues.setdefault(_version_key(group), collections.deque()).append(group)
+            self._size += 1
             self._changed.notify_all()
         self._put_wait_s += time.monotonic() - start
 
@@ -116,8 +122,8 @@ class FifoBuffer:
         try:
             async with asyncio.timeout(timeout), self._changed:
                 while len(taken) < n:
-                    await self._changed.wait_for(lambda: len(self._queue) > 0)
-                    group = self._queue.popleft()
+                    await self._changed.wait_for(lambda: self._size > 0)
+                    group = self._pop_oldest()
                     self._changed.notify_all()  # room for a blocked put
                     if self._keep_fresh(group, current_version):
                         taken.append(group)
@@ -127,9 +133,9 @@ class FifoBuffer:
         return taken
 
     def metrics(self) -> dict[str, float]:
-        waiting = [s for g in self._queue if (s := self._staleness(g, self._last_version)) is not None]
+        waiting = [s for g in self._waiting() if (s := self._staleness(g, self._last_version)) is not None]
         out = {
-            "buffer/queue_size": float(len(self._queue)),
+            "buffer/queue_size": float(self._size),
             "buffer/capacity": float(self.capacity),
             "buffer/dropped_aborted_total": float(self._dropped["aborted"]),
             "buffer/dropped_filtered_total": float(self._dropped["filtered"]),
@@ -152,17 +158,32 @@ class FifoBuffer:
     # ---- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The waiting groups (with their weight versions) and the cumulative counters; picklable."""
-        return {"groups": list(self._queue), "dropped": dict(self._dropped), "unversioned": self._unversioned,
+        return {"groups": self._waiting(), "dropped": dict(self._dropped), "unversioned": self._unversioned,
                 "last_version": self._last_version, "dropped_by_length": dict(self._dropped_by_length)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict`'s groups (ahead of any put since) and counters."""
-        self._queue.extendleft(reversed(state["groups"]))
+        """Restore `state_dict`'s groups (ahead of any put since of the same weights) and counters."""
+        for group in reversed(state["groups"]):
+            self._queues.setdefault(_version_key(group), collections.deque()).appendleft(group)
+            self._size += 1
         self._dropped.update(state["dropped"])
         self._unversioned, self._last_version = state["unversioned"], state["last_version"]
         self._dropped_by_length.update(state.get("dropped_by_length", {}))
 
     # ---- internals -----------------------------------------------------------------------
+    def _pop_oldest(self) -> Group:
+        key = min(self._queues)
+        queue = self._queues[key]
+        group = queue.popleft()
+        if not queue:
+            del self._queues[key]
+        self._size -= 1
+        return group
+
+    def _waiting(self) -> list[Group]:
+        """The queued groups in the order `take` returns them."""
+        return [group for key in sorted(self._queues) for group in self._queues[key]]
+
     def _keep_fresh(self, group: Group, current_version: int) -> bool:
         staleness = self._staleness(group, current_version)
         if staleness is None:
@@ -185,6 +206,14 @@ class FifoBuffer:
         self._dropped_by_length[reason, length_bucket(group)] += 1
         if self._on_discard is not None:
             self._on_discard(group, reason)
+
+
+UNVERSIONED = -1  # the queue key of a group with no weight version recorded
+
+
+def _version_key(group: Group) -> int:
+    oldest = group_oldest_version(group)
+    return UNVERSIONED if oldest is None else oldest
 
 
 def length_bucket(group: Group) -> int:
