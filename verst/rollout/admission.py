@@ -2,9 +2,9 @@
 trainer takes it. AReaL's rate control, per group: the trainer takes `groups_per_step` groups a step, the oldest
 weights first and, among groups of the same weights, in the order they reach the buffer, so the i-th trainable
 group since the first take (at version v0) is taken at version v0 + i // groups_per_step, or sooner when groups
-started on newer weights finished before it. A group started now runs on the version the engines serve, and its index is
-the trainable groups that reached the buffer so far plus those still generating that are expected to pass the
-filter. It is admitted while v0 + i // groups_per_step minus that version is within `max_staleness`: groups
+started on newer weights finished before it. A group started now runs on the version the engines serve, and its
+index is the trainable groups that reached the buffer so far plus those still generating that are expected to
+pass the filter. It is admitted while v0 + i // groups_per_step minus that version is within `max_staleness`: groups
 that would age out are never generated, instead of being dropped as stale.
 
 Counting from the first take keeps the rule free of what a take in progress has popped. Groups discarded on put

@@ -162,7 +162,7 @@ class FifoBuffer:
                 "last_version": self._last_version, "dropped_by_length": dict(self._dropped_by_length)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict`'s groups (ahead of any put since of the same weights) and counters."""
+        """Restore `state_dict`'s groups (each ahead of any group of the same weights put since) and counters."""
         for group in reversed(state["groups"]):
             self._queues.setdefault(_version_key(group), collections.deque()).appendleft(group)
             self._size += 1
