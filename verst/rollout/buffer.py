@@ -75,7 +75,6 @@ class FifoBuffer:
         self._on_discard = on_discard
         # by oldest weight version (UNVERSIONED: none recorded), each in arrival order
         self._queues: dict[int, collections.deque[Group]] = {}
-        self._size = 0
         self._changed = asyncio.Condition()
         self._last_version: int | None = None
         self._dropped = {"aborted": 0, "filtered": 0, "stale": 0}
@@ -87,7 +86,7 @@ class FifoBuffer:
         self._take_wait_s = 0.0
 
     def __len__(self) -> int:
-        return self._size
+        return sum(map(len, self._queues.values()))  # one queue per weight version waiting
 
     async def put(self, group: Group) -> None:
         if not group:
@@ -101,9 +100,8 @@ class FifoBuffer:
         start = time.monotonic()
         async with self._changed:
             # Cancellation while waiting leaves the queue untouched: the group is either in or not.
-            await self._changed.wait_for(lambda: self._size < self.capacity)
+            await self._changed.wait_for(lambda: len(self) < self.capacity)
             self._queues.setdefault(_version_key(group), collections.deque()).append(group)
-            self._size += 1
             self._changed.notify_all()
         self._put_wait_s += time.monotonic() - start
 
@@ -122,7 +120,7 @@ class FifoBuffer:
         try:
             async with asyncio.timeout(timeout), self._changed:
                 while len(taken) < n:
-                    await self._changed.wait_for(lambda: self._size > 0)
+                    await self._changed.wait_for(lambda: bool(self._queues))
                     group = self._pop_oldest()
                     self._changed.notify_all()  # room for a blocked put
                     if self._keep_fresh(group, current_version):
@@ -135,7 +133,7 @@ class FifoBuffer:
     def metrics(self) -> dict[str, float]:
         waiting = [s for g in self._waiting() if (s := self._staleness(g, self._last_version)) is not None]
         out = {
-            "buffer/queue_size": float(self._size),
+            "buffer/queue_size": float(len(self)),
             "buffer/capacity": float(self.capacity),
             "buffer/dropped_aborted_total": float(self._dropped["aborted"]),
             "buffer/dropped_filtered_total": float(self._dropped["filtered"]),
@@ -165,7 +163,6 @@ class FifoBuffer:
         """Restore `state_dict`'s groups (each ahead of any group of the same weights put since) and counters."""
         for group in reversed(state["groups"]):
             self._queues.setdefault(_version_key(group), collections.deque()).appendleft(group)
-            self._size += 1
         self._dropped.update(state["dropped"])
         self._unversioned, self._last_version = state["unversioned"], state["last_version"]
         self._dropped_by_length.update(state.get("dropped_by_length", {}))
@@ -177,7 +174,6 @@ class FifoBuffer:
         group = queue.popleft()
         if not queue:
             del self._queues[key]
-        self._size -= 1
         return group
 
     def _waiting(self) -> list[Group]:
