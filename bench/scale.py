@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  sync overhead s (median)     {spread([s['overhead_median_s'] for s in sync])}")
     print(f"  driver RSS peak MB           {spread([r['driver_rss_bytes']['peak'] / 2**20 for r in results])}")
     for gen in ("gen0", "gen1", "gen2"):  # the whole run, start-up included
-        print(f"  gc {gen} collections / s      {spread([r['gc'].get(gen, {}).get('collections', 0) for r in results])}"
-              f" / {spread([r['gc'].get(gen, {}).get('seconds', 0.0) for r in results])}")
+        print(f"  gc {gen} collections, s      {spread([r['gc'].get(gen, {}).get('collections', 0) for r in results])}"
+              f", {spread([r['gc'].get(gen, {}).get('seconds', 0.0) for r in results])}")
     print(f"  load average                 {[r['load_average'] for r in results]}")
     print(f"  accounting problems          {[r['accounting']['problems'] for r in results]}")
     return {"args": vars(args), "results": results}
