@@ -20,7 +20,7 @@ def sim_args(tmp_path, model, *extra):
 @pytest.mark.parametrize("request_per", ["sample", "group"])
 def test_64_engines_fully_async_with_engines_killed_and_stalled(tmp_path, tiny_model_dir, registries_restored,
                                                                 request_per):
-    steps, per_step = 120, 4
+    steps, per_step = 240, 4
     cfg, sim = load_sim(None, sim_args(
         tmp_path, tiny_model_dir, "--schedule", "fully_async", "--cluster.num-engines", "64",
         "--rollout.batch-size", str(per_step), "--rollout.n-samples-per-prompt", "4",
