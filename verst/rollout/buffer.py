@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 from verst.config import BufferConfig, ConfigError, load_object
 from verst.rollout.filters import GroupFilter, apply_filter
 from verst.rollout.keys import PROMPT_TOO_LONG_KEY
-from verst.types import Group, Sample, group_is_aborted, group_oldest_version, group_staleness
+from verst.types import Group, Sample, group_is_aborted, group_oldest_version
 
 DiscardReason = Literal["aborted", "filtered", "stale"]
 OnDiscard = Callable[[Group, DiscardReason], None]
@@ -121,9 +121,9 @@ class FifoBuffer:
             async with asyncio.timeout(timeout), self._changed:
                 while len(taken) < n:
                     await self._changed.wait_for(lambda: bool(self._queues))
-                    group = self._pop_oldest()
+                    oldest, group = self._pop_oldest()
                     self._changed.notify_all()  # room for a blocked put
-                    if self._keep_fresh(group, current_version):
+                    if self._keep_fresh(group, oldest, current_version):
                         taken.append(group)
         except TimeoutError:
             pass  # documented: the fresh groups gathered so far
@@ -131,7 +131,9 @@ class FifoBuffer:
         return taken
 
     def metrics(self) -> dict[str, float]:
-        waiting = [s for g in self._waiting() if (s := self._staleness(g, self._last_version)) is not None]
+        waiting = [] if self._last_version is None else [
+            self._last_version - oldest for oldest, queue in self._queues.items() if oldest != UNVERSIONED
+            for _ in queue]
         out = {
             "buffer/queue_size": float(len(self)),
             "buffer/capacity": float(self.capacity),
@@ -168,34 +170,29 @@ class FifoBuffer:
         self._dropped_by_length.update(state.get("dropped_by_length", {}))
 
     # ---- internals -----------------------------------------------------------------------
-    def _pop_oldest(self) -> Group:
-        key = min(self._queues)
-        queue = self._queues[key]
+    def _pop_oldest(self) -> tuple[int, Group]:
+        """The first group of the oldest weights, and that version (its queue's key)."""
+        oldest = min(self._queues)
+        queue = self._queues[oldest]
         group = queue.popleft()
         if not queue:
-            del self._queues[key]
-        return group
+            del self._queues[oldest]
+        return oldest, group
 
     def _waiting(self) -> list[Group]:
         """The queued groups in the order `take` returns them."""
         return [group for key in sorted(self._queues) for group in self._queues[key]]
 
-    def _keep_fresh(self, group: Group, current_version: int) -> bool:
-        staleness = self._staleness(group, current_version)
-        if staleness is None:
+    def _keep_fresh(self, group: Group, oldest: int, current_version: int) -> bool:
+        if oldest == UNVERSIONED:
             self._unversioned += 1
             return True
+        staleness = current_version - oldest  # pessimistic: the group's oldest token
         if self.max_staleness is not None and staleness > self.max_staleness:
             self._discard(group, "stale")
             return False
         self._consumed_staleness.append(staleness)
         return True
-
-    @staticmethod
-    def _staleness(group: Group, version: int | None) -> int | None:
-        if version is None or group_oldest_version(group) is None:
-            return None
-        return group_staleness(group, version)
 
     def _discard(self, group: Group, reason: DiscardReason) -> None:
         self._dropped[reason] += 1
